@@ -1,0 +1,33 @@
+"""The ``yaie`` command: ``yaie generate``, ``yaie grade``, ``yaie bench``.
+
+Sub-commands import their modules lazily so ``yaie --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "generate": ("yaie.engine.cli", "generate text with the engine (default: the bundled tiny model)"),
+        "grade": ("yaie.grade", "grade your lessons and print a per-lesson score table"),
+        "bench": ("yaie.bench", "benchmark a lesson's kernels against their baselines (needs a GPU)"),
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        parser = argparse.ArgumentParser(prog="yaie", description="YAIE: the course's command line")
+        parser.add_argument("command", choices=sorted(commands), help="; ".join(f"{k}: {v[1]}" for k, v in commands.items()))
+        parser.print_help()
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib
+
+    from yaie.device import prepare_triton
+    prepare_triton()
+    module = importlib.import_module(commands[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
