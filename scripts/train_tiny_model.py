@@ -17,8 +17,11 @@ Steps, all seeded:
 The held-out loss printed at the end is computed exactly as ``tests/test_engine_bundled.py`` does
 (the first 48 held-out stories, bfloat16 weights, float32 math), which checks it stays under a bound.
 
-Where and how long: the committed model was trained on one NVIDIA H100 (PyTorch 2.11) with the defaults;
-the run's numbers (steps, seconds, held-out loss) are in ``yaie/assets/tiny-stories/train_log.json``.
+Where and how long: the committed model was trained with the defaults on one NVIDIA H200 (PyTorch 2.11,
+lent GPU, 2026-11-21): 4.6 s for corpus and tokenizer, 32 s for 3000 steps, 49 s for the whole command;
+held-out loss 0.1284 on the test's 48 stories (0.1274 on 500). The log is
+``yaie/assets/tiny-stories/train_log.json`` (and ``train_output.txt``, the printed output). On a laptop
+CPU expect well over an hour for the same steps (``--steps 300`` gives a usable model in minutes).
 Bitwise-identical weights need the same GPU and software (cuBLAS may pick other kernels elsewhere); the
 corpus and the tokenizer are identical everywhere.
 """
