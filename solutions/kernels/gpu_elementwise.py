@@ -1,0 +1,467 @@
+"""Lesson 02: the first Triton kernels, RMSNorm, RoPE and SiLU-and-mul, the per-token ops of a Llama layer.
+
+Each exercise comes in three pieces that sit side by side:
+
+* a plain-PyTorch reference (``*_reference``), given to you: slow, obviously right, the yardstick;
+* a Triton kernel (``@triton.jit``) that does the work, one program per row (or per token);
+* a short launcher, the function the engine calls: it checks the inputs, picks the block size and
+  the grid, and launches the kernel.
+
+Why bother with kernels for such simple ops? They do almost no arithmetic per byte, so their speed is
+set by memory bandwidth alone; PyTorch eager runs them as several kernels, each of which reads and
+writes the whole tensor. One fused kernel reads each input once and writes each output once.
+
+Conventions (as in lesson 01): math in float32 whatever the storage dtype (fp32, fp16, bf16); the
+result is rounded to the storage dtype once; bad input raises ``ValueError`` before any launch.
+Tensors must live on a CUDA GPU, or on the CPU when the Triton interpreter is on
+(``TRITON_INTERPRET=1``, which ``yaie.device.prepare_triton()`` sets on a machine with no GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from yaie.device import prepare_triton, triton_interpreted
+
+try:
+    prepare_triton()  # must run before `import triton` on a machine with no GPU
+except RuntimeError:
+    pass  # triton was imported earlier without the interpreter; launches on CPU tensors will say so
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# One RMSNorm row is held in registers by one program; past this many elements a row no longer fits
+# (no Llama-family model comes close: Llama 3 405B has hidden 16384).
+MAX_HIDDEN = 65536
+
+
+# ----------------------------------------------------------------------------- input checks (given)
+
+def check_float_tensor(name: str, tensor, min_dim: int = 1) -> None:
+    """``tensor`` must be a float32/float16/bfloat16 tensor with at least ``min_dim`` dimensions."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+    if tensor.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(tensor.shape)}")
+
+
+def check_devices(**tensors: torch.Tensor) -> None:
+    """All tensors on one device, and one that Triton can run on now (CUDA, or CPU when interpreting)."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        listing = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}")
+    device = devices.pop()
+    if device.type == "cpu" and not triton_interpreted():
+        raise ValueError(
+            "these are CPU tensors, but Triton is compiling for the GPU: move them to 'cuda', or run on the "
+            "CPU with the Triton interpreter (TRITON_INTERPRET=1 before triton is imported), or use lesson 01's "
+            "CPU kernels")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"Triton kernels here run on CUDA (or the CPU interpreter), not on {device}")
+
+
+def check_same_dtype(**tensors: torch.Tensor) -> None:
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{name} is {t.dtype}" for name, t in tensors.items())
+        raise ValueError(f"dtypes must match: {listing}")
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``[..., n]`` as a 2-D view ``[rows, n]`` with its last dim contiguous, or ``None`` if no such view exists.
+
+    A view shares memory with ``tensor``, so a kernel that writes through it writes ``tensor``. The
+    rows may be strided (e.g. every other row, or the left half of a wider matrix): the kernels take
+    the row stride as an argument.
+    """
+    try:
+        rows = tensor.view(-1, tensor.shape[-1])
+    except RuntimeError:
+        return None
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        return None
+    return rows
+
+
+def rms_norm_launch_config(hidden: int) -> tuple[int, int]:
+    """(BLOCK_SIZE, num_warps) for one program per row of ``hidden`` elements.
+
+    The block is the next power of two (Triton blocks are powers of two; a mask hides the padding).
+    Warps grow with the block so that each thread holds 8-16 elements: enough for wide (16-byte) loads,
+    few enough to stay in registers.
+    """
+    block = triton.next_power_of_2(hidden)
+    num_warps = min(max(block // 512, 1), 16)
+    return block, num_warps
+
+
+# ----------------------------------------------------------------------------- naive references (given)
+
+def rms_norm_reference(input_tensor: torch.Tensor, weight: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
+    """Plain PyTorch RMSNorm, computed in float32: ``x / sqrt(mean(x^2) + eps) * weight``."""
+    x = input_tensor.float()
+    inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    return (x * inv_rms * weight.float()).to(input_tensor.dtype)
+
+
+def fused_add_rms_norm_reference(input_tensor: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                 epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch residual add + RMSNorm, *out of place*: returns ``(rms_norm(residual + x), residual + x)``.
+
+    The sum is rounded to the storage dtype first (it is what the residual stream stores), and the
+    norm is taken of that rounded sum, exactly as two separate ops would.
+    """
+    new_residual = (residual.float() + input_tensor.float()).to(residual.dtype)
+    return rms_norm_reference(new_residual, weight, epsilon), new_residual
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch rotate-half RoPE of ``x [num_tokens, num_heads, head_dim]``, out of place, float32 math."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    c = cos[position_ids].unsqueeze(1)   # [num_tokens, 1, head_dim]: one row per token, shared by its heads
+    s = sin[position_ids].unsqueeze(1)
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * c + rotated * s).to(x.dtype)
+
+
+def apply_rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch RoPE of q and k, out of place: returns new ``(q_rotated, k_rotated)``."""
+    return rope_reference(q, cos, sin, position_ids), rope_reference(k, cos, sin, position_ids)
+
+
+def silu_and_mul_reference(input_tensor: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch SwiGLU gate: ``silu(x[..., :d]) * x[..., d:]`` in float32, ``d = x.shape[-1] // 2``."""
+    d = input_tensor.shape[-1] // 2
+    x = input_tensor.float()
+    return (torch.nn.functional.silu(x[..., :d]) * x[..., d:]).to(input_tensor.dtype)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+# yaie: solution-only
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, epsilon,
+                     BLOCK_SIZE: tl.constexpr):
+    # One program normalises one row. The whole row (padded to BLOCK_SIZE) sits in registers, so it is
+    # read from memory once: the sum of squares and the scaling both use the same loaded values.
+    row = tl.program_id(0).to(tl.int64)          # int64: row * stride can pass 2**31 on big tensors
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols                         # hidden sizes need not be powers of two
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    # Padding lanes hold 0, so they add nothing to the sum; divide by the true length, not BLOCK_SIZE.
+    mean_square = tl.sum(x * x, axis=0) / n_cols
+    inv_rms = 1.0 / tl.sqrt(mean_square + epsilon)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * inv_rms * w
+    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# yaie: solution-only
+def _check_norm_inputs(input_tensor, weight, epsilon) -> int:
+    """Shared checks of the two RMSNorm launchers; returns ``hidden``."""
+    check_float_tensor("input_tensor", input_tensor)
+    check_float_tensor("weight", weight)
+    hidden = input_tensor.shape[-1]
+    if hidden == 0 or hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden size (last dim of input_tensor) must be in [1, {MAX_HIDDEN}], got {hidden}")
+    if tuple(weight.shape) != (hidden,):
+        raise ValueError(f"weight must have shape ({hidden},) to match the input's last dim, got {tuple(weight.shape)}")
+    if not float(epsilon) >= 0:
+        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+    return hidden
+
+
+# yaie: task 1
+def rms_norm(input_tensor: torch.Tensor, weight: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dimension with a Triton kernel: ``x / sqrt(mean(x^2) + epsilon) * weight``.
+
+    Args:
+        input_tensor: ``[..., hidden]``, float32/float16/bfloat16, any hidden size in ``[1, MAX_HIDDEN]``
+            (not only powers of two); rows may be strided (e.g. a slice ``x[:, :hidden]`` of a wider matrix).
+        weight: ``[hidden]``, float32/float16/bfloat16 (it need not match the input's dtype).
+        epsilon: ``>= 0``, added to the mean of squares under the square root.
+
+    Returns:
+        A new tensor of the input's shape and dtype (contiguous). The input is not modified.
+        The mean of squares and the scaling are computed in float32.
+
+    Raises:
+        ValueError: not a float32/float16/bfloat16 tensor, rank 0, hidden out of range, weight of the
+            wrong shape, ``epsilon < 0``, tensors on different devices, or CPU tensors while Triton
+            compiles for the GPU (see :func:`check_devices`).
+
+    Launch one program per row (the grid is the number of rows); each loads its whole row once.
+    """
+    hidden = _check_norm_inputs(input_tensor, weight, epsilon)
+    check_devices(input_tensor=input_tensor, weight=weight)
+    rows = as_rows(input_tensor)
+    if rows is None:                    # e.g. a transposed tensor: make the rows contiguous first
+        rows = input_tensor.contiguous().view(-1, hidden)
+    out = torch.empty((rows.shape[0], hidden), dtype=input_tensor.dtype, device=input_tensor.device)
+    if rows.shape[0] > 0:
+        block, num_warps = rms_norm_launch_config(hidden)
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, weight.contiguous(), out, hidden, rows.stride(0), out.stride(0), float(epsilon),
+            BLOCK_SIZE=block, num_warps=num_warps)
+    return out.view(input_tensor.shape)
+
+
+# ----------------------------------------------------------------------------- fused residual add + RMSNorm
+
+# yaie: solution-only
+@triton.jit
+def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, n_cols, x_row_stride, res_row_stride, epsilon,
+                               BLOCK_SIZE: tl.constexpr):
+    # One program per row, one pass over memory: read x and the residual, write the new residual and
+    # the normalised x, all in place. Each program touches only its own row, so in place is safe.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+    x_ptrs = x_ptr + row * x_row_stride + cols
+    res_ptrs = res_ptr + row * res_row_stride + cols
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+    # Round the sum to the storage dtype *before* normalising it: the residual stream keeps the rounded
+    # value, and the norm must see the same numbers the next layer will see.
+    new_res = (x + res).to(res_ptr.dtype.element_ty)
+    tl.store(res_ptrs, new_res, mask=mask)
+    h = new_res.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + epsilon)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptrs, (h * inv_rms * w).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+# yaie: task 2
+def fused_add_rms_norm(input_tensor: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm, in place and in one pass over memory (as between two layers).
+
+    ``residual += input_tensor``, then ``input_tensor = rms_norm(residual, weight, epsilon)``: after
+    the call ``residual`` holds the sum (rounded to its dtype) and ``input_tensor`` holds the normalised
+    sum. Each row is read once and written once; no temporary tensor.
+
+    Args:
+        input_tensor: ``[..., hidden]``, float32/float16/bfloat16; rows may be strided.
+        residual: same shape, dtype and device as ``input_tensor``, and a different tensor.
+        weight: ``[hidden]``, float32/float16/bfloat16.
+        epsilon: ``>= 0``.
+
+    Returns:
+        ``(input_tensor, residual)``: the same tensor objects, modified in place.
+
+    Raises:
+        ValueError: as :func:`rms_norm`, plus a residual of another shape, dtype or device, or the
+            same memory passed as both tensors.
+    """
+    hidden = _check_norm_inputs(input_tensor, weight, epsilon)
+    check_float_tensor("residual", residual)
+    if residual.shape != input_tensor.shape:
+        raise ValueError(f"residual must have the input's shape {tuple(input_tensor.shape)}, got {tuple(residual.shape)}")
+    check_same_dtype(input_tensor=input_tensor, residual=residual)
+    check_devices(input_tensor=input_tensor, residual=residual, weight=weight)
+    if input_tensor.numel() and input_tensor.data_ptr() == residual.data_ptr():
+        raise ValueError("input_tensor and residual must be different tensors (both are updated in place)")
+    x_rows, res_rows = as_rows(input_tensor), as_rows(residual)
+    if x_rows is None or res_rows is None:
+        # No row view exists (e.g. a transposed tensor): work on contiguous copies, then copy back.
+        x_copy, res_copy = input_tensor.contiguous(), residual.contiguous()
+        fused_add_rms_norm(x_copy, res_copy, weight, epsilon)
+        input_tensor.copy_(x_copy)
+        residual.copy_(res_copy)
+        return input_tensor, residual
+    if x_rows.shape[0] > 0:
+        block, num_warps = rms_norm_launch_config(hidden)
+        _fused_add_rms_norm_kernel[(x_rows.shape[0],)](
+            x_rows, res_rows, weight.contiguous(), hidden, x_rows.stride(0), res_rows.stride(0), float(epsilon),
+            BLOCK_SIZE=block, num_warps=num_warps)
+    return input_tensor, residual
+
+
+# ----------------------------------------------------------------------------- RoPE on q and k
+
+# yaie: solution-only
+@triton.jit
+def _rotate_heads(base_ptr, token, stride_token, stride_head, num_heads, half, cos1, sin1, valid,
+                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # The [num_heads, head_dim] slab of one token: rotate every head by the same angles, in place.
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    first = base_ptr + token * stride_token + heads * stride_head + dims    # x[:half] of every head
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)      # x[half:]
+    # Rotate-half: out = x * cos + cat(-x2, x1) * sin, with the same angle for element i and i + half.
+    out1 = x1 * cos1 - x2 * sin1
+    out2 = x2 * cos1 + x1 * sin1
+    # A position outside the table has no angle: write NaN so the mistake shows (see apply_rope_qk).
+    out1 = tl.where(valid, out1, float("nan"))
+    out2 = tl.where(valid, out2, float("nan"))
+    tl.store(first, out1.to(base_ptr.dtype.element_ty), mask=mask)
+    tl.store(first + half, out2.to(base_ptr.dtype.element_ty), mask=mask)
+
+
+# yaie: solution-only
+@triton.jit
+def _rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr,
+                    q_stride_token, q_stride_head, k_stride_token, k_stride_head, cos_stride, sin_stride,
+                    num_q_heads, num_k_heads, half, max_position,
+                    BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # One program per token: it reads the token's position, its row of the cos/sin tables (once, for
+    # all q and k heads), and rotates the token's q heads and k heads in place.
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(pos_ptr + token).to(tl.int64)
+    valid = (position >= 0) & (position < max_position)
+    position = tl.where(valid, position, 0)      # never read outside the table
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    # The rotate-half table repeats its angles (cos[p, i] == cos[p, i + half]): read the first half only.
+    cos1 = tl.load(cos_ptr + position * cos_stride + dims, mask=dims < half, other=0.0)
+    sin1 = tl.load(sin_ptr + position * sin_stride + dims, mask=dims < half, other=0.0)
+    _rotate_heads(q_ptr, token, q_stride_token, q_stride_head, num_q_heads, half, cos1, sin1, valid,
+                  BLOCK_Q_HEADS, BLOCK_HALF)
+    _rotate_heads(k_ptr, token, k_stride_token, k_stride_head, num_k_heads, half, cos1, sin1, valid,
+                  BLOCK_K_HEADS, BLOCK_HALF)
+
+
+# yaie: solution-only
+def _check_rope_inputs(q, k, cos, sin, position_ids) -> None:
+    check_float_tensor("q", q)
+    check_float_tensor("k", k)
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q and k must be 3-D [num_tokens, heads, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}")
+    check_same_dtype(q=q, k=k)
+    num_tokens, _, head_dim = q.shape
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on num_tokens and head_dim")
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be even and >= 2 (RoPE rotates pairs), got {head_dim}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not isinstance(table, torch.Tensor) or table.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float32 tensor (from build_rope_cache)")
+        if table.dim() != 2 or table.shape[1] != head_dim or table.shape[0] < 1 or table.stride(1) != 1:
+            raise ValueError(f"{name} must be [max_position, {head_dim}] with contiguous rows, got {tuple(table.shape)}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError("position_ids must be an int32 or int64 tensor")
+    if tuple(position_ids.shape) != (num_tokens,):
+        raise ValueError(f"position_ids must be [num_tokens] = [{num_tokens}], got {tuple(position_ids.shape)}")
+    check_devices(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+
+
+# yaie: task 3
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of queries and keys, in place, one Triton program per token.
+
+    With ``h = head_dim // 2``, each head vector ``x`` of a token at position ``p`` becomes
+    ``x[:h] * cos[p, :h] - x[h:] * sin[p, :h]`` (first half) and ``x[h:] * cos[p, h:] + x[:h] * sin[p, h:]``
+    (second half): the rotate-half layout of Llama / Hugging Face, computed in float32.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``; k: ``[num_tokens, num_kv_heads, head_dim]``; same dtype
+            (float32/float16/bfloat16), even ``head_dim``. Either may be a strided view, e.g. a slice of a
+            fused qkv projection's output, as long as its last dim is contiguous; the rotation is
+            written through the view.
+        cos, sin: float32 ``[max_position, head_dim]`` from lesson 01's ``build_rope_cache`` (the two
+            halves of a row hold the same angles).
+        position_ids: int32/int64 ``[num_tokens]``: each token's own position, so a ragged batch of
+            sequences (positions 0..5, then 0..2, then 517) is one call.
+
+    Returns:
+        ``(q, k)``, the same tensor objects, rotated in place.
+
+    Raises:
+        ValueError: wrong ranks, q/k disagreeing on tokens, head_dim or dtype, odd head_dim, tables not
+            float32 ``[max_position, head_dim]``, position_ids not an integer ``[num_tokens]``, tensors on
+            different devices or CPU tensors while Triton compiles for the GPU; and, when
+            ``position_ids`` is on the CPU, a position outside ``[0, max_position)``.
+
+    Out-of-range positions on a GPU: checking them on the host needs ``position_ids.max().item()``,
+    which waits for the GPU (tens of microseconds, longer than this kernel at 4k tokens, and not
+    allowed inside a CUDA graph). So the check is done where it is free: on CPU position_ids here,
+    and in the kernel, which never reads outside the table and writes NaN into the q and k of a
+    token whose position is out of range, so the error shows downstream instead of a silent
+    wrong answer.
+    """
+    _check_rope_inputs(q, k, cos, sin, position_ids)
+    if position_ids.device.type == "cpu" and position_ids.numel():
+        low, high = int(position_ids.min()), int(position_ids.max())
+        if low < 0 or high >= cos.shape[0]:
+            raise ValueError(f"position_ids must lie in [0, {cos.shape[0]}) (the table's length), got [{low}, {high}]")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        # The kernel wants each head's elements side by side; rotate contiguous copies and write back.
+        q_copy, k_copy = q.contiguous(), k.contiguous()
+        apply_rope_qk(q_copy, k_copy, cos, sin, position_ids)
+        q.copy_(q_copy)
+        k.copy_(k_copy)
+        return q, k
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return q, k
+    half = head_dim // 2
+    _rope_qk_kernel[(num_tokens,)](
+        q, k, cos, sin, position_ids,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        num_q_heads, k.shape[1], half, cos.shape[0],
+        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), BLOCK_K_HEADS=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+    return q, k
+
+
+# ----------------------------------------------------------------------------- SiLU-and-mul
+
+# yaie: solution-only
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, out_row_stride, BLOCK_SIZE: tl.constexpr):
+    # A 2-D grid: axis 0 picks the row, axis 1 a block of BLOCK_SIZE columns of the output. Each program
+    # reads its block of the gate half and the matching block of the up half, and writes one block.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_row_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    # silu(g) = g * sigmoid(g) = g / (1 + exp(-g)); exp(-g) overflowing to inf for very negative g gives 0.
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# yaie: task 4
+def silu_and_mul(input_tensor: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU gate of a Llama MLP in one kernel: ``silu(x[..., :d]) * x[..., d:]``.
+
+    Args:
+        input_tensor: ``[..., 2 * d]`` (the fused gate and up projections), float32/float16/bfloat16,
+            ``d >= 1``; rows may be strided.
+
+    Returns:
+        A new ``[..., d]`` tensor of the input's dtype, where ``silu(g) = g * sigmoid(g)``; the math is
+        done in float32 and rounded once.
+
+    Raises:
+        ValueError: not a float32/float16/bfloat16 tensor, rank 0, an odd or zero last dim, or CPU
+            tensors while Triton compiles for the GPU.
+    """
+    check_float_tensor("input_tensor", input_tensor)
+    width = input_tensor.shape[-1]
+    if width == 0 or width % 2:
+        raise ValueError(f"the last dim must be even and > 0 (gate and up halves), got {width}")
+    check_devices(input_tensor=input_tensor)
+    d = width // 2
+    rows = as_rows(input_tensor)
+    if rows is None:
+        rows = input_tensor.contiguous().view(-1, width)
+    out = torch.empty((rows.shape[0], d), dtype=input_tensor.dtype, device=input_tensor.device)
+    if rows.shape[0] > 0:
+        block = min(triton.next_power_of_2(d), 1024)
+        grid = (rows.shape[0], triton.cdiv(d, block))
+        _silu_and_mul_kernel[grid](rows, out, d, rows.stride(0), out.stride(0), BLOCK_SIZE=block,
+                                   num_warps=4)
+    return out.view(*input_tensor.shape[:-1], d)

@@ -1,0 +1,257 @@
+# Lesson 02 exercises: replace each `raise NotImplementedError(...)` with your code.
+# Run `pytest grader/lesson02` to grade them; the notebook is lessons/02_triton_elementwise/.
+# (Generated from solutions/kernels/gpu_elementwise.py by `python -m yaie.tools.stubs`; instructors edit the solution.)
+"""Lesson 02: the first Triton kernels, RMSNorm, RoPE and SiLU-and-mul, the per-token ops of a Llama layer.
+
+Each exercise comes in three pieces that sit side by side:
+
+* a plain-PyTorch reference (``*_reference``), given to you: slow, obviously right, the yardstick;
+* a Triton kernel (``@triton.jit``) that does the work, one program per row (or per token);
+* a short launcher, the function the engine calls: it checks the inputs, picks the block size and
+  the grid, and launches the kernel.
+
+Why bother with kernels for such simple ops? They do almost no arithmetic per byte, so their speed is
+set by memory bandwidth alone; PyTorch eager runs them as several kernels, each of which reads and
+writes the whole tensor. One fused kernel reads each input once and writes each output once.
+
+Conventions (as in lesson 01): math in float32 whatever the storage dtype (fp32, fp16, bf16); the
+result is rounded to the storage dtype once; bad input raises ``ValueError`` before any launch.
+Tensors must live on a CUDA GPU, or on the CPU when the Triton interpreter is on
+(``TRITON_INTERPRET=1``, which ``yaie.device.prepare_triton()`` sets on a machine with no GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from yaie.device import prepare_triton, triton_interpreted
+
+try:
+    prepare_triton()  # must run before `import triton` on a machine with no GPU
+except RuntimeError:
+    pass  # triton was imported earlier without the interpreter; launches on CPU tensors will say so
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# One RMSNorm row is held in registers by one program; past this many elements a row no longer fits
+# (no Llama-family model comes close: Llama 3 405B has hidden 16384).
+MAX_HIDDEN = 65536
+
+
+# ----------------------------------------------------------------------------- input checks (given)
+
+def check_float_tensor(name: str, tensor, min_dim: int = 1) -> None:
+    """``tensor`` must be a float32/float16/bfloat16 tensor with at least ``min_dim`` dimensions."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+    if tensor.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(tensor.shape)}")
+
+
+def check_devices(**tensors: torch.Tensor) -> None:
+    """All tensors on one device, and one that Triton can run on now (CUDA, or CPU when interpreting)."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        listing = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}")
+    device = devices.pop()
+    if device.type == "cpu" and not triton_interpreted():
+        raise ValueError(
+            "these are CPU tensors, but Triton is compiling for the GPU: move them to 'cuda', or run on the "
+            "CPU with the Triton interpreter (TRITON_INTERPRET=1 before triton is imported), or use lesson 01's "
+            "CPU kernels")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"Triton kernels here run on CUDA (or the CPU interpreter), not on {device}")
+
+
+def check_same_dtype(**tensors: torch.Tensor) -> None:
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{name} is {t.dtype}" for name, t in tensors.items())
+        raise ValueError(f"dtypes must match: {listing}")
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``[..., n]`` as a 2-D view ``[rows, n]`` with its last dim contiguous, or ``None`` if no such view exists.
+
+    A view shares memory with ``tensor``, so a kernel that writes through it writes ``tensor``. The
+    rows may be strided (e.g. every other row, or the left half of a wider matrix): the kernels take
+    the row stride as an argument.
+    """
+    try:
+        rows = tensor.view(-1, tensor.shape[-1])
+    except RuntimeError:
+        return None
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        return None
+    return rows
+
+
+def rms_norm_launch_config(hidden: int) -> tuple[int, int]:
+    """(BLOCK_SIZE, num_warps) for one program per row of ``hidden`` elements.
+
+    The block is the next power of two (Triton blocks are powers of two; a mask hides the padding).
+    Warps grow with the block so that each thread holds 8-16 elements: enough for wide (16-byte) loads,
+    few enough to stay in registers.
+    """
+    block = triton.next_power_of_2(hidden)
+    num_warps = min(max(block // 512, 1), 16)
+    return block, num_warps
+
+
+# ----------------------------------------------------------------------------- naive references (given)
+
+def rms_norm_reference(input_tensor: torch.Tensor, weight: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
+    """Plain PyTorch RMSNorm, computed in float32: ``x / sqrt(mean(x^2) + eps) * weight``."""
+    x = input_tensor.float()
+    inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    return (x * inv_rms * weight.float()).to(input_tensor.dtype)
+
+
+def fused_add_rms_norm_reference(input_tensor: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                 epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch residual add + RMSNorm, *out of place*: returns ``(rms_norm(residual + x), residual + x)``.
+
+    The sum is rounded to the storage dtype first (it is what the residual stream stores), and the
+    norm is taken of that rounded sum, exactly as two separate ops would.
+    """
+    new_residual = (residual.float() + input_tensor.float()).to(residual.dtype)
+    return rms_norm_reference(new_residual, weight, epsilon), new_residual
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch rotate-half RoPE of ``x [num_tokens, num_heads, head_dim]``, out of place, float32 math."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    c = cos[position_ids].unsqueeze(1)   # [num_tokens, 1, head_dim]: one row per token, shared by its heads
+    s = sin[position_ids].unsqueeze(1)
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * c + rotated * s).to(x.dtype)
+
+
+def apply_rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch RoPE of q and k, out of place: returns new ``(q_rotated, k_rotated)``."""
+    return rope_reference(q, cos, sin, position_ids), rope_reference(k, cos, sin, position_ids)
+
+
+def silu_and_mul_reference(input_tensor: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch SwiGLU gate: ``silu(x[..., :d]) * x[..., d:]`` in float32, ``d = x.shape[-1] // 2``."""
+    d = input_tensor.shape[-1] // 2
+    x = input_tensor.float()
+    return (torch.nn.functional.silu(x[..., :d]) * x[..., d:]).to(input_tensor.dtype)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+def rms_norm(input_tensor: torch.Tensor, weight: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dimension with a Triton kernel: ``x / sqrt(mean(x^2) + epsilon) * weight``.
+
+    Args:
+        input_tensor: ``[..., hidden]``, float32/float16/bfloat16, any hidden size in ``[1, MAX_HIDDEN]``
+            (not only powers of two); rows may be strided (e.g. a slice ``x[:, :hidden]`` of a wider matrix).
+        weight: ``[hidden]``, float32/float16/bfloat16 (it need not match the input's dtype).
+        epsilon: ``>= 0``, added to the mean of squares under the square root.
+
+    Returns:
+        A new tensor of the input's shape and dtype (contiguous). The input is not modified.
+        The mean of squares and the scaling are computed in float32.
+
+    Raises:
+        ValueError: not a float32/float16/bfloat16 tensor, rank 0, hidden out of range, weight of the
+            wrong shape, ``epsilon < 0``, tensors on different devices, or CPU tensors while Triton
+            compiles for the GPU (see :func:`check_devices`).
+
+    Launch one program per row (the grid is the number of rows); each loads its whole row once.
+    """
+    raise NotImplementedError('lesson 02, task 1: implement rms_norm in yaie/kernels/gpu_elementwise.py')
+
+
+# ----------------------------------------------------------------------------- fused residual add + RMSNorm
+
+def fused_add_rms_norm(input_tensor: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm, in place and in one pass over memory (as between two layers).
+
+    ``residual += input_tensor``, then ``input_tensor = rms_norm(residual, weight, epsilon)``: after
+    the call ``residual`` holds the sum (rounded to its dtype) and ``input_tensor`` holds the normalised
+    sum. Each row is read once and written once; no temporary tensor.
+
+    Args:
+        input_tensor: ``[..., hidden]``, float32/float16/bfloat16; rows may be strided.
+        residual: same shape, dtype and device as ``input_tensor``, and a different tensor.
+        weight: ``[hidden]``, float32/float16/bfloat16.
+        epsilon: ``>= 0``.
+
+    Returns:
+        ``(input_tensor, residual)``: the same tensor objects, modified in place.
+
+    Raises:
+        ValueError: as :func:`rms_norm`, plus a residual of another shape, dtype or device, or the
+            same memory passed as both tensors.
+    """
+    raise NotImplementedError('lesson 02, task 2: implement fused_add_rms_norm in yaie/kernels/gpu_elementwise.py')
+
+
+# ----------------------------------------------------------------------------- RoPE on q and k
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of queries and keys, in place, one Triton program per token.
+
+    With ``h = head_dim // 2``, each head vector ``x`` of a token at position ``p`` becomes
+    ``x[:h] * cos[p, :h] - x[h:] * sin[p, :h]`` (first half) and ``x[h:] * cos[p, h:] + x[:h] * sin[p, h:]``
+    (second half): the rotate-half layout of Llama / Hugging Face, computed in float32.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``; k: ``[num_tokens, num_kv_heads, head_dim]``; same dtype
+            (float32/float16/bfloat16), even ``head_dim``. Either may be a strided view, e.g. a slice of a
+            fused qkv projection's output, as long as its last dim is contiguous; the rotation is
+            written through the view.
+        cos, sin: float32 ``[max_position, head_dim]`` from lesson 01's ``build_rope_cache`` (the two
+            halves of a row hold the same angles).
+        position_ids: int32/int64 ``[num_tokens]``: each token's own position, so a ragged batch of
+            sequences (positions 0..5, then 0..2, then 517) is one call.
+
+    Returns:
+        ``(q, k)``, the same tensor objects, rotated in place.
+
+    Raises:
+        ValueError: wrong ranks, q/k disagreeing on tokens, head_dim or dtype, odd head_dim, tables not
+            float32 ``[max_position, head_dim]``, position_ids not an integer ``[num_tokens]``, tensors on
+            different devices or CPU tensors while Triton compiles for the GPU; and, when
+            ``position_ids`` is on the CPU, a position outside ``[0, max_position)``.
+
+    Out-of-range positions on a GPU: checking them on the host needs ``position_ids.max().item()``,
+    which waits for the GPU (tens of microseconds, longer than this kernel at 4k tokens, and not
+    allowed inside a CUDA graph). So the check is done where it is free: on CPU position_ids here,
+    and in the kernel, which never reads outside the table and writes NaN into the q and k of a
+    token whose position is out of range, so the error shows downstream instead of a silent
+    wrong answer.
+    """
+    raise NotImplementedError('lesson 02, task 3: implement apply_rope_qk in yaie/kernels/gpu_elementwise.py')
+
+
+# ----------------------------------------------------------------------------- SiLU-and-mul
+
+def silu_and_mul(input_tensor: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU gate of a Llama MLP in one kernel: ``silu(x[..., :d]) * x[..., d:]``.
+
+    Args:
+        input_tensor: ``[..., 2 * d]`` (the fused gate and up projections), float32/float16/bfloat16,
+            ``d >= 1``; rows may be strided.
+
+    Returns:
+        A new ``[..., d]`` tensor of the input's dtype, where ``silu(g) = g * sigmoid(g)``; the math is
+        done in float32 and rounded once.
+
+    Raises:
+        ValueError: not a float32/float16/bfloat16 tensor, rank 0, an odd or zero last dim, or CPU
+            tensors while Triton compiles for the GPU.
+    """
+    raise NotImplementedError('lesson 02, task 4: implement silu_and_mul in yaie/kernels/gpu_elementwise.py')
