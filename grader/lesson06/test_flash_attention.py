@@ -1,0 +1,324 @@
+"""Grader of lesson 06: FlashAttention forward, backward, autograd and the variable-length form.
+
+References are written here, independently of the solution: attention in float64, one head at a
+time, query head h reading KV head h // group, gradients by float64 autograd.
+
+Two kinds of accuracy check:
+
+* float32 (and the CPU interpreter): close to float64 within the course's float32 tolerance;
+* float16 / bfloat16, the FlashAttention rule: the kernel's largest error against float64 may be at
+  most twice the largest error of the same math done by PyTorch in that precision (plus the error of
+  merely rounding the exact answer to that dtype, which no kernel can beat).
+
+On a CPU the kernels run in the Triton interpreter: sizes stay small. bf16 checks need a GPU
+(the interpreter's bf16 tl.dot is broken).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grader.checks import GradingError, assert_close, describe, expect_value_error, randn, task
+from yaie.switch import LessonProxy
+
+L = LessonProxy(6)
+
+# (batch, heads, kv_heads, seq_q, seq_k, head_dim, causal): lengths off the block sizes on purpose.
+CPU_CASES = [
+    (2, 2, 2, 37, 37, 64, False),
+    (1, 4, 2, 45, 45, 64, True),     # grouped-query, causal
+    (1, 2, 1, 19, 50, 32, True),     # new tokens after a cached context
+    (1, 3, 3, 33, 21, 40, False),    # head_dim 40 (padded), seq_q > seq_k without a mask
+    (1, 2, 2, 17, 17, 128, True),
+]
+GPU_CASES = [
+    (2, 8, 8, 300, 300, 128, True),
+    (1, 8, 2, 513, 513, 64, False),
+    (2, 4, 1, 128, 700, 128, True),
+    (1, 6, 3, 257, 257, 96, True),
+    (1, 4, 4, 1000, 1000, 64, True),
+]
+
+
+def case_id(case) -> str:
+    b, h, hk, sq, sk, d, causal = case
+    return f"b{b}h{h}kv{hk}q{sq}k{sk}d{d}" + ("causal" if causal else "")
+
+
+def cases(device: str):
+    return GPU_CASES if device == "cuda" else CPU_CASES
+
+
+def make_inputs(case, dtype, device, seed, strided_q=False):
+    b, h, hk, sq, sk, d, _ = case
+    if strided_q:
+        # The engine's layout [batch, seq, heads, head_dim] seen as [batch, heads, seq, head_dim].
+        q = randn(b, sq, h, d, dtype=dtype, device=device, seed=seed).transpose(1, 2)
+    else:
+        q = randn(b, h, sq, d, dtype=dtype, device=device, seed=seed)
+    k = randn(b, hk, sk, d, dtype=dtype, device=device, seed=seed + 1)
+    v = randn(b, hk, sk, d, dtype=dtype, device=device, seed=seed + 2)
+    return q, k, v
+
+
+# ---------------------------------------------------------------- references
+
+def ref_attention(q, k, v, causal: bool, scale: float | None = None):
+    """Attention head by head in the inputs' dtype (float64 copies give the reference). Returns (out, lse)."""
+    b, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    group = h // hk
+    scale = d ** -0.5 if scale is None else scale
+    outs, lses = [], []
+    for head in range(h):
+        s = q[:, head] @ k[:, head // group].transpose(-1, -2) * scale      # [b, sq, sk]
+        if causal:
+            pos_q = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+            pos_k = torch.arange(sk, device=q.device)[None, :]
+            s = s.masked_fill(pos_k > pos_q, float("-inf"))
+        lses.append(torch.logsumexp(s.float() if s.dtype != torch.float64 else s, dim=-1))
+        outs.append(torch.softmax(s, dim=-1) @ v[:, head // group])
+    return torch.stack(outs, 1), torch.stack(lses, 1)
+
+
+def ref_grads(q, k, v, dout, causal: bool, dtype=torch.float64):
+    """(out, dq, dk, dv) of the reference computed in ``dtype`` by PyTorch autograd."""
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    out, _ = ref_attention(*leaves, causal)
+    grads = torch.autograd.grad(out, leaves, dout.to(dtype))
+    return (out.detach(), *grads)
+
+
+def rounding_floor(exact: torch.Tensor, dtype: torch.dtype) -> float:
+    """The error of just storing the exact answer in ``dtype``: no kernel can do better."""
+    return float((exact.to(dtype).double() - exact).abs().max())
+
+
+def check_flash_rule(got, exact, torch_lowp, *, name: str, case: str, hint: str) -> None:
+    """Largest |got - exact| <= 2 * largest |torch_lowp - exact| + rounding floor."""
+    if tuple(got.shape) != tuple(exact.shape):
+        raise GradingError(f"{name} is wrong\n  case:     {case}\n  expected: shape {list(exact.shape)}\n"
+                           f"  got:      shape {list(got.shape)}")
+    if got.dtype != torch_lowp.dtype:
+        raise GradingError(f"{name} is wrong\n  case:     {case}\n  expected: dtype {torch_lowp.dtype}\n"
+                           f"  got:      dtype {got.dtype}")
+    g = got.detach().double().cpu()
+    e = exact.detach().double().cpu()
+    err = float((g - e).abs().max()) if g.numel() else 0.0
+    if torch.isnan(g).any():
+        err = float("inf")
+    torch_err = float((torch_lowp.detach().double().cpu() - e).abs().max())
+    bound = 2 * torch_err + rounding_floor(e, got.dtype)
+    if not err <= bound:
+        raise GradingError(
+            f"{name} is less accurate than allowed (FlashAttention rule)\n  case:     {case}\n"
+            f"  expected: largest error vs float64 <= 2 x PyTorch's own {got.dtype} error + rounding = {bound:.3g}\n"
+            f"  got:      largest error {err:.3g} (PyTorch in {got.dtype}: {torch_err:.3g})\n"
+            f"  hint:     {hint}")
+
+
+def check_value_errors(fn, good: dict, bad: list[tuple[str, dict]]) -> None:
+    for what, change in bad:
+        expect_value_error(fn, **{**good, **change}, what=what)
+
+
+# ---------------------------------------------------------------- task 1: forward
+
+@task(1, "flash_attention_forward")
+@pytest.mark.parametrize("case_index", range(5))
+def test_forward_float32_matches_float64(device, seed, case_index):
+    case = cases(device)[case_index]
+    causal = case[-1]
+    q, k, v = make_inputs(case, torch.float32, device, seed, strided_q=case_index == 1)
+    out, lse = L.flash_attention_forward(q, k, v, causal=causal)
+    ref_out, ref_lse = ref_attention(q.double(), k.double(), v.double(), causal)
+    text = f"{case_id(case)}, {describe(q=q, k=k, v=v)}, causal={causal}"
+    assert_close(out, ref_out, name="flash_attention_forward output", dtype=torch.float32, case=text,
+                 atol=2e-5, rtol=1e-5,
+                 hint="online softmax: rescale acc and l by exp(m_old - m_new) when the row max grows; "
+                      "divide by l once at the end")
+    assert_close(lse, ref_lse, name="flash_attention_forward lse", dtype=torch.float32, case=text,
+                 atol=2e-5, rtol=1e-5, hint="lse = m + log(l) in natural log, shape [batch, heads, seq_q]")
+
+
+@task(1, "flash_attention_forward")
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+                         ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case_index", [0, 1, 2])
+def test_forward_low_precision_flash_rule(device, seed, dtype, case_index):
+    if dtype == torch.bfloat16 and device != "cuda":
+        pytest.skip("bf16 tl.dot is broken in the Triton interpreter: bf16 runs on a GPU")
+    case = cases(device)[case_index]
+    causal = case[-1]
+    q, k, v = make_inputs(case, dtype, device, seed)
+    out, lse = L.flash_attention_forward(q, k, v, causal=causal)
+    exact, exact_lse = ref_attention(q.double(), k.double(), v.double(), causal)
+    torch_lowp, _ = ref_attention(q, k, v, causal)
+    text = f"{case_id(case)}, {describe(q=q, k=k, v=v)}, causal={causal}"
+    check_flash_rule(out, exact, torch_lowp, name="flash_attention_forward output", case=text,
+                     hint="accumulate scores, l and acc in float32; cast P to the input dtype only for P @ V")
+    assert_close(lse, exact_lse, name="flash_attention_forward lse", dtype=torch.float32, case=text,
+                 atol=1e-3, rtol=1e-3, hint="keep m and l in float32")
+
+
+@task(1, "flash_attention_forward")
+def test_forward_rejects_bad_input(device, seed):
+    q, k, v = make_inputs((1, 4, 2, 8, 8, 16, False), torch.float32, device, seed)
+    good = dict(q=q, k=k, v=v)
+    check_value_errors(L.flash_attention_forward, good, [
+        ("q is 3-D", dict(q=q[0])),
+        ("k and v of different shapes", dict(v=v[:, :, :4])),
+        ("6 query heads with 4 KV heads", dict(q=torch.cat([q, q[:, :2]], 1), k=torch.cat([k, k], 1),
+                                                v=torch.cat([v, v], 1))),
+        ("head_dim of q differs from k", dict(q=q[..., :8])),
+        ("batch of q differs from k", dict(q=torch.cat([q, q], 0))),
+        ("mixed dtypes", dict(k=k.double() if device == "cpu" else k.half())),
+        ("integer tensors", dict(q=q.long(), k=k.long(), v=v.long())),
+        ("causal with seq_q > seq_k", dict(k=k[:, :, :4], v=v[:, :, :4], causal=True)),
+        ("scale = 0", dict(scale=0.0)),
+    ])
+
+
+# ---------------------------------------------------------------- task 2: backward
+
+@task(2, "flash_attention_backward")
+@pytest.mark.parametrize("case_index", [0, 1, 2, 3])
+def test_backward_float32_matches_float64(device, seed, case_index):
+    case = cases(device)[case_index]
+    causal = case[-1]
+    q, k, v = make_inputs(case, torch.float32, device, seed)
+    dout = randn(*q.shape, dtype=torch.float32, device=device, seed=seed + 3)
+    out, lse = ref_attention(q.double(), k.double(), v.double(), causal)
+    # The backward is graded on its own: it gets the exact forward results.
+    grads = L.flash_attention_backward(dout, q, k, v, out.float(), lse.float(), causal=causal)
+    _, dq, dk, dv = ref_grads(q, k, v, dout, causal)
+    text = f"{case_id(case)}, {describe(q=q, k=k, v=v)}, causal={causal}"
+    if not isinstance(grads, tuple) or len(grads) != 3:
+        raise GradingError("flash_attention_backward must return a tuple (dq, dk, dv)")
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (dq, dk, dv)):
+        assert_close(got, ref, name=f"flash_attention_backward {name}", dtype=torch.float32, case=text,
+                     atol=5e-5, rtol=1e-4,
+                     hint="P = exp(S - lse); dP = dout V^T; dS = P * (dP - rowsum(dout * out)); "
+                          "dQ = scale dS K, dK = scale dS^T Q, dV = P^T dout; sum dK, dV over each KV group")
+
+
+@task(2, "flash_attention_backward")
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+                         ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case_index", [1, 2])
+def test_backward_low_precision_flash_rule(device, seed, dtype, case_index):
+    if dtype == torch.bfloat16 and device != "cuda":
+        pytest.skip("bf16 tl.dot is broken in the Triton interpreter: bf16 runs on a GPU")
+    case = cases(device)[case_index]
+    causal = case[-1]
+    q, k, v = make_inputs(case, dtype, device, seed)
+    dout = randn(*q.shape, dtype=dtype, device=device, seed=seed + 3)
+    exact = ref_grads(q, k, v, dout, causal)
+    lowp = ref_grads(q, k, v, dout, causal, dtype=dtype)
+    out, lse = ref_attention(q.double(), k.double(), v.double(), causal)
+    grads = L.flash_attention_backward(dout, q, k, v, out.to(dtype), lse.float(), causal=causal)
+    text = f"{case_id(case)}, {describe(q=q, k=k, v=v)}, causal={causal}"
+    for i, name in enumerate(("dq", "dk", "dv")):
+        check_flash_rule(grads[i], exact[i + 1], lowp[i + 1], name=f"flash_attention_backward {name}",
+                         case=text, hint="accumulate dq, dk, dv in float32; cast P and dS to the input dtype "
+                                         "only as matmul operands")
+
+
+@task(2, "flash_attention_backward")
+def test_backward_rejects_bad_input(device, seed):
+    q, k, v = make_inputs((1, 2, 2, 8, 8, 16, False), torch.float32, device, seed)
+    out = randn(*q.shape, device=device, seed=seed + 4)
+    lse = randn(1, 2, 8, device=device, seed=seed + 5)
+    good = dict(dout=out.clone(), q=q, k=k, v=v, out=out, lse=lse)
+    check_value_errors(L.flash_attention_backward, good, [
+        ("dout of the wrong shape", dict(dout=out[:, :, :4])),
+        ("lse of the wrong shape", dict(lse=lse[:, :1])),
+        ("lse in float64", dict(lse=lse.double())),
+        ("k and v of different shapes", dict(v=v[:, :, :4])),
+    ])
+
+
+# ---------------------------------------------------------------- task 3: autograd
+
+@task(3, "FlashAttentionFunction")
+@pytest.mark.parametrize("case_index", [1, 3])
+def test_autograd_loss_backward(device, seed, case_index):
+    case = cases(device)[case_index]
+    causal = case[-1]
+    q, k, v = make_inputs(case, torch.float32, device, seed)
+    weight = randn(*q.shape, device=device, seed=seed + 3)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = L.flash_attention(*leaves, causal=causal)
+    (out * weight).sum().backward()
+    ref_out, dq, dk, dv = ref_grads(q, k, v, weight, causal)
+    text = f"{case_id(case)}, causal={causal}, loss = (out * w).sum()"
+    assert_close(out, ref_out, name="flash_attention output", dtype=torch.float32, case=text, atol=2e-5, rtol=1e-5)
+    for name, leaf, ref in zip(("q.grad", "k.grad", "v.grad"), leaves, (dq, dk, dv)):
+        if leaf.grad is None:
+            raise GradingError(f"{name} is None after loss.backward()\n  hint:     FlashAttentionFunction.forward "
+                               "must save q, k, v, out, lse on ctx and backward must return (dq, dk, dv, None, None)")
+        assert_close(leaf.grad, ref, name=name, dtype=torch.float32, case=text, atol=5e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- task 4: variable-length batch
+
+def varlen_inputs(lens_q, lens_k, heads, kv_heads, head_dim, dtype, device, seed):
+    q = randn(sum(lens_q), heads, head_dim, dtype=dtype, device=device, seed=seed)
+    k = randn(sum(lens_k), kv_heads, head_dim, dtype=dtype, device=device, seed=seed + 1)
+    v = randn(sum(lens_k), kv_heads, head_dim, dtype=dtype, device=device, seed=seed + 2)
+
+    def offsets(lens):
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        return torch.tensor(cu, dtype=torch.int32, device=device)
+    return q, k, v, offsets(lens_q), offsets(lens_k)
+
+
+@task(4, "flash_attention_varlen_forward")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_varlen_matches_per_sequence_reference(device, seed, causal):
+    gen = torch.Generator().manual_seed(seed)
+    big = 400 if device == "cuda" else 48
+    lens_k = [int(x) for x in torch.randint(1, big, (4,), generator=gen)]
+    lens_q = [int(torch.randint(1, n + 1, (1,), generator=gen)) for n in lens_k]
+    lens_q[1] = lens_k[1]                               # one plain prompt (seq_q == seq_k)
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 4, 2, 64, dtype, device, seed)
+    out, lse = L.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+    text = f"lens_q={lens_q}, lens_k={lens_k}, heads 4, kv_heads 2, head_dim 64, {dtype}, causal={causal}"
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (4, sum(lens_q)):
+        raise GradingError(f"flash_attention_varlen_forward lse must be [num_heads, total_q] = [4, {sum(lens_q)}]"
+                           f"\n  got:      {getattr(lse, 'shape', type(lse).__name__)}")
+    for b in range(len(lens_q)):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[rq], k[rk], v[rk]))
+        ref_out, ref_lse = ref_attention(qs.double(), ks.double(), vs.double(), causal)
+        seq_text = f"{text}; sequence {b}"
+        if dtype == torch.float32:
+            assert_close(out[rq].transpose(0, 1)[None], ref_out, name="varlen output", dtype=dtype,
+                         case=seq_text, atol=2e-5, rtol=1e-5,
+                         hint="each program must read its sequence's start and length from cu_seqlens")
+        else:
+            lowp, _ = ref_attention(qs, ks, vs, causal)
+            check_flash_rule(out[rq].transpose(0, 1)[None], ref_out, lowp, name="varlen output", case=seq_text,
+                             hint="each program must read its sequence's start and length from cu_seqlens")
+        assert_close(lse[:, rq][None], ref_lse, name="varlen lse", dtype=torch.float32, case=seq_text,
+                     atol=1e-4, rtol=1e-4)
+
+
+@task(4, "flash_attention_varlen_forward")
+def test_varlen_rejects_bad_offsets(device, seed):
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 5], [4, 6], 2, 2, 16, torch.float32, device, seed)
+    good = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6)
+    check_value_errors(L.flash_attention_varlen_forward, good, [
+        ("int64 offsets", dict(cu_seqlens_q=cu_q.long())),
+        ("offsets that do not end at the token count", dict(cu_seqlens_k=cu_k - 1)),
+        ("max_seqlen_q below the longest sequence", dict(max_seqlen_q=4)),
+        ("q and k offsets of different batch sizes", dict(cu_seqlens_k=cu_k[:2])),
+        ("causal with more queries than keys", dict(cu_seqlens_k=torch.tensor([0, 2, 10], dtype=torch.int32,
+                                                                              device=device))),
+        ("4-D q", dict(q=q[None])),
+    ])
