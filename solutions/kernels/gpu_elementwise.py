@@ -428,8 +428,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, out_row_stride, BLOCK_
     mask = cols < d
     gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_row_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
-    # silu(g) = g * sigmoid(g) = g / (1 + exp(-g)); exp(-g) overflowing to inf for very negative g gives 0.
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    # silu(g) = g * sigmoid(g). Write sigmoid with e = exp(-|g|), which never overflows:
+    # sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0.
+    e = tl.exp(-tl.abs(gate))
+    sigmoid = tl.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    y = gate * sigmoid * up
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

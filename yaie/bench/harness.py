@@ -212,7 +212,7 @@ def plot_results(rows: list[Row], peaks: dict, path: Path, title: str) -> Path:
     ax.set_xticklabels([f"{k}\n{s}\n{d}" for k, s, d in groups], fontsize=7)
     ax.set_ylabel("achieved GB/s (read + write)" if use_bw else "achieved TFLOP/s")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -256,5 +256,29 @@ def write_results(name: str, rows: list[Row], peaks: dict, out_dir) -> list[Path
         "",
     ]
     md_path.write_text("\n".join(md))
-    png_path = plot_results(rows, peaks, out / f"{name}.png", f"{name}: {env['gpu']}")
+    try:
+        png_path = plot_results(rows, peaks, out / f"{name}.png", f"{name}: {env['gpu']}")
+    except ImportError:  # a GPU machine without matplotlib: plot later with replot(json_path)
+        print(f"matplotlib is missing: no {name}.png (run python -m yaie.bench.harness {json_path} to draw it)")
+        return [json_path, md_path]
     return [json_path, md_path, png_path]
+
+
+def load_results(json_path) -> tuple[list[Row], dict, dict]:
+    """Read a results JSON back: (rows, peaks, environment)."""
+    data = json.loads(Path(json_path).read_text())
+    fields = Row.__dataclass_fields__
+    rows = [Row(**{k: v for k, v in record.items() if k in fields}) for record in data["rows"]]
+    return rows, data["peaks"], data["environment"]
+
+
+def replot(json_path) -> Path:
+    """Draw the PNG of a results JSON beside it (for results made where matplotlib was missing)."""
+    json_path = Path(json_path)
+    rows, peaks, env = load_results(json_path)
+    return plot_results(rows, peaks, json_path.with_suffix(".png"), f"{json_path.stem}: {env['gpu']}")
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        print(f"wrote {replot(arg)}")
