@@ -1,0 +1,68 @@
+"""``yaie generate``: stream text from the engine.
+
+    yaie generate "Once upon a time, there was a little fox named"
+    yaie generate "The capital of France is" --model ~/models/Llama-3.2-1B --max-tokens 32 --temperature 0
+    yaie generate --solutions 1 "..."        # run the reference for lesson 01
+
+Text goes to stdout as tokens come; notices and the timing line go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_PROMPT = "Once upon a time, there was a little fox named"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="yaie generate", description="Generate text with the YAIE engine.")
+    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"the prompt (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--model", default=None, help="a local Hugging Face model folder (default: the bundled tiny model)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's generation_config)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is a GPU)")
+    p.add_argument("--solutions", default=None, metavar="SPEC",
+                   help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from yaie import switch
+    from yaie.engine.llm import LLM
+    from yaie.model.config import ModelLoadError
+    from yaie.ops import KernelMissing, describe
+
+    try:
+        if args.solutions is not None:
+            switch.use_solutions(args.solutions)
+        llm = LLM(args.model, device=args.device)
+        params = llm.default_sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
+                                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
+                                          add_special_tokens=False)
+        else:
+            sys.stdout.write(prompt)
+        start, pieces = time.perf_counter(), 0
+        for piece in llm.stream(prompt, params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            pieces += 1
+        sys.stdout.write("\n")
+        elapsed = time.perf_counter() - start
+    except (KernelMissing, switch.LessonUnavailable, ModelLoadError, ValueError) as err:
+        sys.stdout.flush()
+        print(f"\nyaie generate: {err}", file=sys.stderr)
+        return 1
+    print(f"[{llm.model_dir.name} on {llm.device}, {describe()}; {pieces} pieces in {elapsed:.2f}s]",
+          file=sys.stderr)
+    return 0

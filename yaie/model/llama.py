@@ -1,0 +1,133 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2), written for inference.
+
+Layout: hidden states are token-major ``[num_tokens, hidden]``; queries, keys and values are
+``[num_tokens, heads, head_dim]``. The matrix products are plain PyTorch (``x @ W.T``); every
+normalisation, rotary embedding and attention goes through :mod:`yaie.ops`, i.e. through the lesson
+kernels, so the student's code is what runs.
+
+One layer, in the pre-norm residual form that lets a fused "add + RMSNorm" kernel (lesson 02) do the
+residual add and the next norm in one pass::
+
+    h, residual = add_rms_norm(x, residual, input_norm)   # residual += x; h = norm(residual)
+    q, k, v = split(h @ Wqkv.T)                            # one product for the three projections
+    q, k = rope(q, k, positions)
+    cache.append(layer, k, v); attn = attention(q, cache.keys, cache.values)
+    x = attn @ Wo.T
+    h, residual = add_rms_norm(x, residual, post_attention_norm)
+    x = silu_and_mul(h @ Wgate_up.T) @ Wdown.T            # SwiGLU MLP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from yaie import ops
+from yaie.model.config import ModelConfig, load_config
+from yaie.model.loader import load_weights
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    qkv: torch.Tensor              # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v stacked
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor          # [2 * intermediate, hidden]: gate rows first, then up
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    sliding_window: int | None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)  # x @ weight.T (+ bias), without materialising the transpose
+
+
+def _cat(*tensors):
+    return None if tensors[0] is None else torch.cat(tensors, dim=0)
+
+
+class LlamaModel:
+    """Weights plus the forward pass; the KV cache is passed in (see :mod:`yaie.engine.kv_cache`)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.config = config
+        self.embed = weights["model.embed_tokens.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.layers = [self._layer(weights, n) for n in range(config.num_layers)]
+        # RoPE tables for every position the model may see, built once by lesson 01 (task 1).
+        self.cos, self.sin = ops.rope_cache(config.max_position_embeddings, config.head_dim, config.rope_theta,
+                                            config.rope_scaling, device=self.device)
+
+    def _layer(self, w: dict[str, torch.Tensor], n: int) -> LayerWeights:
+        p = f"model.layers.{n}."
+        a, m = p + "self_attn.", p + "mlp."
+        get = w.get
+        return LayerWeights(
+            input_norm=w[p + "input_layernorm.weight"], post_attention_norm=w[p + "post_attention_layernorm.weight"],
+            qkv=_cat(w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]),
+            qkv_bias=_cat(get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")),
+            o=w[a + "o_proj.weight"], o_bias=get(a + "o_proj.bias"),
+            gate_up=_cat(w[m + "gate_proj.weight"], w[m + "up_proj.weight"]),
+            gate_up_bias=_cat(get(m + "gate_proj.bias"), get(m + "up_proj.bias")),
+            down=w[m + "down_proj.weight"], down_bias=get(m + "down_proj.bias"),
+            sliding_window=self.config.sliding_windows[n],
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> "LlamaModel":
+        """Load a Hugging Face folder. ``dtype=None``: float32 on the CPU (bf16/fp16 checkpoints are
+        upcast: the CPU is slow and inexact in half precision), the stored dtype on a GPU."""
+        config = load_config(model_dir)
+        device = torch.device(device)
+        if dtype is None and device.type == "cpu":
+            dtype = torch.float32
+        return cls(config, load_weights(model_dir, config, dtype=dtype, device=device))
+
+    def _attention_block(self, layer: LayerWeights, n: int, h: torch.Tensor, positions: torch.Tensor,
+                         cache) -> torch.Tensor:
+        cfg = self.config
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = _linear(h, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)      # reshape copies: the rope kernel may write in place
+        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = ops.rope(q, k, self.cos, self.sin, positions)
+        cache.append(n, k, v)
+        keys, values = cache.get(n)
+        attn = ops.attention(q, keys, values, sliding_window=layer.sliding_window)
+        return _linear(attn.reshape(-1, q_size), layer.o, layer.o_bias)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Run the new tokens of one sequence; returns the final hidden states ``[num_tokens, hidden]``.
+
+        ``token_ids`` and ``positions`` are int64 ``[num_tokens]``; ``positions`` must continue the
+        cache (the cache holds positions ``0 .. positions[0] - 1``). The tokens' keys and values are
+        appended to ``cache``.
+        """
+        cfg = self.config
+        x = self.embed[token_ids]
+        h = ops.rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
+        residual = x
+        for n, layer in enumerate(self.layers):
+            x = self._attention_block(layer, n, h, positions, cache)
+            h, residual = ops.add_rms_norm(x, residual, layer.post_attention_norm, cfg.rms_norm_eps)
+            x = _linear(ops.silu_and_mul(_linear(h, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+            next_norm = self.layers[n + 1].input_norm if n + 1 < len(self.layers) else self.final_norm
+            h, residual = ops.add_rms_norm(x, residual, next_norm, cfg.rms_norm_eps)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output scores in float32, ``[num_tokens, vocab_size]``."""
+        return F.linear(hidden, self.lm_head).float()
