@@ -250,9 +250,9 @@ def _flash_fwd_kernel(
         k_start = tl.load(CU_SEQLENS_K + batch)
         k_len = tl.load(CU_SEQLENS_K + batch + 1) - k_start
     else:
-        q_start = 0
+        q_start = tl.full([], 0, tl.int32)
         q_len = seqlen_q
-        k_start = 0
+        k_start = tl.full([], 0, tl.int32)
         k_len = seqlen_k
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
