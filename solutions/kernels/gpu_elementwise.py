@@ -420,11 +420,16 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 
 # yaie: solution-only
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, out_row_stride, BLOCK_SIZE: tl.constexpr):
-    # A 2-D grid: axis 0 picks the row, axis 1 a block of BLOCK_SIZE columns of the output. Each program
-    # reads its block of the gate half and the matching block of the up half, and writes one block.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, out_row_stride, n_col_blocks,
+                         BLOCK_SIZE: tl.constexpr):
+    # A flat grid of rows * n_col_blocks programs, numbered row by row: program `pid` takes column
+    # block `pid % n_col_blocks` of row `pid // n_col_blocks`. Programs start roughly in order of their
+    # number, so neighbouring programs read neighbouring memory (a 2-D grid (rows, blocks) would start
+    # block 0 of every row first, jumping through memory). It reads its block of the gate half and the
+    # matching block of the up half, and writes one block of the output.
+    pid = tl.program_id(0)
+    row = (pid // n_col_blocks).to(tl.int64)
+    cols = (pid % n_col_blocks) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = cols < d
     gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_row_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
@@ -432,8 +437,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, out_row_stride, BLOCK_
     # sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0.
     e = tl.exp(-tl.abs(gate))
     sigmoid = tl.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-    y = gate * sigmoid * up
-    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * out_row_stride + cols, (gate * sigmoid * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # yaie: task 4
@@ -464,7 +468,7 @@ def silu_and_mul(input_tensor: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows.shape[0], d), dtype=input_tensor.dtype, device=input_tensor.device)
     if rows.shape[0] > 0:
         block = min(triton.next_power_of_2(d), 1024)
-        grid = (rows.shape[0], triton.cdiv(d, block))
-        _silu_and_mul_kernel[grid](rows, out, d, rows.stride(0), out.stride(0), BLOCK_SIZE=block,
-                                   num_warps=4)
+        n_col_blocks = triton.cdiv(d, block)
+        _silu_and_mul_kernel[(rows.shape[0] * n_col_blocks,)](
+            rows, out, d, rows.stride(0), out.stride(0), n_col_blocks, BLOCK_SIZE=block, num_warps=4)
     return out.view(*input_tensor.shape[:-1], d)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import re
 import subprocess
@@ -68,7 +69,7 @@ def measure_peaks(device: str = "cuda") -> dict:
     a = torch.randn(n, n, dtype=torch.bfloat16, device=dev, generator=generator)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=dev, generator=generator)
     out = torch.empty(n, n, dtype=torch.bfloat16, device=dev)
-    matmul_ms = bench_ms(lambda: torch.matmul(a, b, out=out), warmup_ms=100, rep_ms=300)
+    matmul_ms = bench_ms(lambda: torch.matmul(a, b, out=out), warmup_ms=300, rep_ms=500)
     matmul_tflops = 2 * n ** 3 / (matmul_ms * 1e-3) / 1e12
     del a, b, out
     torch.cuda.empty_cache()
@@ -117,6 +118,21 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _command_line() -> str:
+    """The command as a person would type it: ``yaie bench ...`` or ``python -m yaie.bench.lesson02 ...``."""
+    script = Path(sys.argv[0])
+    args = sys.argv[1:]
+    if script.name == "yaie" or script.as_posix().endswith("yaie/cli.py"):
+        return " ".join(["yaie", *args])
+    if script.suffix != ".py":
+        return " ".join(sys.argv)
+    try:
+        module = script.resolve().relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+    except ValueError:
+        return " ".join(sys.argv)
+    return " ".join(["python -m", module, *args])
+
+
 def environment() -> dict:
     """Where a result comes from: GPU, versions, command line, date (UTC)."""
     try:
@@ -134,8 +150,8 @@ def environment() -> dict:
         "triton": triton_version,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "command": " ".join(["yaie", *sys.argv[1:]]) if Path(sys.argv[0]).name == "yaie" else " ".join(sys.argv),
-        "git_commit": _git_commit(),
+        "command": _command_line(),
+        "git_commit": os.environ.get("YAIE_GIT_COMMIT") or _git_commit(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
@@ -209,7 +225,7 @@ def plot_results(rows: list[Row], peaks: dict, path: Path, title: str) -> Path:
         ax.axhline(peak, color="black", linestyle="--", linewidth=1,
                    label="measured copy bandwidth" if use_bw else "measured bf16 matmul")
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"{k}\n{s}\n{d}" for k, s, d in groups], fontsize=7)
+    ax.set_xticklabels([f"{k}\n{s}\n{d}" for k, s, d in groups], fontsize=6, rotation=90)
     ax.set_ylabel("achieved GB/s (read + write)" if use_bw else "achieved TFLOP/s")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))

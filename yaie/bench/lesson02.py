@@ -229,6 +229,11 @@ def run(args) -> list[Row]:
         except NotImplementedError as exc:
             print(f"  {label}: {exc} -- timing the baselines only", flush=True)
         impls.append(("torch eager", case.call(case.eager)))
+        # The ceiling at this size: a plain copy of as many bytes (half read, half written). Short
+        # kernels do not reach the bandwidth of the 2 GiB copy that measure_peaks times.
+        copy_src = torch.randn(case.bytes_moved // 4, dtype=torch.bfloat16, device=device)
+        copy_dst = torch.empty_like(copy_src)
+        impls.append(("copy_ of the same bytes", lambda s=copy_src, t=copy_dst: t.copy_(s)))
         impls.append(("torch.compile", case.call(compiled[case.kernel])))
         for impl, fn in impls:
             ms = bench_ms(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
@@ -241,13 +246,19 @@ def run(args) -> list[Row]:
 # ------------------------------------------------------------------ launch-setting sweep (reference kernels)
 
 def sweep(tokens: int = 8192, rep_ms: float = 100) -> list[Row]:
-    """Time the reference kernels under several launch settings (bf16, hidden 4096, ``tokens`` rows)."""
+    """Time the reference kernels and the variants of ``lesson02_variants`` under several launch settings.
+
+    bf16, hidden 4096, ``tokens`` rows. Some settings are timed twice: the spread between the two is
+    the noise to compare differences with.
+    """
     import triton
 
     from solutions.kernels import gpu_elementwise as ref
+    from yaie.bench import lesson02_variants as var
 
     dtype, device = torch.bfloat16, DEVICE
     rows: list[Row] = []
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
 
     def add(kernel, impl, shape, fn, nbytes):
         try:
@@ -256,25 +267,35 @@ def sweep(tokens: int = 8192, rep_ms: float = 100) -> list[Row]:
             print(f"  sweep {kernel:20s} {impl:24s} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             return
         rows.append(Row(LESSON, kernel, impl, shape, "bf16", ms, bytes_moved=nbytes))
-        print(f"  sweep {kernel:20s} {impl:24s} {ms * 1e3:8.1f} us {rows[-1].gbps:7.0f} GB/s", flush=True)
+        print(f"  sweep {kernel:20s} {shape:18s} {impl:34s} {ms * 1e3:8.1f} us {rows[-1].gbps:7.0f} GB/s", flush=True)
 
     norm = RmsNormCase(tokens, dtype, device)
     out = torch.empty_like(norm.x)
     block = triton.next_power_of_2(HIDDEN)
-    for num_warps in (2, 4, 8, 16, 32):
-        add("rms_norm", f"num_warps={num_warps}", norm.shape,
+    for num_warps in (4, 8, 8, 16):
+        add("rms_norm", f"ref num_warps={num_warps}", norm.shape,
             lambda nw=num_warps: ref._rms_norm_kernel[(tokens,)](norm.x, norm.w, out, HIDDEN, HIDDEN, HIDDEN, 1e-6,
                                                                  BLOCK_SIZE=block, num_warps=nw),
             norm.bytes_moved)
+    add("rms_norm", "evict_first num_warps=8", norm.shape,
+        lambda: var.rms_norm_evict_first[(tokens,)](norm.x, norm.w, out, HIDDEN, HIDDEN, HIDDEN, 1e-6,
+                                                    BLOCK_SIZE=block, num_warps=8),
+        norm.bytes_moved)
+    for per_sm, num_warps in ((2, 8), (4, 8), (8, 4), (8, 8)):
+        grid = (min(tokens, per_sm * num_sms),)
+        add("rms_norm", f"persistent {per_sm}/SM num_warps={num_warps}", norm.shape,
+            lambda g=grid, nw=num_warps: var.rms_norm_persistent[g](
+                norm.x, norm.w, out, tokens, HIDDEN, HIDDEN, HIDDEN, 1e-6, BLOCK_SIZE=block, num_warps=nw),
+            norm.bytes_moved)
     fused = FusedAddRmsNormCase(tokens, dtype, device)
-    for num_warps in (2, 4, 8, 16, 32):
-        add("fused_add_rms_norm", f"num_warps={num_warps}", fused.shape,
+    for num_warps in (4, 8, 16):
+        add("fused_add_rms_norm", f"ref num_warps={num_warps}", fused.shape,
             lambda nw=num_warps: ref._fused_add_rms_norm_kernel[(tokens,)](
                 fused.x, fused.res, fused.w, HIDDEN, HIDDEN, HIDDEN, 1e-6, BLOCK_SIZE=block, num_warps=nw),
             fused.bytes_moved)
     rope = RopeCase(tokens, dtype, device)
-    for num_warps in (1, 2, 4, 8, 16):
-        add("apply_rope_qk", f"num_warps={num_warps}", rope.shape,
+    for num_warps in (2, 4, 4, 8):
+        add("apply_rope_qk", f"ref num_warps={num_warps}", rope.shape,
             lambda nw=num_warps: ref._rope_qk_kernel[(tokens,)](
                 rope.q, rope.k, rope.cos, rope.sin, rope.pos, rope.q.stride(0), rope.q.stride(1),
                 rope.k.stride(0), rope.k.stride(1), rope.cos.stride(0), rope.sin.stride(0),
@@ -283,19 +304,27 @@ def sweep(tokens: int = 8192, rep_ms: float = 100) -> list[Row]:
             rope.bytes_moved)
     silu = SiluAndMulCase(tokens, dtype, device)
     silu_out = torch.empty(tokens, HIDDEN, dtype=dtype, device=device)
-    for block_size, num_warps in ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8),
-                                  (4096, 16)):
-        add("silu_and_mul", f"BLOCK={block_size},nw={num_warps}", silu.shape,
-            lambda b=block_size, nw=num_warps: ref._silu_and_mul_kernel[(tokens, triton.cdiv(HIDDEN, b))](
-                silu.x, silu_out, HIDDEN, 2 * HIDDEN, HIDDEN, BLOCK_SIZE=b, num_warps=nw),
+    for block_size, num_warps in ((1024, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+        n_blocks = triton.cdiv(HIDDEN, block_size)
+        add("silu_and_mul", f"ref flat BLOCK={block_size} nw={num_warps}", silu.shape,
+            lambda b=block_size, nw=num_warps, nb=n_blocks: ref._silu_and_mul_kernel[(tokens * nb,)](
+                silu.x, silu_out, HIDDEN, 2 * HIDDEN, HIDDEN, nb, BLOCK_SIZE=b, num_warps=nw),
             silu.bytes_moved)
+        add("silu_and_mul", f"plain flat BLOCK={block_size} nw={num_warps}", silu.shape,
+            lambda b=block_size, nw=num_warps, nb=n_blocks: var.silu_and_mul_plain[(tokens * nb,)](
+                silu.x, silu_out, HIDDEN, 2 * HIDDEN, HIDDEN, nb, BLOCK_SIZE=b, num_warps=nw),
+            silu.bytes_moved)
+    add("silu_and_mul", "rows-first 2-D BLOCK=1024 nw=4", silu.shape,
+        lambda: var.silu_and_mul_rows[(tokens, triton.cdiv(HIDDEN, 1024))](
+            silu.x, silu_out, HIDDEN, 2 * HIDDEN, HIDDEN, BLOCK_SIZE=1024, num_warps=4),
+        silu.bytes_moved)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="lesson 02 launch-setting sweep of the reference kernels")
     parser.add_argument("--sweep", action="store_true", required=True)
-    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -304,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from yaie.bench import harness
     peaks = harness.measure_peaks("cuda")
-    rows = sweep(args.tokens)
+    rows = [row for tokens in args.tokens for row in sweep(tokens)]
     out_dir = args.out or harness.ROOT / "bench" / "results"
     for path in harness.write_results(f"{LESSON}_sweep_{harness.gpu_slug()}", rows, peaks, out_dir):
         print(f"wrote {path}")
