@@ -52,3 +52,20 @@ def save_random_model(kind: str, path: str | Path, seed: int, **overrides):
     model.save_pretrained(str(path))
     write_tokenizer(path, config.vocab_size)
     return model
+
+
+class single_thread:
+    """Context manager: run torch on one CPU thread, then restore the previous count.
+
+    The engine's tensors on a tiny model are so small that thread start-up costs more than the
+    work; on a busy 2-core CI machine two threads were 60x slower than one (measured).
+    """
+
+    def __enter__(self):
+        self.previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.previous)
+        return False
