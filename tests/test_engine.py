@@ -12,11 +12,10 @@ import torch  # noqa: E402
 
 import solutions.kernels.cpu_kernels as reference  # noqa: E402
 import yaie.kernels.cpu_kernels as student  # noqa: E402
-from grader.checks import fresh_seed  # noqa: E402
 from yaie import cli, ops  # noqa: E402
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
 from yaie.engine.sampling import filtered_probs  # noqa: E402
-from yaie.model.testing import single_thread  # noqa: E402
+from yaie.model.testing import fresh_seed, single_thread  # noqa: E402
 
 LESSON01 = ("build_rope_cache", "cpu_rope_embeddings", "cpu_rms_norm", "cpu_attention_forward")
 

@@ -11,11 +11,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from grader.checks import fresh_seed  # noqa: E402
 from yaie import ops  # noqa: E402
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
 from yaie.engine.kv_cache import ContiguousKVCache  # noqa: E402
-from yaie.model.testing import single_thread  # noqa: E402
+from yaie.model.testing import fresh_seed, single_thread  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from make_corpus import make_stories  # noqa: E402

@@ -13,11 +13,10 @@ prepare_triton()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from grader.checks import fresh_seed  # noqa: E402
 from yaie import ops  # noqa: E402
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
 from yaie.engine.kv_cache import ContiguousKVCache  # noqa: E402
-from yaie.model.testing import save_random_model, single_thread  # noqa: E402
+from yaie.model.testing import fresh_seed, save_random_model, single_thread  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

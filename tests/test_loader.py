@@ -10,12 +10,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from grader.checks import fresh_seed  # noqa: E402
 from yaie import ops  # noqa: E402
 from yaie.engine import LLM, SamplingParams  # noqa: E402
 from yaie.model import ModelLoadError, load_config  # noqa: E402
 from yaie.model.loader import load_weights  # noqa: E402
-from yaie.model.testing import save_random_model, single_thread, write_tokenizer  # noqa: E402
+from yaie.model.testing import fresh_seed, save_random_model, single_thread, write_tokenizer  # noqa: E402
 
 pytest.importorskip("transformers")
 

@@ -10,9 +10,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import solutions.kernels.cpu_kernels as reference  # noqa: E402
-from grader.checks import fresh_seed  # noqa: E402
 from yaie import ops  # noqa: E402
 from yaie.engine.kv_cache import ContiguousKVCache  # noqa: E402
+from yaie.model.testing import fresh_seed  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

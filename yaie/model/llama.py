@@ -99,7 +99,8 @@ class LlamaModel:
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = _linear(h, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)      # reshape copies: the rope kernel may write in place
+        # Views into the fused output; the lesson 02 RoPE kernel rotates in place through them.
+        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = ops.rope(q, k, self.cos, self.sin, positions)

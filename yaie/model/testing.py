@@ -7,6 +7,7 @@ folder the engine loads exactly as it loads a downloaded model.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -69,3 +70,9 @@ class single_thread:
     def __exit__(self, *exc):
         torch.set_num_threads(self.previous)
         return False
+
+
+def fresh_seed() -> int:
+    """A new random seed per call, unless ``YAIE_SEED`` fixes one (to replay a failure); as the graders do."""
+    fixed = os.environ.get("YAIE_SEED")
+    return int(fixed) if fixed else int.from_bytes(os.urandom(4), "little") % (2**31)
