@@ -1,0 +1,1 @@
+"""The course's graders: ``pytest grader/lessonNN`` grades lesson NN (see grader/framework.py)."""
