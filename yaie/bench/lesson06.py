@@ -43,7 +43,7 @@ def _sdpa_flash(q, k, v, causal):
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
+    a, b = a.detach().float(), b.detach().float()
     return float((a - b).norm() / b.norm())
 
 
