@@ -1,0 +1,96 @@
+"""The grader plugin itself: messages that teach, timeouts, stubs as one line, results.json, GPU skips."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+
+import torch
+
+from tests.helpers import ROOT, check_results_schema, run_pytest
+
+FAKE_GRADER = '''
+import time
+
+import pytest
+import torch
+
+from grader.checks import assert_close, expect_value_error, task
+
+
+@task(1, "wrong_answer")
+def test_wrong(seed):
+    got = torch.ones(2, 3)
+    assert_close(got, torch.zeros(2, 3, dtype=torch.float64), name="fake output", hint="think about it")
+
+
+@task(2, "endless")
+def test_endless():
+    while True:
+        time.sleep(0.01)
+
+
+@task(3, "crash")
+def test_crash():
+    raise TypeError("boom")
+
+
+@task(4, "stub")
+def test_stub_a():
+    raise NotImplementedError("lesson 01, task 4: implement stub in yaie/kernels/x.py")
+
+
+@task(4, "stub")
+def test_stub_b():
+    raise NotImplementedError("lesson 01, task 4: implement stub in yaie/kernels/x.py")
+
+
+@task(5, "silent")
+def test_silent():
+    expect_value_error(lambda: 1, what="a bad call")
+
+
+@task(6, "fine")
+def test_fine():
+    assert torch.ones(1).item() == 1.0
+
+
+@task(6, "fine")
+@pytest.mark.gpu
+def test_fine_on_gpu():
+    assert torch.cuda.is_available()
+'''
+
+
+def test_messages_timeouts_and_results(tmp_path):
+    lesson = tmp_path / "lesson01"
+    lesson.mkdir()
+    shutil.copy(ROOT / "grader" / "conftest.py", tmp_path / "conftest.py")
+    (lesson / "test_fake.py").write_text(textwrap.dedent(FAKE_GRADER))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc, data = run_pytest([str(lesson), "--grader-timeout", "1", "--rootdir", str(tmp_path)], out_dir,
+                            env_extra={"PYTHONPATH": str(ROOT)})
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    check_results_schema(data)
+    by_task = {t["extra_data"]["task"]: t for t in data["tests"]}
+    # a wrong answer: what, where, expected vs got, a hint, how to replay
+    assert "fake output is wrong" in out and "worst at: index (0, 0): expected 0, got 1" in out
+    assert "hint:     think about it" in out and "replay:   YAIE_SEED=" in out
+    # an endless loop becomes a timeout
+    assert "task 2 endless: timed out" in out and by_task[2]["extra_data"]["result"] == "timeout"
+    # a crash names the error, not a wall of traceback
+    assert "task 3 crash: check test_crash crashed" in out and "TypeError: boom" in out
+    assert "Traceback" not in out
+    # a stub: one line per task in the summary
+    assert out.count("task 4 stub: not implemented yet") == 1
+    assert by_task[4]["extra_data"]["result"] == "not implemented"
+    # a missing ValueError is a failure with a hint
+    assert "bad input must raise ValueError" in out and "the call returned normally" in out
+    # partial and GPU handling
+    if not torch.cuda.is_available():
+        assert "1 GPU-only check skipped" in out
+    assert by_task[6]["status"] == "passed" and by_task[6]["score"] == by_task[6]["max_score"] == 1.0
+    assert data["score"] == 1.0 and data["max_score"] == 6.0
+    assert "lesson 01: 1/6 tasks passed" in out
