@@ -471,23 +471,31 @@ def _fixed_config(kind: str, block_d: int) -> dict:
 
 
 # yaie: solution-only
+def _autotune_configs(kind: str) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries on a GPU: few, to keep compiles short.
+
+    Forward: 128 query rows per program with 8 warps (two warp groups for Hopper's wgmma). dK/dV: many
+    keys per program (BLOCK_N = 128) over short query blocks; dQ: the mirror image.
+    """
+    return {
+        "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)],
+        "dkdv": [(32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)],
+        "dq": [(128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
+    }[kind]
+
+
+# yaie: solution-only
 @functools.lru_cache(maxsize=None)
 def _tuned(kind: str):
-    """The autotuned form of one kernel (GPU only). Few configs, to keep the first call's compile short."""
-    def cfg(m, n, warps, stages):
-        return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+    """The autotuned form of one kernel (GPU only), keyed on what changes the best blocks."""
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in _autotune_configs(kind)]
     if kind == "fwd":
-        kernel = _flash_fwd_kernel
-        configs = [cfg(128, 64, 4, 3), cfg(128, 64, 8, 3), cfg(128, 128, 8, 2), cfg(128, 128, 8, 3), cfg(64, 64, 4, 3)]
-        key = ["HEAD_DIM", "CAUSAL", "VARLEN", "tune_len"]
+        kernel, key = _flash_fwd_kernel, ["HEAD_DIM", "CAUSAL", "VARLEN", "tune_len"]
     elif kind == "dkdv":
-        kernel = _bwd_dkdv_kernel
-        configs = [cfg(32, 128, 4, 3), cfg(64, 128, 8, 2), cfg(64, 128, 8, 3), cfg(64, 64, 4, 3), cfg(32, 64, 4, 4)]
-        key = ["HEAD_DIM", "CAUSAL", "tune_len", "group_size"]
+        kernel, key = _bwd_dkdv_kernel, ["HEAD_DIM", "CAUSAL", "tune_len", "group_size"]
     else:
-        kernel = _bwd_dq_kernel
-        configs = [cfg(128, 32, 4, 3), cfg(128, 64, 8, 2), cfg(128, 64, 8, 3), cfg(64, 64, 4, 3), cfg(64, 32, 4, 4)]
-        key = ["HEAD_DIM", "CAUSAL", "tune_len"]
+        kernel, key = _bwd_dq_kernel, ["HEAD_DIM", "CAUSAL", "tune_len"]
     return triton.autotune(configs=configs, key=key)(kernel)
 
 
