@@ -33,13 +33,14 @@ os.environ.setdefault("YAIE_SOLUTIONS", "all")
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
 from yaie.engine.kv_cache import ContiguousKVCache  # noqa: E402
 
+DEVICE = "cuda"  # --device cpu runs the same checks on the CPU (a dry run of this script)
 PROMPTS = ["Once upon a time, there was a little fox named",
            "One day, Tom and Mia went to the park. Tom had a blue kite",
            "Lily was afraid of the dark."]
 
 
 def hf_greedy(model, ids, max_new, eos):
-    x = torch.tensor([ids], device="cuda")
+    x = torch.tensor([ids], device=DEVICE)
     out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
                          eos_token_id=eos or None, pad_token_id=0)[0, len(ids):].tolist()
     for i, t in enumerate(out):
@@ -50,7 +51,7 @@ def hf_greedy(model, ids, max_new, eos):
 
 def engine_logits(llm, ids):
     cache = ContiguousKVCache.for_model(llm.config, len(ids), llm.model.dtype, llm.device)
-    hidden = llm.model.forward(torch.tensor(ids, device="cuda"), torch.arange(len(ids), device="cuda"), cache)
+    hidden = llm.model.forward(torch.tensor(ids, device=DEVICE), torch.arange(len(ids), device=DEVICE), cache)
     return llm.model.logits(hidden)
 
 
@@ -66,7 +67,7 @@ def section_spies():
                 calls[_n] += 1
                 return saved[_n](*a, **kw)
             setattr(l2, n, spy)
-        LLM(DEFAULT_MODEL, device="cuda").generate("Once", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        LLM(DEFAULT_MODEL, device=DEVICE).generate("Once", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     finally:
         for n in names:
             setattr(l2, n, saved[n])
@@ -76,8 +77,8 @@ def section_spies():
 
 def section_fp32_bundled():
     from transformers import AutoModelForCausalLM
-    llm = LLM(DEFAULT_MODEL, device="cuda", dtype=torch.float32)
-    hf = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).cuda().eval()
+    llm = LLM(DEFAULT_MODEL, device=DEVICE, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).to(DEVICE).eval()
     results = []
     for prompt in PROMPTS:
         ids = llm.tokenizer.encode(prompt)
@@ -94,11 +95,11 @@ def section_fp32_random():
     for kind in ("llama3", "qwen2", "mistral"):
         with tempfile.TemporaryDirectory() as d:
             seed = int.from_bytes(os.urandom(4), "little") % 2**31
-            hf = save_random_model(kind, d, seed=seed).cuda()
-            llm = LLM(d, device="cuda", dtype=torch.float32)
+            hf = save_random_model(kind, d, seed=seed).to(DEVICE)
+            llm = LLM(d, device=DEVICE, dtype=torch.float32)
             ids = [1] + torch.randint(3, 96, (20,), generator=torch.Generator().manual_seed(seed)).tolist()
             with torch.no_grad():
-                diff = (engine_logits(llm, ids) - hf(torch.tensor([ids], device="cuda")).logits[0]).abs().max().item()
+                diff = (engine_logits(llm, ids) - hf(torch.tensor([ids], device=DEVICE)).logits[0]).abs().max().item()
             want = hf_greedy(hf, ids, 24, [2])
             got = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0))[0].token_ids
             results[kind] = dict(seed=seed, equal=got == want, tokens=len(want), max_logit_diff=diff)
@@ -108,14 +109,13 @@ def section_fp32_random():
 
 def section_bf16_bundled():
     from transformers import AutoModelForCausalLM
-    llm = LLM(DEFAULT_MODEL, device="cuda")            # the stored dtype: bfloat16
-    assert llm.model.dtype == torch.bfloat16
-    hf32 = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).cuda().eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.bfloat16).cuda().eval()
+    llm = LLM(DEFAULT_MODEL, device=DEVICE, dtype=torch.bfloat16)   # the stored dtype
+    hf32 = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).to(DEVICE).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.bfloat16).to(DEVICE).eval()
     results = []
     for prompt in PROMPTS:
         ids = llm.tokenizer.encode(prompt)
-        x = torch.tensor([ids], device="cuda")
+        x = torch.tensor([ids], device=DEVICE)
         with torch.no_grad():
             ref = hf32(x).logits[0].float()
             err_engine = (engine_logits(llm, ids) - ref).abs().max().item()
@@ -131,9 +131,12 @@ def section_bf16_bundled():
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
     args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
     import transformers
-    report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__)
+    report = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__, transformers=transformers.__version__)
     failed = False
     for name, fn in [("spies", section_spies), ("fp32_bundled", section_fp32_bundled),
                      ("fp32_random", section_fp32_random), ("bf16_bundled", section_bf16_bundled)]:

@@ -16,15 +16,26 @@ from __future__ import annotations
 import argparse
 import random
 
-# (name, pronoun, kind of hero). Pronoun decides he/she, his/her.
-HEROES = [
-    ("Lily", "she", "little girl"), ("Tom", "he", "little boy"), ("Mia", "she", "small cat"),
-    ("Ben", "he", "brown dog"), ("Sam", "he", "tiny bird"), ("Anna", "she", "happy frog"),
-    ("Max", "he", "young fox"), ("Lucy", "she", "little bear"), ("Tim", "he", "white rabbit"),
-    ("Zoe", "she", "little duck"), ("Leo", "he", "little lion"), ("Emma", "she", "kind girl"),
-    ("Jack", "he", "funny boy"), ("Rosa", "she", "gray mouse"), ("Finn", "he", "small fish"),
-    ("Nina", "she", "little owl"),
-]
+# Names and kinds are drawn independently, so the model must copy the name from the prompt rather
+# than guess it from the kind ("a little fox named ..." can be anyone).
+SHE_NAMES = ["Lily", "Mia", "Anna", "Lucy", "Zoe", "Emma", "Rosa", "Nina", "Sara", "Ella", "Ruby", "Daisy",
+             "Molly", "Kate", "Ivy", "Luna", "Amy", "Grace", "Hanna", "Julia", "Maya", "Nora", "Olive", "Pia"]
+HE_NAMES = ["Tom", "Ben", "Sam", "Max", "Tim", "Leo", "Jack", "Finn", "Noah", "Luke", "Oscar", "Jake",
+            "Adam", "Eli", "Hugo", "Ivan", "Kai", "Liam", "Milo", "Otto", "Paul", "Ray", "Theo", "Vince"]
+KINDS = ["small cat", "brown dog", "tiny bird", "happy frog", "young fox", "little bear", "white rabbit",
+         "little duck", "little lion", "gray mouse", "small fish", "little owl", "baby elephant", "small turtle",
+         "little pig", "young deer"]
+CHILD_KINDS = {"she": ["little girl", "kind girl"], "he": ["little boy", "funny boy"]}
+
+
+def _hero(rng: random.Random) -> tuple[str, str, str]:
+    """(name, pronoun, kind): a child of the name's gender, or an animal."""
+    pron = rng.choice(["she", "he"])
+    name = rng.choice(SHE_NAMES if pron == "she" else HE_NAMES)
+    kind = rng.choice(CHILD_KINDS[pron]) if rng.random() < 0.3 else rng.choice(KINDS)
+    return name, pron, kind
+
+
 PLACES = [
     "a small house near the woods", "a big farm", "a quiet village", "a little town by the sea",
     "a green forest", "a house with a red door", "a cozy home on a hill", "a busy city",
@@ -42,7 +53,7 @@ FEELINGS_SAD = ["sad", "very sad", "upset", "worried"]
 FEELINGS_HAPPY = ["happy", "very happy", "so glad", "full of joy"]
 GIFTS = [
     ("card", "paper and colors"), ("cake", "flour, eggs and sugar"), ("necklace", "small beads"),
-    ("picture", "paint and a brush"), ("hat", "soft yarn"), ("song", "a little drum"),
+    ("picture", "paint and a brush"), ("hat", "soft yarn"), ("basket", "long grass"),
 ]
 RECIPIENT_PRONOUN = {"mom": "she", "dad": "he", "grandma": "she", "grandpa": "he", "sister": "she", "brother": "he"}
 RECIPIENTS = list(RECIPIENT_PRONOUN)
@@ -166,9 +177,9 @@ PLOTS = [_lost_toy, _gift, _fear, _rainy_day, _sharing]
 
 def make_story(rng: random.Random) -> str:
     """One story: a hero, a different friend, a place and a plot, all drawn from ``rng``."""
-    hero, friend = rng.sample(HEROES, 2)
-    name, pron, kind = hero
-    return rng.choice(PLOTS)(rng, name, pron, kind, friend[0], rng.choice(PLACES))
+    name, pron, kind = _hero(rng)
+    friend = rng.choice([n for n in SHE_NAMES + HE_NAMES if n != name])
+    return rng.choice(PLOTS)(rng, name, pron, kind, friend, rng.choice(PLACES))
 
 
 def make_stories(count: int, seed: int) -> list[str]:

@@ -47,7 +47,7 @@ HELD_OUT_SEED = 1
 HELD_OUT_TEST_STORIES = 48
 
 MODEL_CONFIG = dict(
-    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+    hidden_size=256, intermediate_size=640, num_hidden_layers=6, num_attention_heads=8,
     num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-5,
     rope_theta=10000.0, tie_word_embeddings=True,
 )
@@ -290,7 +290,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=6000)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)

@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="yaie generate", description="Generate text with the YAIE engine.")
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"the prompt (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--model", default=None, help="a local Hugging Face model folder (default: the bundled tiny model)")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate at most (default 200)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's generation_config)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is a GPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: 1 for small models, where more threads only add overhead)")
     p.add_argument("--solutions", default=None, metavar="SPEC",
                    help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
     return p
@@ -40,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     from yaie.model.config import ModelLoadError
     from yaie.ops import KernelMissing, describe
 
+    wrote = False  # whether stdout holds text (an error message then starts on a new line)
     try:
         if args.solutions is not None:
             switch.use_solutions(args.solutions)
-        llm = LLM(args.model, device=args.device)
+        llm = LLM(args.model, device=args.device, cpu_threads=args.threads)
         params = llm.default_sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
                                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
         prompt = args.prompt
@@ -52,17 +55,27 @@ def main(argv: list[str] | None = None) -> int:
                                           add_special_tokens=False)
         else:
             sys.stdout.write(prompt)
-        start, pieces = time.perf_counter(), 0
-        for piece in llm.stream(prompt, params):
+            wrote = True
+        start = time.perf_counter()
+        stream = llm.stream(prompt, params)
+        while True:
+            try:
+                piece = next(stream)
+            except StopIteration as done:
+                output = done.value
+                break
             sys.stdout.write(piece)
             sys.stdout.flush()
-            pieces += 1
+            wrote = True
         sys.stdout.write("\n")
+        wrote = False
         elapsed = time.perf_counter() - start
     except (KernelMissing, switch.LessonUnavailable, ModelLoadError, ValueError) as err:
+        sys.stdout.write("\n" if wrote else "")
         sys.stdout.flush()
-        print(f"\nyaie generate: {err}", file=sys.stderr)
+        print(f"yaie generate: {err}", file=sys.stderr)
         return 1
-    print(f"[{llm.model_dir.name} on {llm.device}, {describe()}; {pieces} pieces in {elapsed:.2f}s]",
+    print(f"[{llm.model_dir.name} on {llm.device}, {describe()}; "
+          f"{len(output.token_ids)} tokens in {elapsed:.2f}s, finish: {output.finish_reason}]",
           file=sys.stderr)
     return 0
