@@ -1,0 +1,47 @@
+"""Every lesson notebook is stored without outputs and runs top to bottom on the reference solutions."""
+
+from __future__ import annotations
+
+import re
+
+import nbformat
+import pytest
+
+from tests.helpers import ROOT
+
+NOTEBOOKS = sorted((ROOT / "lessons").glob("*/*.ipynb"))
+
+
+def test_every_lesson_with_a_grader_has_a_notebook():
+    from yaie.grade import available_lessons
+    from yaie.switch import LESSONS
+
+    for lesson in available_lessons():
+        folder = ROOT / "lessons" / LESSONS[lesson].notebook_dir
+        assert list(folder.glob("*.ipynb")), f"lesson {lesson:02d} has a grader but no notebook in {folder}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name)
+def test_notebook_is_stored_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert not cell.get("outputs") and cell.get("execution_count") is None, \
+                f"{path.name}: clear the outputs before committing (jupyter nbconvert --clear-output --inplace)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name)
+def test_notebook_runs_on_the_solutions(path, monkeypatch):
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=900, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                     for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+    assert "not implemented yet" not in text, "with the reference every exercise cell must run"
+    assert "tasks passed" in text, "the last cell must run the lesson's grader"
+    score = re.search(rf"lesson {path.parent.name[:2]}: (\d+)/(\d+) tasks passed", text)
+    assert score and score.group(1) == score.group(2) != "0", f"the grader cell must pass on the reference: {text[-2000:]}"
