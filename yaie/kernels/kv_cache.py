@@ -1,0 +1,471 @@
+# Lesson 03 exercises: replace each `raise NotImplementedError(...)` with your code.
+# Run `pytest grader/lesson03` to grade them; the notebook is lessons/03_paged_kv_cache/.
+# (Generated from solutions/kernels/kv_cache.py by `python -m yaie.tools.stubs`; instructors edit the solution.)
+"""Lesson 03: the paged KV cache.
+
+During decoding every layer keeps the keys and values of all earlier tokens of every running sequence.
+Storing each sequence's cache as one contiguous tensor sized for its maximum length wastes most of the
+memory (sequences end early, lengths are unknown in advance) and fragments it. A *paged* cache cuts the
+memory into fixed-size **blocks** of ``block_size`` tokens, like pages of virtual memory:
+
+* each sequence owns a list of block ids, its **block table**; logical token ``t`` of the sequence lives
+  in physical block ``table[t // block_size]`` at offset ``t % block_size``;
+* a sequence grows by one block at a time, so at most ``block_size - 1`` slots per sequence are wasted;
+* blocks are **reference counted**, so sequences can share them: ``fork`` gives a child the parent's
+  blocks (parallel sampling, beam search) and only the block that is written next is copied
+  (**copy-on-write**);
+* when the device runs out of blocks, a whole sequence can be **swapped** to host memory and back.
+
+Layout, one tensor pair per layer::
+
+    k_cache[layer], v_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
+
+Token-major inside a block: one token's vector of one head is ``head_dim`` contiguous elements, so a
+kernel reads it with wide, coalesced loads. A **slot** is ``block_id * block_size + offset``; viewing a
+layer's cache as ``[num_blocks * block_size, num_kv_heads, head_dim]`` the slot is the row index.
+
+The cache tensors are *views into one preallocated byte arena* (:class:`MemoryPool`): the memory is
+reserved once when the engine starts, and serving never calls the device allocator.
+
+Tasks (in order): 1 the memory pool, 2 block bookkeeping (allocate, append, free, tables),
+3 writing K/V, block copies and fork with copy-on-write, 4 swapping to and from host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEFAULT_ALIGNMENT = 256     # bytes: enough for any dtype and for 128-byte aligned vector loads
+
+
+class OutOfBlocks(RuntimeError):
+    """Not enough free blocks (device or host) for the request. The manager is left exactly as it was."""
+
+
+class PoolExhausted(RuntimeError):
+    """The memory pool has no free range large enough for the request. The pool is left as it was."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Task 1: the memory pool
+# ---------------------------------------------------------------------------------------------------
+
+class MemoryPool:
+    """A first-fit allocator over ONE preallocated byte arena (``torch.uint8`` of ``capacity_bytes``).
+
+    ``allocate`` returns an integer **handle**: the byte offset of the allocation inside the arena (the
+    device address is ``pool.arena.data_ptr() + handle``). ``view`` turns a handle into a typed tensor
+    that shares the arena's memory. ``free`` gives the range back and merges it with free neighbours
+    (coalescing), so that freeing everything always leaves one free range of ``capacity_bytes``.
+
+    Bookkeeping (given): ``self.free_ranges`` is a list of ``(offset, size)`` sorted by offset, never
+    two touching; ``self.allocations`` maps a handle to ``(start, size)``, the range taken from the free
+    list (``start <= handle``: the bytes skipped for alignment belong to the allocation).
+    """
+
+    def __init__(self, capacity_bytes: int, device: str | torch.device = "cpu"):
+        if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        self.capacity = capacity_bytes
+        self.device = torch.device(device)
+        # The one and only device allocation of the pool's life.
+        self.arena = torch.empty(capacity_bytes, dtype=torch.uint8, device=self.device)
+        self.free_ranges: list[tuple[int, int]] = [(0, capacity_bytes)]
+        self.allocations: dict[int, tuple[int, int]] = {}
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes in free ranges (not all usable by one request when fragmented)."""
+        return sum(size for _, size in self.free_ranges)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.capacity - self.free_bytes
+
+    @property
+    def largest_free(self) -> int:
+        """The largest single free range: the biggest request that can still succeed (alignment 1)."""
+        return max((size for _, size in self.free_ranges), default=0)
+
+    def allocate(self, size: int, alignment: int = DEFAULT_ALIGNMENT) -> int:
+        """Reserve ``size`` bytes starting at a multiple of ``alignment``; return the handle (byte offset).
+
+        First fit: take the first free range (lowest offset) that holds ``size`` bytes after rounding its
+        start up to ``alignment``. The range is cut in up to three: the alignment gap (kept by the
+        allocation, freed with it), the ``size`` bytes, and the remainder (stays free).
+
+        Raises:
+            ValueError: ``size`` not a positive int, or ``alignment`` not a positive power of two.
+            PoolExhausted: no free range is large enough (the pool is unchanged).
+        """
+        raise NotImplementedError('lesson 03, task 1: implement allocate in yaie/kernels/kv_cache.py')
+
+    def free(self, handle: int) -> None:
+        """Give an allocation back and merge it with the free ranges just before and after it.
+
+        Raises:
+            ValueError: ``handle`` is not a live allocation (never allocated, or already freed).
+        """
+        raise NotImplementedError('lesson 03, task 1: implement free in yaie/kernels/kv_cache.py')
+
+    def view(self, handle: int, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``dtype`` over the allocation's bytes (no copy, no new memory).
+
+        Raises:
+            ValueError: unknown handle; the tensor would not fit in the allocation; the handle is not a
+                multiple of the dtype's size.
+        """
+        raise NotImplementedError('lesson 03, task 1: implement view in yaie/kernels/kv_cache.py')
+
+
+_default_pool: MemoryPool | None = None
+
+
+def init_memory_pool(capacity_bytes: int, device: str | torch.device = "cpu") -> MemoryPool:
+    """Create (or replace) the default pool used by :func:`memory_pool_allocate` / :func:`memory_pool_free`."""
+    global _default_pool
+    _default_pool = MemoryPool(capacity_bytes, device)
+    return _default_pool
+
+
+def default_memory_pool() -> MemoryPool:
+    """The default pool; ``ValueError`` if :func:`init_memory_pool` was not called."""
+    if _default_pool is None:
+        raise ValueError("no default memory pool: call init_memory_pool(capacity_bytes, device) first")
+    return _default_pool
+
+
+def memory_pool_allocate(size: int, alignment: int = DEFAULT_ALIGNMENT) -> int:
+    """Allocate ``size`` bytes from the default pool; returns the handle (a byte offset in its arena)."""
+    return default_memory_pool().allocate(size, alignment)
+
+
+def memory_pool_free(ptr: int) -> None:
+    """Free a handle returned by :func:`memory_pool_allocate`."""
+    default_memory_pool().free(ptr)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tasks 2-4: blocks and the manager
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class KVCacheBlock:
+    """One physical block: ``block_size`` token slots in every layer's K and V cache.
+
+    ``ref_count`` is the number of sequences whose block table holds this block (0: the block is free).
+    ``on_host`` says whether the id counts in the device cache (False) or the host swap space (True).
+    """
+
+    block_id: int
+    ref_count: int = 0
+    on_host: bool = False
+
+    @property
+    def is_free(self) -> bool:
+        return self.ref_count == 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_count(name: str, value, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class KVCacheManager:
+    """Block bookkeeping and storage of the paged KV cache of a whole model.
+
+    Args:
+        num_blocks: device blocks (each ``block_size`` tokens in every layer).
+        block_size: tokens per block, 1 to 1024 (the kernels of lesson 04 take 8 to 128).
+        num_layers, num_kv_heads, head_dim: the model's shape.
+        dtype: float16, bfloat16 or float32.
+        device: where the cache lives ("cuda" or "cpu").
+        num_cpu_blocks: host blocks for swapping (pinned memory when CUDA is present).
+        pool: a :class:`MemoryPool` on ``device`` to carve the caches from; default: a new pool sized
+            exactly for them.
+
+    Attributes (read them, do not change them from outside):
+        k_cache, v_cache: lists (one per layer) of ``[num_blocks, block_size, num_kv_heads, head_dim]``
+            tensors, views into the pool's arena.
+        cpu_k_cache, cpu_v_cache: the same on the host with ``num_cpu_blocks`` blocks.
+        blocks, cpu_blocks: ``KVCacheBlock`` per device / host block id.
+
+    Every public method checks its input first and raises ``ValueError`` (bad input) or
+    :class:`OutOfBlocks` (no room) *before* changing anything: an error never leaves a half-done update.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu", num_cpu_blocks: int = 0,
+                 pool: MemoryPool | None = None):
+        _check_count("num_blocks", num_blocks, 1)
+        _check_count("block_size", block_size, 1)
+        if block_size > 1024:
+            raise ValueError(f"block_size must be at most 1024, got {block_size}")
+        _check_count("num_layers", num_layers, 1)
+        _check_count("num_kv_heads", num_kv_heads, 1)
+        _check_count("head_dim", head_dim, 1)
+        _check_count("num_cpu_blocks", num_cpu_blocks, 0)
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.num_cpu_blocks = num_cpu_blocks
+
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        nbytes = num_blocks * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        if pool is None:
+            per_tensor = _cdiv(nbytes, DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
+            pool = MemoryPool(2 * num_layers * per_tensor, self.device)
+        elif pool.device != self.device:
+            raise ValueError(f"the pool is on {pool.device}, the cache must be on {self.device}")
+        self.pool = pool
+        self._handles = [pool.allocate(nbytes) for _ in range(2 * num_layers)]
+        self.k_cache = [pool.view(h, shape, dtype) for h in self._handles[0::2]]
+        self.v_cache = [pool.view(h, shape, dtype) for h in self._handles[1::2]]
+
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        self.cpu_k_cache = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.cpu_v_cache = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.cpu_blocks = [KVCacheBlock(i, on_host=True) for i in range(num_cpu_blocks)]
+        # Free lists as stacks: the most recently freed block is reused first (it is warm in the L2).
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._cpu_free = list(range(num_cpu_blocks - 1, -1, -1))
+        self._tables: dict[object, list[int]] = {}       # seq id -> device block ids (resident sequences)
+        self._lens: dict[object, int] = {}               # seq id -> tokens stored (resident and swapped)
+        self._swapped: dict[object, list[int]] = {}      # seq id -> host block ids (swapped-out sequences)
+
+    # ------------------------------------------------------------------ small queries (given)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu_free)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether a new sequence of ``num_tokens`` tokens fits in the free device blocks now."""
+        return _cdiv(_check_count("num_tokens", num_tokens), self.block_size) <= len(self._free)
+
+    def has_seq(self, seq_id) -> bool:
+        return seq_id in self._lens
+
+    def is_swapped(self, seq_id) -> bool:
+        return seq_id in self._swapped
+
+    def seq_ids(self) -> list:
+        """Every known sequence, resident or swapped out."""
+        return list(self._lens)
+
+    def num_tokens(self, seq_id) -> int:
+        """Tokens the sequence holds (slots handed out by ``allocate``/``append_slots``)."""
+        self._check_known(seq_id)
+        return self._lens[seq_id]
+
+    def block_ids(self, seq_id) -> list[int]:
+        """The device block ids of a resident sequence, in logical order (a copy)."""
+        self._check_resident(seq_id)
+        return list(self._tables[seq_id])
+
+    def _check_known(self, seq_id) -> None:
+        if seq_id not in self._lens:
+            raise ValueError(f"unknown sequence id {seq_id!r}")
+
+    def _check_resident(self, seq_id) -> None:
+        self._check_known(seq_id)
+        if seq_id in self._swapped:
+            raise ValueError(f"sequence {seq_id!r} is swapped out to host memory: swap_in first")
+
+    def _take_blocks(self, count: int) -> list[int]:
+        """Pop ``count`` free device blocks and set their reference count to 1 (caller checked room)."""
+        ids = [self._free.pop() for _ in range(count)]
+        for block_id in ids:
+            self.blocks[block_id].ref_count = 1
+        return ids
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference to a device block; it becomes free when nobody holds it."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free.append(block_id)
+
+    def _slots(self, table: list[int], start: int, count: int) -> torch.Tensor:
+        """Slot indices (int64, on the cache's device) of logical tokens ``start .. start+count-1``."""
+        positions = torch.arange(start, start + count)
+        ids = torch.tensor(table, dtype=torch.int64)
+        slots = ids[positions // self.block_size] * self.block_size + positions % self.block_size
+        return slots.to(self.device)
+
+    def _out_of_blocks(self, needed: int, what: str) -> OutOfBlocks:
+        return OutOfBlocks(f"{what} needs {needed} free device blocks, only {len(self._free)} of "
+                           f"{self.num_blocks} are free (block_size {self.block_size}); free or swap out a "
+                           "sequence and retry")
+
+    # ------------------------------------------------------------------ task 2: bookkeeping
+
+    def allocate(self, seq_id, num_tokens: int) -> torch.Tensor:
+        """Register a new sequence and give it blocks for its first ``num_tokens`` tokens (all or nothing).
+
+        Args:
+            seq_id: any hashable id not in use.
+            num_tokens: tokens to reserve (the prompt); 0 is allowed (no block yet).
+
+        Returns:
+            The slot mapping of the tokens: int64 ``[num_tokens]`` on the cache's device; token ``t``
+            goes to slot ``table[t // block_size] * block_size + t % block_size``.
+
+        Raises:
+            ValueError: ``seq_id`` already in use; ``num_tokens`` not an int >= 0.
+            OutOfBlocks: fewer than ``ceil(num_tokens / block_size)`` free blocks (nothing changes).
+        """
+        raise NotImplementedError('lesson 03, task 2: implement allocate in yaie/kernels/kv_cache.py')
+
+    def append_slots(self, seq_id, n: int = 1) -> torch.Tensor:
+        """Reserve ``n`` more token slots at the end of a resident sequence (all or nothing).
+
+        New blocks are taken only when the last block is full. If the last block is partly filled and
+        *shared* (``ref_count > 1``, after a ``fork``), it is first copied to a new block that this
+        sequence owns alone (copy-on-write, with :meth:`copy_blocks`): the other owners keep their data.
+
+        Returns:
+            The slot mapping of the new tokens: int64 ``[n]`` on the cache's device.
+
+        Raises:
+            ValueError: unknown or swapped-out sequence; ``n`` not an int >= 1.
+            OutOfBlocks: not enough free blocks for the growth plus a copy-on-write (nothing changes).
+        """
+        raise NotImplementedError('lesson 03, task 2: implement append_slots in yaie/kernels/kv_cache.py')
+
+    def append_slot(self, seq_id) -> torch.Tensor:
+        """``append_slots(seq_id, 1)``: the one slot of the next decoded token (int64 ``[1]``)."""
+        return self.append_slots(seq_id, 1)
+
+    def free(self, seq_id) -> None:
+        """End a sequence: drop its references to its blocks (device or host); shared blocks stay with
+        their other owners. The id can be allocated again afterwards.
+
+        Raises:
+            ValueError: unknown sequence id (never allocated, or already freed).
+        """
+        raise NotImplementedError('lesson 03, task 2: implement free in yaie/kernels/kv_cache.py')
+
+    def block_table(self, seq_ids) -> torch.Tensor:
+        """The block tables of resident sequences as the kernels read them.
+
+        Returns:
+            int32 ``[len(seq_ids), max_blocks]`` on the cache's device, row ``i`` the block ids of
+            ``seq_ids[i]`` in logical order, padded with 0 (padding is never read: the kernels stop at
+            ``context_lens``). ``max_blocks`` is the longest table (at least 1).
+
+        Raises:
+            ValueError: empty list; unknown or swapped-out sequence.
+        """
+        raise NotImplementedError('lesson 03, task 2: implement block_table in yaie/kernels/kv_cache.py')
+
+    def context_lens(self, seq_ids) -> torch.Tensor:
+        """Tokens held by each sequence: int32 ``[len(seq_ids)]`` on the cache's device.
+
+        Raises:
+            ValueError: empty list; unknown or swapped-out sequence.
+        """
+        raise NotImplementedError('lesson 03, task 2: implement context_lens in yaie/kernels/kv_cache.py')
+
+    # ------------------------------------------------------------------ task 3: data, copies, fork
+
+    def write_kv(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the keys and values of new tokens of one layer at their slots.
+
+        Args:
+            layer: 0 .. num_layers - 1.
+            slot_mapping: integer ``[num_tokens]`` (from ``allocate``/``append_slots``), on the cache's
+                device, every entry in ``0 .. num_blocks * block_size - 1``.
+            k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype, on its device.
+
+        Raises:
+            ValueError: bad layer; wrong ranks, shapes, dtypes or devices; slots out of range.
+        """
+        raise NotImplementedError('lesson 03, task 3: implement write_kv in yaie/kernels/kv_cache.py')
+
+    def copy_blocks(self, pairs) -> None:
+        """The block-copy op: for each ``(src, dst)`` device block id pair, copy block ``src`` into block
+        ``dst`` in every layer's K and V cache. Does not change reference counts or tables.
+
+        Raises:
+            ValueError: a pair that is not two block ids in range; a destination used twice or also a source.
+        """
+        raise NotImplementedError('lesson 03, task 3: implement copy_blocks in yaie/kernels/kv_cache.py')
+
+    def fork(self, parent_id, child_id) -> None:
+        """Make ``child_id`` a new sequence that shares all of ``parent_id``'s blocks and length
+        (each block's ``ref_count`` goes up by one; no data is copied until one of them appends).
+
+        Raises:
+            ValueError: unknown or swapped-out parent; ``child_id`` already in use.
+        """
+        raise NotImplementedError('lesson 03, task 3: implement fork in yaie/kernels/kv_cache.py')
+
+    # ------------------------------------------------------------------ task 4: swapping
+
+    def _check_block_ids(self, block_ids, limit: int, where: str) -> list[int]:
+        ids = list(block_ids)
+        if not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < limit for b in ids):
+            raise ValueError(f"{where}: block ids must be ints in 0..{limit - 1}, got {ids}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{where}: block ids must be distinct, got {ids}")
+        return ids
+
+    def swap_blocks_to_cpu(self, block_ids) -> list[int]:
+        """Copy device blocks (every layer's K and V) into newly taken host blocks; return their ids,
+        in the same order. Device blocks and their reference counts are not changed (the caller releases
+        them). Host blocks are pinned memory on CUDA, so the copies are asynchronous DMA transfers; the
+        method waits for them before it returns.
+
+        Raises:
+            ValueError: ids not distinct ints in range.
+            OutOfBlocks: fewer free host blocks than ids (nothing changes).
+        """
+        raise NotImplementedError('lesson 03, task 4: implement swap_blocks_to_cpu in yaie/kernels/kv_cache.py')
+
+    def swap_blocks_from_cpu(self, block_ids) -> list[int]:
+        """Copy host blocks back into newly taken device blocks (``ref_count`` 1); free the host blocks;
+        return the device ids, in the same order.
+
+        Raises:
+            ValueError: ids not distinct ints in range, or not taken host blocks.
+            OutOfBlocks: fewer free device blocks than ids (nothing changes).
+        """
+        raise NotImplementedError('lesson 03, task 4: implement swap_blocks_from_cpu in yaie/kernels/kv_cache.py')
+
+    def swap_out(self, seq_id) -> None:
+        """Move a resident sequence to host memory: its blocks are copied to host blocks and its device
+        references dropped (blocks it shared stay on the device for their other owners; the host copy is
+        the sequence's own). Afterwards ``is_swapped(seq_id)`` is True and ``block_table`` refuses it.
+
+        Raises:
+            ValueError: unknown or already swapped-out sequence.
+            OutOfBlocks: not enough free host blocks (nothing changes).
+        """
+        raise NotImplementedError('lesson 03, task 4: implement swap_out in yaie/kernels/kv_cache.py')
+
+    def swap_in(self, seq_id) -> None:
+        """Bring a swapped-out sequence back to (new) device blocks; its data comes back bit for bit.
+
+        Raises:
+            ValueError: unknown sequence, or one that is not swapped out.
+            OutOfBlocks: not enough free device blocks (nothing changes; it stays swapped out).
+        """
+        raise NotImplementedError('lesson 03, task 4: implement swap_in in yaie/kernels/kv_cache.py')
