@@ -3,7 +3,6 @@
 # benchmark against torch SDPA's flash backend. Logs and result files go to $OUT (or ./out_lesson06).
 #   bash scripts/gpu_lesson06.sh            # everything
 #   QUICK=1 bash scripts/gpu_lesson06.sh    # benchmark on the 4k shapes only
-#   GRADER_AUTOTUNE=1 GRADER_TIMEOUT=300 bash scripts/gpu_lesson06.sh   # grade the autotuned kernels (slower: compiles)
 set -uo pipefail
 OUT=${OUT:-out_lesson06}
 mkdir -p "$OUT"
@@ -11,8 +10,9 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
-echo "== grader (reference solutions; autotune=${GRADER_AUTOTUNE:-0}: fixed blocks unless 1) =="
-YAIE_FA_AUTOTUNE=${GRADER_AUTOTUNE:-0} timeout ${GRADER_TIMEOUT:-200} python3 -m pytest grader/lesson06 --solutions -q -p no:cacheprovider \
+# The grader's shapes are <= 1024 tokens: the reference uses its fixed blocks there (no autotuning).
+echo "== grader (reference solutions) =="
+timeout ${GRADER_TIMEOUT:-200} python3 -m pytest grader/lesson06 --solutions -q -p no:cacheprovider \
     2>&1 | tee "$OUT/grader_gpu.log" | tail -25
 
 echo "== benchmark =="
