@@ -159,7 +159,7 @@ def _tune_bucket(n: int) -> int:
 # yaie: solution-only
 @triton.jit
 def _dot(a, b, acc, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a @ b on the tensor cores (fp32 accumulation)."""
+    """acc + a @ b, accumulated in float32 (FP32_DOT: upcast the operands first, for the interpreter)."""
     if FP32_DOT:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
     else:
@@ -300,6 +300,8 @@ def _flash_fwd_kernel(
     # Normalise once at the end; a row with no visible key (l == 0) outputs zeros and lse = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    # m is in base-2 units, so log2 of the denominator is m + log2(l); times ln(2) gives the natural log.
+    # (A jitted kernel may only read globals declared tl.constexpr, so LN2 is written out here.)
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
 
     o_base = O + batch64 * stride_ob + head.to(tl.int64) * stride_oh + q_start.to(tl.int64) * stride_os
