@@ -19,10 +19,10 @@ from yaie.model.testing import fresh_seed, single_thread  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from make_corpus import make_stories  # noqa: E402
 
-# Measured: 0.1284 by scripts/train_tiny_model.py on the GPU (train_log.json) and 0.1284 by this engine
+# Measured: 0.1621 by scripts/train_tiny_model.py on the GPU (train_log.json) and 0.1621 by this engine
 # on the CPU, over the first 48 held-out stories (seed 1). The bound leaves 5% for other platforms' rounding.
 HELD_OUT_STORIES = 48
-HELD_OUT_LOSS_BOUND = 0.135
+HELD_OUT_LOSS_BOUND = 0.170
 
 
 @pytest.fixture(autouse=True)

@@ -53,9 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.chat:
             prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
                                           add_special_tokens=False)
-        else:
-            sys.stdout.write(prompt)
-            wrote = True
         start = time.perf_counter()
         stream = llm.stream(prompt, params)
         while True:
@@ -63,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
                 piece = next(stream)
             except StopIteration as done:
                 output = done.value
+                if not wrote and not args.chat:
+                    sys.stdout.write(prompt)  # nothing was generated: still show the prompt
                 break
+            if not wrote and not args.chat:
+                # The prompt goes out with the first piece, after any notice the prefill printed on stderr.
+                sys.stdout.write(prompt)
             sys.stdout.write(piece)
             sys.stdout.flush()
             wrote = True
