@@ -206,6 +206,19 @@ def test_auto_mode_falls_back_with_one_notice(monkeypatch, capsys, llm):
     assert out.token_ids == llm.generate("Lily was afraid of the dark.", params)[0].token_ids
 
 
+def test_auto_mode_without_reference_says_so(monkeypatch):
+    """A student copy has no solutions/: an unfinished task then has nothing to fall back to."""
+    monkeypatch.delenv("YAIE_SOLUTIONS")
+    monkeypatch.setattr(student, "build_rope_cache", _stub("build_rope_cache"))
+
+    def no_reference(lesson):
+        raise ops.switch.LessonUnavailable("lesson 01: no reference in this copy")
+
+    monkeypatch.setattr(ops, "_reference_module", no_reference)
+    with pytest.raises(ops.KernelMissing, match="build_rope_cache is not implemented yet .* no reference solution"):
+        LLM(DEFAULT_MODEL, device="cpu")
+
+
 def test_strict_mode_names_the_missing_task(monkeypatch):
     monkeypatch.setenv("YAIE_SOLUTIONS", "none")
     for name in LESSON01:
