@@ -1,0 +1,258 @@
+"""Grader of lesson 04: paged-attention decode (the gather reference, the Triton kernel, split-K).
+
+The reference is written here, independently of the solution: each sequence's keys and values are
+gathered token by token through its block table into contiguous float64 tensors, then attention is
+computed one query head at a time (query head h reads KV head h // group).
+
+Every case builds a cache whose unused rows are NaN: padding entries of the block tables, the slots
+after a sequence's last token, and blocks nobody owns. A kernel that reads one token too far turns
+its output into NaN and fails.
+
+On a CPU the kernel runs in the Triton interpreter: small shapes, float32 and float16 (the
+interpreter's bf16 tl.dot is broken). On a GPU: bf16 and fp16, long contexts, and the shapes of
+real models.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grader.checks import GradingError, assert_close, expect_value_error, randn, task, tolerances
+from yaie.switch import LessonProxy
+
+L = LessonProxy(4)
+
+# (lengths, num_heads, num_kv_heads, head_dim, block_size): variable lengths in one batch, off the block size.
+CPU_CASES = [
+    ([37, 5, 64], 4, 2, 64, 16),        # GQA 2:1
+    ([1, 70], 8, 1, 96, 8),             # head_dim 96 (padded), multi-query, a 1-token context
+    ([100, 33], 6, 3, 128, 32),         # head_dim 128
+    ([130], 4, 4, 64, 128),             # block_size 128, no grouping
+    ([17, 40, 9], 8, 2, 32, 8),
+]
+GPU_CASES = [
+    ([1000, 3, 4096, 517], 32, 8, 128, 16),     # a Llama-8B-like layer, GQA 4:1
+    ([2000, 2049], 32, 4, 128, 16),             # GQA 8:1
+    ([777, 1500, 64], 12, 4, 96, 32),           # head_dim 96
+    ([3000, 100], 16, 16, 64, 128),             # block_size 128
+    ([513, 8], 8, 2, 128, 8),                   # block_size 8
+]
+
+
+def cases(device: str):
+    return GPU_CASES if device == "cuda" else CPU_CASES
+
+
+def case_text(case, dtype, num_splits=None) -> str:
+    lens, h, hk, d, bs = case
+    text = f"context_lens {lens}, heads {h}/{hk} kv, head_dim {d}, block_size {bs}, {str(dtype).replace('torch.', '')}"
+    return text + (f", num_splits={num_splits}" if num_splits is not None else "")
+
+
+def build_paged(case, dtype, device, seed, spare_blocks: int = 3):
+    """A paged cache holding random K/V for each sequence in shuffled blocks; everything else is NaN.
+
+    Returns (q, k_cache, v_cache, block_tables, context_lens, contiguous K list, contiguous V list).
+    """
+    lens, h, hk, d, bs = case
+    batch = len(lens)
+    per_seq = [math.ceil(n / bs) for n in lens]
+    num_blocks = sum(per_seq) + spare_blocks
+    k_cache = torch.full((num_blocks, bs, hk, d), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    # Padding entries point at a spare (NaN) block: reading past a sequence's blocks shows up as NaN.
+    spare = order[-1]
+    tables = torch.full((batch, max(max(per_seq), 1) + 1), spare, dtype=torch.int32)
+    ks, vs = [], []
+    for b, n in enumerate(lens):
+        k = randn(n, hk, d, dtype=dtype, device=device, seed=seed + 2 * b + 1)
+        v = randn(n, hk, d, dtype=dtype, device=device, seed=seed + 2 * b + 2)
+        ks.append(k)
+        vs.append(v)
+        for j in range(per_seq[b]):
+            block = order.pop(0)
+            tables[b, j] = block
+            rows = slice(j * bs, min((j + 1) * bs, n))
+            k_cache[block, : rows.stop - rows.start] = k[rows]
+            v_cache[block, : rows.stop - rows.start] = v[rows]
+    q = randn(batch, h, d, dtype=dtype, device=device, seed=seed)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, tables.to(device), context_lens, ks, vs
+
+
+def ref_decode(q, ks, vs, scale=None) -> torch.Tensor:
+    """float64 attention of each sequence's one query over its contiguous K/V, head by head."""
+    batch, h, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    out = torch.zeros(batch, h, d, dtype=torch.float64)
+    for b in range(batch):
+        k, v = ks[b].double().cpu(), vs[b].double().cpu()
+        if k.shape[0] == 0:
+            continue
+        group = h // k.shape[1]
+        for head in range(h):
+            scores = k[:, head // group] @ q[b, head].double().cpu() * scale      # [n]
+            weights = torch.softmax(scores, dim=0)
+            out[b, head] = weights @ v[:, head // group]
+    return out
+
+
+def lowp_bound(out, exact, q, ks, vs, dtype) -> None:
+    """fp16/bf16: the course tolerances, or twice the error of the same math done by PyTorch in dtype."""
+    atol, rtol = tolerances(dtype)
+    torch_err = 0.0
+    for b in range(q.shape[0]):
+        if ks[b].shape[0] == 0:
+            continue
+        k, v = ks[b].transpose(0, 1), vs[b].transpose(0, 1)                     # [hk, n, d]
+        group = q.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        s = (k @ q[b].unsqueeze(-1)).squeeze(-1) * q.shape[-1] ** -0.5       # in dtype
+        lowp = (torch.softmax(s.float(), -1).to(dtype).unsqueeze(1) @ v).squeeze(1)
+        torch_err = max(torch_err, float((lowp.double().cpu() - exact[b]).abs().max()))
+    return max(atol, 2 * torch_err), rtol
+
+
+# ================================================================ task 1: the reference
+
+@task(1, "paged_attention_reference")
+@pytest.mark.parametrize("case_index", [0, 1, 2])
+def test_reference_matches_float64(seed, case_index):
+    case = CPU_CASES[case_index]
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float64, "cpu", seed)
+    got = L.paged_attention_reference(q, kc, vc, bt, cl)
+    assert_close(got, ref_decode(q, ks, vs), name="paged_attention_reference", dtype=torch.float64,
+                 case=case_text(case, torch.float64), atol=1e-10, rtol=1e-10,
+                 hint="token t of sequence b is row t % block_size of block block_tables[b, t // block_size]; "
+                      "stop at context_lens[b] (the rest of the cache is NaN)")
+
+
+@task(1, "paged_attention_reference")
+def test_reference_scale_and_empty_context(seed):
+    case = ([0, 12], 4, 2, 16, 8)
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float64, "cpu", seed)
+    got = L.paged_attention_reference(q, kc, vc, bt, cl, scale=0.3)
+    assert_close(got, ref_decode(q, ks, vs, scale=0.3), name="paged_attention_reference with scale=0.3",
+                 case=case_text(case, torch.float64), atol=1e-10, rtol=1e-10,
+                 hint="a context of length 0 gives a zero output; scale multiplies the scores")
+
+
+# ================================================================ task 2: the kernel (one split)
+
+@task(2, "paged_attention_forward")
+@pytest.mark.parametrize("case_index", range(5))
+def test_forward_float32_matches_float64(device, seed, case_index):
+    case = cases(device)[case_index]
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, device, seed)
+    got = L.paged_attention_forward(q, kc, vc, bt, cl, max(case[0]), num_splits=1)
+    assert_close(got, ref_decode(q, ks, vs), name="paged_attention_forward output", dtype=torch.float32,
+                 case=case_text(case, torch.float32, 1), atol=2e-5, rtol=1e-5,
+                 hint="online softmax over the context tile by tile; mask tokens >= context_len (NaN otherwise); "
+                      "mask head dims >= head_dim when padding to a power of two")
+
+
+@task(2, "paged_attention_forward")
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+                         ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case_index", [0, 1, 2])
+def test_forward_low_precision(device, seed, dtype, case_index):
+    case = cases(device)[case_index]
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, dtype, device, seed)
+    got = L.paged_attention_forward(q, kc, vc, bt, cl, max(case[0]), num_splits=1)
+    exact = ref_decode(q, ks, vs)
+    atol, rtol = lowp_bound(got, exact, q, ks, vs, dtype)
+    assert_close(got, exact, name="paged_attention_forward output", dtype=dtype, case=case_text(case, dtype, 1),
+                 atol=atol, rtol=rtol, hint="accumulate scores, the running max/sum and the output in float32")
+
+
+@task(2, "paged_attention_forward")
+def test_forward_strided_q_and_scale(device, seed):
+    case = cases(device)[0]
+    _, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, device, seed)
+    batch, h, d = len(case[0]), case[1], case[3]
+    wide = randn(batch, 2 * h, d, device=device, seed=seed + 99)
+    q = wide[:, ::2]          # every other head: a non-contiguous q
+    got = L.paged_attention_forward(q, kc, vc, bt, cl, max(case[0]), scale=0.05, num_splits=1)
+    assert_close(got, ref_decode(q, ks, vs, scale=0.05), name="paged_attention_forward (strided q, scale 0.05)",
+                 case=case_text(case, torch.float32, 1), atol=2e-5, rtol=1e-5,
+                 hint="use q.stride() rather than assuming a contiguous q; apply the given scale")
+
+
+@task(2, "paged_attention_forward")
+def test_forward_bad_input(device, seed):
+    case = ([9, 4], 4, 2, 16, 8)
+    q, kc, vc, bt, cl, _, _ = build_paged(case, torch.float32, device, seed)
+    f = L.paged_attention_forward
+    expect_value_error(f, q[0], kc, vc, bt, cl, 9, what="q without a batch axis")
+    expect_value_error(f, q.half(), kc, vc, bt, cl, 9, what="q and the cache in different dtypes")
+    expect_value_error(f, q[:, :3], kc, vc, bt, cl, 9, what="3 query heads over 2 KV heads")
+    expect_value_error(f, q, kc, vc[:, :, :1], bt, cl, 9, what="k_cache and v_cache of different shapes")
+    expect_value_error(f, q, kc, vc, bt.long(), cl, 9, what="int64 block tables")
+    expect_value_error(f, q, kc, vc, bt, cl[:1], 9, what="context_lens of the wrong length")
+    expect_value_error(f, q, kc, vc, bt, cl, 5, what="context_lens larger than max_context_len")
+    expect_value_error(f, q, kc, vc, bt, cl, 10_000, what="max_context_len beyond the block table's capacity")
+    bad_table = bt.clone()
+    bad_table[0, 0] = kc.shape[0] + 5
+    expect_value_error(f, q, kc, vc, bad_table, cl, 9, what="a block id outside the cache")
+    expect_value_error(f, q, kc, vc, bt, cl, 9, num_splits=0, what="num_splits=0")
+
+
+# ================================================================ task 3: split-K
+
+def ref_merge(part_out: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
+    """float64: weights exp(lse_i - logsumexp(lse)), ignoring splits with lse = -inf."""
+    o, lse = part_out.double().cpu(), part_lse.double().cpu()
+    total = torch.logsumexp(lse, dim=-1, keepdim=True)                      # -inf when every split is empty
+    weights = torch.where(torch.isinf(total), torch.zeros_like(lse), torch.exp(lse - total))
+    o = torch.where(weights[..., None] > 0, o, torch.zeros_like(o))         # an empty split may hold NaN
+    return (weights[..., None] * o).sum(-2)
+
+
+@task(3, "merge_split_results")
+def test_merge_matches_float64(device, seed):
+    batch, heads, splits, d = 3, 4, 5, 48
+    part_out = randn(batch, heads, splits, d, device=device, seed=seed)
+    part_lse = randn(batch, heads, splits, device=device, seed=seed + 1, scale=4.0)
+    part_lse[0, 1, 2] = float("-inf")        # an empty split...
+    part_out[0, 1, 2] = float("nan")         # ...whose output was never written
+    part_lse[2, 3, :] = float("-inf")        # a row with no keys at all
+    got = L.merge_split_results(part_out, part_lse)
+    assert_close(got, ref_merge(part_out, part_lse), name="merge_split_results", atol=1e-5, rtol=1e-5,
+                 case=f"part_out [{batch}, {heads}, {splits}, {d}], lse scale 4, some splits empty",
+                 hint="out = sum_i exp(lse_i - lse) o_i with lse = logsumexp(lse_i); subtract the max before exp; "
+                      "an empty split (lse -inf) weighs 0 even if its o_i is NaN; no keys at all -> 0")
+    half = L.merge_split_results(part_out, part_lse, out_dtype=torch.float16)
+    if half.dtype != torch.float16:
+        raise GradingError(f"merge_split_results(out_dtype=float16) returned {half.dtype}")
+    expect_value_error(L.merge_split_results, part_out, part_lse[:, :, :2], what="lse with fewer splits than outputs")
+
+
+@task(3, "merge_split_results")
+@pytest.mark.parametrize("num_splits", [2, 3, 7, None])
+def test_split_k_forward_matches_float64(device, seed, num_splits):
+    case = cases(device)[2 if device == "cpu" else 0]
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, device, seed)
+    got = L.paged_attention_forward(q, kc, vc, bt, cl, max(case[0]), num_splits=num_splits)
+    assert_close(got, ref_decode(q, ks, vs), name="paged_attention_forward output with split-K",
+                 dtype=torch.float32, case=case_text(case, torch.float32, num_splits), atol=2e-5, rtol=1e-5,
+                 hint="each split handles its own range of the context and writes o_i (normalised) and lse_i; "
+                      "a split beyond a short context is empty (lse -inf)")
+
+
+@task(3, "merge_split_results")
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+                         ids=["fp16", "bf16"])
+def test_split_k_low_precision(device, seed, dtype):
+    case = cases(device)[1]
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, dtype, device, seed)
+    got = L.paged_attention_forward(q, kc, vc, bt, cl, max(case[0]), num_splits=4)
+    exact = ref_decode(q, ks, vs)
+    atol, rtol = lowp_bound(got, exact, q, ks, vs, dtype)
+    assert_close(got, exact, name="paged_attention_forward output with 4 splits", dtype=dtype,
+                 case=case_text(case, dtype, 4), atol=atol, rtol=rtol,
+                 hint="keep the partial outputs and lse in float32; cast once at the end")
