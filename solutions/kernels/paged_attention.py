@@ -287,19 +287,23 @@ def _decode_config(group: int, block_d: int) -> dict:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int | None = None,
                       min_tokens_per_split: int = 512) -> int:
-    """The split-K heuristic: enough programs to fill the GPU about 4 times over, but at least
-    ``min_tokens_per_split`` tokens per split (a split's fixed costs must stay small next to its loads).
+    """The split-K heuristic: about 4 programs per multiprocessor, a power of two, at least
+    ``min_tokens_per_split`` tokens per split.
 
-    ``batch * num_kv_heads`` programs exist without splitting; with ``num_sms`` multiprocessors about
-    ``4 * num_sms`` keep the memory system busy. Returns 1 (no split) .. ``MAX_SPLITS``.
+    Without splitting there are ``batch * num_kv_heads`` programs; ``num_sms * 4 / programs`` splits
+    bring that to about 4 per multiprocessor (enough loads in flight to keep the memory busy), rounded
+    DOWN to a power of two (on the H200, 3 or 5 splits ran slower than 2 or 4: see
+    bench/results/lesson04_h200.md, "split sweep"). A split must keep enough tokens that its fixed
+    costs (loading q, writing a partial result, the merge) stay small. Returns 1 (no split) .. ``MAX_SPLITS``.
     """
     if num_sms is None:
         num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                    if torch.cuda.is_available() else 8)
     programs = max(1, batch * num_kv_heads)
-    wanted = -(-4 * num_sms // programs)
+    wanted = max(1, 4 * num_sms // programs)
     longest = max(1, max_context_len // min_tokens_per_split)
-    return max(1, min(wanted, longest, MAX_SPLITS))
+    splits = min(wanted, longest, MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)     # the largest power of two <= splits
 
 
 # yaie: solution-only

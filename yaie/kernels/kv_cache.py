@@ -49,6 +49,14 @@ class PoolExhausted(RuntimeError):
     """The memory pool has no free range large enough for the request. The pool is left as it was."""
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"cuda"`` -> ``cuda:0`` (the current GPU): tensors report an index, so compare with one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 # ---------------------------------------------------------------------------------------------------
 # Task 1: the memory pool
 # ---------------------------------------------------------------------------------------------------
@@ -70,7 +78,7 @@ class MemoryPool:
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         self.capacity = capacity_bytes
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         # The one and only device allocation of the pool's life.
         self.arena = torch.empty(capacity_bytes, dtype=torch.uint8, device=self.device)
         self.free_ranges: list[tuple[int, int]] = [(0, capacity_bytes)]
@@ -217,7 +225,7 @@ class KVCacheManager:
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device = dtype, resolve_device(device)
         self.num_cpu_blocks = num_cpu_blocks
 
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
