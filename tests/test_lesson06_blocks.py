@@ -43,7 +43,7 @@ def reference(q, k, v, causal, dout):
 def test_every_autotune_block_shape(monkeypatch, index):
     blocks = {kind: fa._autotune_configs(kind)[index][:2] for kind in ("fwd", "dkdv", "dq")}
     monkeypatch.setattr(fa, "_fixed_config",
-                        lambda kind, block_d: dict(BLOCK_M=blocks[kind][0], BLOCK_N=blocks[kind][1]))
+                        lambda kind, block_d, *rest: dict(BLOCK_M=blocks[kind][0], BLOCK_N=blocks[kind][1]))
     gen = torch.Generator().manual_seed(index)
     seq_q, seq_k, causal, head_dim = SHAPES[index % len(SHAPES)]
     q = torch.randn(1, 4, seq_q, head_dim, generator=gen)

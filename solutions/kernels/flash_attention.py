@@ -470,13 +470,22 @@ def _bwd_dq_kernel(
 
 
 # yaie: solution-only
-def _fixed_config(kind: str, block_d: int) -> dict:
-    """Block sizes used without autotuning: small square blocks in the interpreter, sane GPU defaults."""
+def _fixed_config(kind: str, block_d: int, exact_fp32: bool = False) -> dict:
+    """Block sizes used without autotuning: small square blocks in the interpreter, sane GPU defaults.
+
+    Shared memory (227 KB a block on Hopper) bounds the tiles: float32 tiles are twice as large, so
+    wide float32 heads get smaller blocks (float32, head_dim 128, forward 128 x 64: 225 KB, just in).
+    """
     if triton_interpreted():
         return dict(BLOCK_M=32, BLOCK_N=32)
     wide = block_d > 128
+    if exact_fp32 and wide:
+        if kind == "fwd":
+            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
     if kind == "fwd":
-        return dict(BLOCK_M=64 if wide else 128, BLOCK_N=64, num_warps=8 if block_d >= 128 else 4, num_stages=2 if wide else 3)
+        return dict(BLOCK_M=64 if wide else 128, BLOCK_N=64, num_warps=8 if block_d >= 128 else 4,
+                    num_stages=2 if wide else 3)
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if block_d >= 128 else 4, num_stages=2)
 
 
@@ -516,13 +525,14 @@ def _launch(kind: str, grid_rows: int, grid_heads: int, batch: int, args: tuple,
     ``grid_rows`` is the length the first grid axis tiles (query rows or keys, per BLOCK_M or BLOCK_N).
     """
     tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
-    if _use_autotune(constexprs.get("PRECISION") == "ieee", grid_rows):
+    exact_fp32 = constexprs.get("PRECISION") == "ieee"
+    if _use_autotune(exact_fp32, grid_rows):
         def grid(meta):
             return (triton.cdiv(grid_rows, meta[tile]), grid_heads, batch)
         _tuned(kind)[grid](*args, BLOCK_D=block_d, **constexprs)
     else:
         kernel = {"fwd": _flash_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}[kind]
-        config = _fixed_config(kind, block_d)
+        config = _fixed_config(kind, block_d, exact_fp32)
         grid = (triton.cdiv(grid_rows, config[tile]), grid_heads, batch)
         kernel[grid](*args, BLOCK_D=block_d, **constexprs, **config)
 
