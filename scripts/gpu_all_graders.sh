@@ -4,7 +4,7 @@
 #   bash scripts/gpu_all_graders.sh        (from the repository root; logs and results.json go to $OUT)
 set -u -o pipefail
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$OUT/json"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 {
   echo "== $(date -u +%FT%TZ) commit ${YAIE_GIT_COMMIT:-unknown}"
@@ -14,8 +14,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     lesson=$(basename "$dir")
     echo "== $lesson on the reference solutions"
     python3 -m pytest "$dir" --solutions -q -p no:cacheprovider --grader-timeout 300 \
-      --results-json "$OUT/${lesson}_solutions.json" 2>&1 | tail -15
+      --results-json "$OUT/json/${lesson}_solutions.json" 2>&1 | tail -15
     echo "== $lesson on the stubs (expect every task: not implemented yet)"
-    python3 -m pytest "$dir" -q -p no:cacheprovider --results-json "$OUT/${lesson}_stubs.json" 2>&1 | tail -8
+    python3 -m pytest "$dir" -q -p no:cacheprovider --results-json "$OUT/json/${lesson}_stubs.json" 2>&1 | tail -8
   done
 } 2>&1 | tee "$OUT/gpu_all_graders.log"
+# The device tool returns at most 8 files: pack the results.json files into one archive.
+tar -czf "$OUT/graders_results.tar.gz" -C "$OUT" json && rm -rf "$OUT/json"
