@@ -166,7 +166,7 @@ def _spy(monkeypatch, module, names):
 
 
 def test_spies_on_lesson01_are_called(monkeypatch):
-    monkeypatch.setenv("YAIE_SOLUTIONS", "1")
+    monkeypatch.setenv("YAIE_SOLUTIONS", "1,3")
     calls = _spy(monkeypatch, reference, LESSON01)
     llm = LLM(DEFAULT_MODEL, device="cpu")
     steps, layers = 3, llm.config.num_layers
@@ -177,8 +177,8 @@ def test_spies_on_lesson01_are_called(monkeypatch):
 
 
 def test_student_code_runs_when_the_switch_says_so(monkeypatch):
-    """YAIE_SOLUTIONS=none: the functions in yaie/kernels/ are the ones called."""
-    monkeypatch.setenv("YAIE_SOLUTIONS", "none")
+    """YAIE_SOLUTIONS=3: lesson 01's functions in yaie/kernels/ are the ones called."""
+    monkeypatch.setenv("YAIE_SOLUTIONS", "3")
     for name in LESSON01:
         monkeypatch.setattr(student, name, getattr(reference, name))  # a student who finished lesson 01
     calls = _spy(monkeypatch, student, LESSON01)
@@ -220,7 +220,7 @@ def test_auto_mode_without_reference_says_so(monkeypatch):
 
 
 def test_strict_mode_names_the_missing_task(monkeypatch):
-    monkeypatch.setenv("YAIE_SOLUTIONS", "none")
+    monkeypatch.setenv("YAIE_SOLUTIONS", "3")
     for name in LESSON01:
         monkeypatch.setattr(student, name, getattr(reference, name))
     monkeypatch.setattr(student, "cpu_attention_forward", _stub("cpu_attention_forward"))
@@ -237,7 +237,7 @@ def test_strict_mode_names_the_missing_task(monkeypatch):
 def test_cli_generate_prints_text(monkeypatch, capsys):
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")  # restored after the test, whatever --solutions sets
     rc = cli.main(["generate", "Once upon a time, there was a little cat named", "--max-tokens", "12",
-                   "--temperature", "0", "--solutions", "1", "--device", "cpu"])
+                   "--temperature", "0", "--solutions", "1,3", "--device", "cpu"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.startswith("Once upon a time, there was a little cat named ") and len(out.split()) >= 16

@@ -81,24 +81,31 @@ def _missing_message(lesson: int, name: str, err: NotImplementedError) -> str:
             f"unset YAIE_SOLUTIONS to let the engine use the reference wherever a lesson is unfinished.")
 
 
+def _fallback(lesson: int, name: str, module, err: NotImplementedError):
+    """The module to use after ``module.name`` raised ``NotImplementedError``: the reference in auto mode
+    (with one notice line), else :class:`KernelMissing`."""
+    if module.__name__.startswith("solutions.") or not _auto_mode():
+        raise KernelMissing(_missing_message(lesson, name, err)) from None
+    try:
+        reference = _reference_module(lesson)
+    except switch.LessonUnavailable:
+        raise KernelMissing(
+            f"{switch.LESSONS[lesson].label}: {name} is not implemented yet in {_student_path(lesson)}, "
+            "and this copy of the course has no reference solution to use instead: implement it "
+            f"(`pytest grader/lesson{lesson:02d}` checks it).") from None
+    _auto_reference.add(lesson)
+    print(f"{switch.LESSONS[lesson].label}: {name} is not implemented yet in {_student_path(lesson)}; "
+          f"using the reference for {switch.LESSONS[lesson].label}", file=sys.stderr, flush=True)
+    return reference
+
+
 def call(lesson: int, name: str, *args, **kwargs):
     """Call ``name`` of ``lesson``'s module, handling unfinished stubs as the module docstring says."""
     module = lesson_module(lesson)
     try:
         return getattr(module, name)(*args, **kwargs)
     except NotImplementedError as err:
-        if module.__name__.startswith("solutions.") or not _auto_mode():
-            raise KernelMissing(_missing_message(lesson, name, err)) from None
-        try:
-            reference = _reference_module(lesson)
-        except switch.LessonUnavailable:
-            raise KernelMissing(
-                f"{switch.LESSONS[lesson].label}: {name} is not implemented yet in {_student_path(lesson)}, "
-                "and this copy of the course has no reference solution to use instead: implement it "
-                f"(`pytest grader/lesson{lesson:02d}` checks it).") from None
-        _auto_reference.add(lesson)
-        print(f"{switch.LESSONS[lesson].label}: {name} is not implemented yet in {_student_path(lesson)}; "
-              f"using the reference for {switch.LESSONS[lesson].label}", file=sys.stderr, flush=True)
+        reference = _fallback(lesson, name, module, err)
         return getattr(reference, name)(*args, **kwargs)
 
 
@@ -216,3 +223,121 @@ def attention_prefill(q, k, v, sliding_window=None, scale=None):
 def attention_decode(q, k, v, sliding_window=None, scale=None):
     """Decode: one new token over the cached context (see :func:`attention`)."""
     return attention(q, k, v, sliding_window, scale)
+
+
+# ----------------------------------------------------------------------------- the paged KV cache (lesson 03)
+def _probe_kv_manager(cls, swap: bool) -> None:
+    """Run every manager method the engine uses once, on a tiny CPU cache.
+
+    A student's class may construct fine and still have stubbed methods; finding that *before*
+    serving starts lets auto mode switch lesson 03 as a whole (one manager class owns all the state:
+    switching halfway through a generation would lose the cache).
+    """
+    manager = cls(num_blocks=4, block_size=2, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                  device="cpu", num_cpu_blocks=4 if swap else 0)
+    slots = manager.allocate("probe", 3)
+    manager.write_kv(0, slots, torch.randn(3, 1, 2), torch.randn(3, 1, 2))
+    manager.append_slots("probe", 1)
+    manager.block_table(["probe"])
+    manager.context_lens(["probe"])
+    if swap:
+        manager.swap_out("probe")
+        manager.swap_in("probe")
+    manager.free("probe")
+
+
+def kv_cache_manager(num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device | str, num_cpu_blocks: int = 0,
+                     swap: bool = False):
+    """A lesson 03 ``KVCacheManager`` (the student's, or the reference as the switch and auto mode say).
+
+    The class is probed first (:func:`_probe_kv_manager`); ``swap`` says whether the engine will swap
+    (then lesson 03 task 4 is needed too).
+    """
+    module = lesson_module(3)
+    try:
+        _probe_kv_manager(module.KVCacheManager, swap)
+    except NotImplementedError as err:
+        module = _fallback(3, "KVCacheManager", module, err)
+    return module.KVCacheManager(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype=dtype,
+                                 device=device, num_cpu_blocks=num_cpu_blocks)
+
+
+def _kernel_lesson_available(lesson: int) -> bool:
+    try:
+        lesson_module(lesson)
+    except switch.LessonUnavailable:
+        return False
+    return True
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, layer: int,
+                    sliding_window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention of one engine step over the paged KV cache (the new keys and values are already in it).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``: first one query per decoding sequence
+            (``step.num_decodes`` rows), then the new tokens of each prefilling sequence, packed.
+        k, v: ``[num_tokens, num_kv_heads, head_dim]``, the same tokens' keys and values (the prefill
+            kernel reads them directly when a prefill has no cached context before it).
+        step: a :class:`yaie.model.paged.PagedStep` (block tables, lengths, offsets of this step).
+        layer: which layer's cache to read.
+
+    Which kernel runs (each looked up through the switch at call time):
+
+    * ``step.use_kernels`` (CUDA tensors, by default): decode rows go to lesson 04's
+      ``paged_attention_forward`` (it reads the blocks through the block table); prefill rows go to
+      lesson 06's ``flash_attention_varlen_forward`` over the packed new tokens (or, for a prefill that
+      continues a cached context, over that context gathered from the blocks);
+    * otherwise, and for a sliding-window layer whose window is shorter than a context (neither kernel
+      has a window), each sequence's K/V is gathered from its blocks and lesson 01's
+      ``cpu_attention_forward`` runs on it (:func:`attention`).
+    """
+    out = torch.empty_like(q)
+    decodes, cache_len = step.num_decodes, max(step.context_lens_list, default=0)
+    windowed = sliding_window is not None and cache_len > sliding_window
+    kernels = step.use_kernels and not windowed
+    if decodes:
+        if kernels and _kernel_lesson_available(4):
+            out[:decodes] = call(4, "paged_attention_forward", q[:decodes], step.manager.k_cache[layer],
+                                 step.manager.v_cache[layer], step.block_tables[:decodes],
+                                 step.context_lens[:decodes], max(step.context_lens_list[:decodes]),
+                                 scale=scale, validate=False)
+        else:
+            _gathered_attention(out, q, step, layer, range(decodes), sliding_window, scale)
+    if step.num_prefills:
+        if kernels and _kernel_lesson_available(6):
+            out[decodes:] = _varlen_prefill(q[decodes:], k[decodes:], v[decodes:], step, layer, scale)
+        else:
+            _gathered_attention(out, q, step, layer, range(decodes, len(step.seq_ids)), sliding_window, scale)
+    return out
+
+
+def _gathered_attention(out, q, step, layer, seqs, sliding_window, scale) -> None:
+    """The naive path: per sequence, gather its keys and values from the blocks, attend with lesson 01."""
+    k_rows = step.manager.k_cache[layer].flatten(0, 1)      # [num_blocks * block_size, kv_heads, head_dim]
+    v_rows = step.manager.v_cache[layer].flatten(0, 1)
+    for i in seqs:
+        start, end = step.query_starts[i], step.query_starts[i + 1]
+        slots = step.context_slots(i)
+        out[start:end] = attention(q[start:end], k_rows[slots], v_rows[slots], sliding_window, scale)
+
+
+def _varlen_prefill(q, k, v, step, layer, scale) -> torch.Tensor:
+    """Lesson 06 over the prefills of a step: the new tokens are packed, so no gather when they start at
+    position 0 (the engine's whole-prompt prefills); a prefill after a cached context reads that context
+    gathered from the blocks."""
+    if step.prefills_start_empty:
+        keys, values = k, v
+    else:
+        slots = torch.cat([step.context_slots(i) for i in range(step.num_decodes, len(step.seq_ids))])
+        keys = step.manager.k_cache[layer].flatten(0, 1)[slots]
+        values = step.manager.v_cache[layer].flatten(0, 1)[slots]
+    out, _ = call(6, "flash_attention_varlen_forward", q, keys, values, step.cu_seqlens_q, step.cu_seqlens_k,
+                  step.max_prefill_query, step.max_prefill_context, causal=True, scale=scale)
+    return out
+
+
+def write_kv(manager, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new keys and values in the paged cache (lesson 03's ``write_kv``; its manager was probed)."""
+    manager.write_kv(layer, slot_mapping, k, v)

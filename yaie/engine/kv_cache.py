@@ -1,8 +1,9 @@
-"""The KV cache of one sequence: keys and values of every token seen, per layer.
+"""The contiguous KV cache of ONE sequence: keys and values of every token seen, per layer.
 
-Version 0 is contiguous: one preallocated ``[capacity, kv_heads, head_dim]`` buffer per layer for K
-and for V. Lesson 03 replaces it with a paged cache (fixed-size blocks from a shared pool); the model
-only calls :meth:`append` and :meth:`get`, so the swap touches this file alone.
+The engine keeps its KV in lesson 03's paged cache (:mod:`yaie.model.paged`, :mod:`yaie.engine.scheduler`).
+This contiguous cache stays as the simplest thing the model can run against: one preallocated
+``[capacity, kv_heads, head_dim]`` buffer per layer for K and for V, attention by lesson 01. Tests and
+the GPU checks use it to get one sequence's logits (compared with transformers') without a scheduler.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ class ContiguousKVCache:
         self.keys[layer, start:end] = k
         self.values[layer, start:end] = v
         self.lengths[layer] = end
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """What the model calls per layer: append ``k, v``, then attend ``q`` over the whole context."""
+        from yaie import ops
+        self.append(layer, k, v)
+        keys, values = self.get(layer)
+        return ops.attention(q, keys, values, sliding_window=sliding_window)
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of all cached keys and values of ``layer``: ``[num_cached, kv_heads, head_dim]`` each."""

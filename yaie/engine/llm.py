@@ -1,7 +1,12 @@
 """The Python API: ``LLM(model_dir).generate(prompts, SamplingParams(...))``.
 
-Version 0 runs one sequence at a time with a contiguous KV cache: a prefill pass over the prompt,
-then one decode pass per new token. Later lessons bring the paged cache, batching and prefix sharing.
+Requests run through continuous batching (:mod:`yaie.engine.scheduler`): all prompts of a ``generate``
+call are queued; every step runs one forward pass over the decoding requests (one token each) and the
+newly admitted prefills (whole prompts), packed into one batch. The KV cache is lesson 03's paged cache
+(a ``KVCacheManager``, one per ``generate`` or ``stream`` call); the model reads and writes it through a
+:class:`yaie.model.paged.PagedStep`. When blocks run out the scheduler preempts the newest request by
+recompute or swap; each request keeps its own sampler (and seed), so its tokens do not depend on what
+it was batched with.
 """
 
 from __future__ import annotations
@@ -13,14 +18,19 @@ from typing import Iterator, Sequence
 
 import torch
 
+from yaie import ops
 from yaie.device import default_device
-from yaie.engine.kv_cache import ContiguousKVCache
 from yaie.engine.sampling import SamplingParams, sample
+from yaie.engine.scheduler import PREEMPTION_MODES, Request, Scheduler, StepPlan
 from yaie.model.config import ModelLoadError
 from yaie.model.llama import LlamaModel
+from yaie.model.paged import PagedStep
 from yaie.model.tokenizer import StreamDecoder, Tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "tiny-stories"
+DEFAULT_KV_CACHE_BYTES_CPU = 256 * 2**20     # the CPU cache is allocated lazily: pages are touched as used
+DEFAULT_KV_CACHE_FRACTION_CUDA = 0.5         # of the GPU memory free after the weights are loaded
+DEFAULT_SWAP_BYTES = 1 * 2**30               # host blocks for swapping (pinned memory on CUDA)
 
 
 @dataclass
@@ -45,6 +55,51 @@ class RequestOutput:
         return self.outputs[0].token_ids
 
 
+class _Text:
+    """A request's sampler and text: stop ids, stop strings (held back until known not to start one)."""
+
+    def __init__(self, llm: "LLM", params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.eos_token_ids))
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.decoder = StreamDecoder(llm.tokenizer)
+        self.emitted = 0
+        self.end: int | None = None
+        self.finish_reason: str | None = None
+
+    def push(self, request: Request, token: int) -> str:
+        """Take a sampled token; return the text that became final. Sets ``finish_reason`` when done."""
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return self._rest()
+        request.output_ids.append(token)
+        self.decoder.push(token)
+        text = self.decoder.text
+        self.end = _find_stop(text, self.params.stop, max(0, self.emitted - self.hold))
+        if self.end is not None:
+            self.finish_reason = "stop"
+            return self._rest()
+        if len(request.output_ids) >= request.max_new_tokens:
+            self.finish_reason = "length"
+            return self._rest()
+        safe = len(text) - self.hold
+        if safe > self.emitted:
+            piece, self.emitted = text[self.emitted:safe], safe
+            return piece
+        return ""
+
+    def _rest(self) -> str:
+        text = self.final_text
+        piece = text[self.emitted:]
+        self.emitted = max(self.emitted, len(text))
+        return piece
+
+    @property
+    def final_text(self) -> str:
+        return self.decoder.text if self.end is None else self.decoder.text[:self.end]
+
+
 class LLM:
     """A loaded model and its tokenizer, ready to generate.
 
@@ -56,10 +111,20 @@ class LLM:
         cpu_threads: torch threads while generating on the CPU. Default: 1 for models under
             100M parameters, whose matrices are too small to split (measured on the bundled model on a
             busy 2-core machine: 0.4 s with one thread, 13 s with two), else torch's own setting.
+        block_size: tokens per KV-cache block (lesson 03; lesson 04's kernel takes 8 to 128).
+        num_blocks: device blocks of the KV cache; default: 256 MiB worth on the CPU, half the free GPU
+            memory on CUDA, and never fewer than one full context needs.
+        num_cpu_blocks: host blocks for swap preemption; default: as many as the device (CPU) or 1 GiB
+            worth (CUDA, pinned) with ``preemption="swap"``, none with ``"recompute"``.
+        preemption: what happens to the newest running request when blocks run out: ``"recompute"``
+            (free its blocks, prefill it again later) or ``"swap"`` (copy its blocks to host memory).
+        max_num_seqs: requests running at once at most. max_num_batched_tokens: prefill tokens per step.
     """
 
     def __init__(self, model: str | Path | None = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, cpu_threads: int | None = None):
+                 dtype: torch.dtype | None = None, cpu_threads: int | None = None, *,
+                 block_size: int = 16, num_blocks: int | None = None, num_cpu_blocks: int | None = None,
+                 preemption: str = "recompute", max_num_seqs: int = 256, max_num_batched_tokens: int = 4096):
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = torch.device(device) if device is not None else default_device()
         self.model = LlamaModel.from_pretrained(self.model_dir, device=self.device, dtype=dtype)
@@ -72,6 +137,39 @@ class LLM:
             raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
         small = self.num_parameters() < 100_000_000
         self.cpu_threads = cpu_threads or (1 if small else None)
+        if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
+            raise ValueError(f"block_size must be an int in 1..1024, got {block_size!r}")
+        for name, value in (("num_blocks", num_blocks), ("num_cpu_blocks", num_cpu_blocks)):
+            if value is not None and (not isinstance(value, int) or value < (1 if name == "num_blocks" else 0)):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        self.block_size, self.preemption = block_size, preemption
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.num_blocks = num_blocks or self._default_num_blocks()
+        self.num_cpu_blocks = num_cpu_blocks if num_cpu_blocks is not None else self._default_cpu_blocks()
+        self.last_scheduler: Scheduler | None = None   # the last run's scheduler (stats, manager), for tests
+
+    def _block_bytes(self) -> int:
+        cfg = self.config
+        element = torch.empty((), dtype=self.model.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * element
+
+    def _default_num_blocks(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * DEFAULT_KV_CACHE_FRACTION_CUDA)
+        else:
+            budget = DEFAULT_KV_CACHE_BYTES_CPU
+        one_context = -(-self.config.max_position_embeddings // self.block_size)
+        return max(one_context, budget // self._block_bytes())
+
+    def _default_cpu_blocks(self) -> int:
+        if self.preemption != "swap":
+            return 0
+        if self.device.type == "cpu":
+            return self.num_blocks
+        return min(self.num_blocks, DEFAULT_SWAP_BYTES // self._block_bytes())
 
     def num_parameters(self) -> int:
         cfg = self.config
@@ -114,7 +212,9 @@ class LLM:
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
-        """Generate for each prompt (a string, or a list of token ids); one :class:`RequestOutput` each."""
+        """Generate for each prompt (a string, or a list of token ids); one :class:`RequestOutput` each,
+        in the order of the prompts. All prompts run together through continuous batching.
+        ``sampling_params``: one for all, or a list with one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -127,17 +227,15 @@ class LLM:
             else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them")
         checked = [self._prompt_ids(p) for p in prompts]  # every prompt is checked before any work
-        results = []
-        for (text, ids), p in zip(checked, params):
-            steps = self._run(ids, p)
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    results.append(RequestOutput(text, ids, [done.value]))
-                    break
-        return results
+        finished = {}
+        for request, _, text in self._run([ids for _, ids in checked], params):
+            if request.state == "finished":
+                finished[request.request_id] = CompletionOutput(text.final_text, request.output_ids,
+                                                                text.finish_reason)
+        return [RequestOutput(prompt_text, ids, [finished[i]]) for i, (prompt_text, ids) in enumerate(checked)]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the generated text of one prompt piece by piece, as tokens come.
@@ -145,7 +243,11 @@ class LLM:
         The generator's return value (``StopIteration.value``) is the :class:`CompletionOutput`.
         """
         _, ids = self._prompt_ids(prompt)
-        return (yield from self._run(ids, sampling_params or self.default_sampling_params()))
+        for request, piece, text in self._run([ids], [sampling_params or self.default_sampling_params()]):
+            if piece:
+                yield piece
+            if request.state == "finished":
+                return CompletionOutput(text.final_text, request.output_ids, text.finish_reason)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """Generate a reply to ``[{"role": ..., "content": ...}, ...]`` through the model's chat template."""
@@ -155,53 +257,68 @@ class LLM:
         out.prompt = text
         return out
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams):
-        """Generator: yields text pieces as they are final; returns the :class:`CompletionOutput`."""
+    def new_kv_cache(self):
+        """A fresh lesson 03 ``KVCacheManager`` sized for this engine (through :func:`yaie.ops.kv_cache_manager`)."""
+        cfg = self.config
+        return ops.kv_cache_manager(self.num_blocks, self.block_size, cfg.num_layers, cfg.num_kv_heads,
+                                    cfg.head_dim, self.model.dtype, self.device, self.num_cpu_blocks,
+                                    swap=self.preemption == "swap" and self.num_cpu_blocks > 0)
+
+    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams]):
+        """Generator over events ``(request, text piece, its _Text)``: one per request per step, the last
+        one with ``request.state == "finished"``."""
         previous = torch.get_num_threads()
         if self.device.type == "cpu" and self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         try:
-            return (yield from self._decode_loop(prompt_ids, params))
+            self.last_scheduler = None       # let the previous cache go before allocating the next
+            scheduler = Scheduler(self.new_kv_cache(), self.preemption, self.max_num_seqs,
+                                  self.max_num_batched_tokens)
+            self.last_scheduler = scheduler
+            texts = {}
+            for i, (ids, p) in enumerate(zip(prompt_ids, params)):
+                room = self.config.max_position_embeddings - len(ids)
+                request = Request(i, ids, min(p.max_tokens, room))
+                scheduler.add(request)      # ValueError if it can never fit: before any work
+                texts[i] = _Text(self, p)
+            while scheduler.has_unfinished():
+                plan = scheduler.schedule()
+                if plan.empty:
+                    raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
+                tokens = self._forward(scheduler.manager, plan, [texts[r.request_id] for r in
+                                                                 plan.decodes + plan.prefills])
+                for request, token in zip(plan.decodes + plan.prefills, tokens):
+                    text = texts[request.request_id]
+                    piece = text.push(request, token)
+                    if text.finish_reason is not None:
+                        scheduler.finish(request)
+                    yield request, piece, text
         finally:
             torch.set_num_threads(previous)
 
-    def _decode_loop(self, prompt_ids: list[int], params: SamplingParams):
-        """Prefill, then one decode step per token. Text that could be the start of a stop string is
-        held back until it is known not to be one."""
-        room = self.config.max_position_embeddings - len(prompt_ids)
-        max_new = min(params.max_tokens, room)
-        cache = ContiguousKVCache.for_model(self.config, len(prompt_ids) + max_new, self.model.dtype, self.device)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        decoder = StreamDecoder(self.tokenizer)
-        tokens = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        positions = torch.arange(len(prompt_ids), device=self.device)
-        out_ids: list[int] = []
-        emitted, finish, end = 0, "length", None
-        for _ in range(max_new):
-            hidden = self.model.forward(tokens, positions, cache)
-            token = sample(self.model.logits(hidden[-1:])[0], params, generator)
-            if token in stop_ids:
-                finish = "stop"
-                break
-            out_ids.append(token)
-            decoder.push(token)
-            text = decoder.text
-            end = _find_stop(text, params.stop, max(0, emitted - hold))
-            if end is not None:
-                finish = "stop"
-                break
-            safe = len(text) - hold
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-            tokens = torch.tensor([token], dtype=torch.long, device=self.device)
-            positions = torch.tensor([len(cache)], device=self.device)
-        text = decoder.text if end is None else decoder.text[:end]
-        if len(text) > emitted:
-            yield text[emitted:]
-        return CompletionOutput(text=text, token_ids=out_ids, finish_reason=finish)
+    def _forward(self, manager, plan: StepPlan, texts: list[_Text]) -> list[int]:
+        """One forward pass over a step's decodes and prefills; returns one sampled token per request."""
+        token_ids = [r.token_ids[-1] for r in plan.decodes] + [t for r in plan.prefills for t in r.token_ids]
+        positions = [len(r.token_ids) - 1 for r in plan.decodes] + [p for r in plan.prefills
+                                                                    for p in range(len(r.token_ids))]
+        requests = plan.decodes + plan.prefills
+        step = PagedStep(manager, [r.request_id for r in requests],
+                         [1] * len(plan.decodes) + [len(r.token_ids) for r in plan.prefills], len(plan.decodes),
+                         torch.cat(plan.decode_slots + plan.prefill_slots))
+        hidden = self.model.forward(torch.tensor(token_ids, device=self.device),
+                                    torch.tensor(positions, device=self.device), step)
+        rows = torch.tensor(step.last_token_rows, device=self.device)
+        logits = self.model.logits(hidden[rows])
+        return _sample_rows(logits, texts)
+
+
+def _sample_rows(logits: torch.Tensor, texts: list[_Text]) -> list[int]:
+    """One token per row; greedy rows in one argmax (one device sync), the rest each with its own generator."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, text in enumerate(texts):
+        if not text.params.greedy:
+            tokens[i] = sample(logits[i], text.params, text.generator)
+    return tokens
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:

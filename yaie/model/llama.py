@@ -11,7 +11,7 @@ residual add and the next norm in one pass::
     h, residual = add_rms_norm(x, residual, input_norm)   # residual += x; h = norm(residual)
     q, k, v = split(h @ Wqkv.T)                            # one product for the three projections
     q, k = rope(q, k, positions)
-    cache.append(layer, k, v); attn = attention(q, cache.keys, cache.values)
+    attn = cache.attend(layer, q, k, v)                    # store k, v; attend over the context
     x = attn @ Wo.T
     h, residual = add_rms_norm(x, residual, post_attention_norm)
     x = silu_and_mul(h @ Wgate_up.T) @ Wdown.T            # SwiGLU MLP
@@ -104,18 +104,19 @@ class LlamaModel:
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = ops.rope(q, k, self.cos, self.sin, positions)
-        cache.append(n, k, v)
-        keys, values = cache.get(n)
-        attn = ops.attention(q, keys, values, sliding_window=layer.sliding_window)
+        # The cache stores k, v and runs attention: a PagedStep (the engine: lesson 03's blocks, lessons
+        # 04/06 on CUDA) or a ContiguousKVCache (one sequence, lesson 01; tests and logit checks).
+        attn = cache.attend(n, q, k, v, layer.sliding_window)
         return _linear(attn.reshape(-1, q_size), layer.o, layer.o_bias)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """Run the new tokens of one sequence; returns the final hidden states ``[num_tokens, hidden]``.
+        """Run a step's new tokens; returns the final hidden states ``[num_tokens, hidden]``.
 
-        ``token_ids`` and ``positions`` are int64 ``[num_tokens]``; ``positions`` must continue the
-        cache (the cache holds positions ``0 .. positions[0] - 1``). The tokens' keys and values are
-        appended to ``cache``.
+        ``token_ids`` and ``positions`` are int64 ``[num_tokens]``. ``cache`` is either a
+        :class:`yaie.model.paged.PagedStep` (the engine: several sequences, tokens packed as it says, slots
+        already reserved) or a :class:`yaie.engine.kv_cache.ContiguousKVCache` of one sequence whose
+        ``positions`` continue it. The tokens' keys and values are stored in the cache.
         """
         cfg = self.config
         x = self.embed[token_ids]

@@ -1,0 +1,217 @@
+"""Continuous batching: which requests run in the next forward pass, and who gives way when blocks run out.
+
+Every request is in exactly one queue:
+
+* ``waiting``: not in the cache (new, or preempted by *recompute*): it needs a prefill of all its tokens;
+* ``running``: its K/V are in the device blocks; it decodes one token per step;
+* ``swapped``: preempted by *swap*: its blocks are in host memory (lesson 03 ``swap_out``); it comes back
+  with ``swap_in`` and goes on decoding, nothing recomputed.
+
+One step (:meth:`Scheduler.schedule`), oldest request first everywhere (first come, first served):
+
+1. every running request reserves the slot of its next token (``append_slots``). When the cache has no
+   free block for it, the **newest** running request is preempted, again until the slot fits (it may be
+   the request itself). The oldest request therefore always makes progress: no livelock.
+2. if nobody was preempted in this step, swapped requests come back (oldest first) while their blocks
+   and one more fit;
+3. then, if no request is still swapped out, waiting requests are admitted (prefill) while their tokens
+   fit in the free blocks and in the step's token budget.
+
+Preemption policies: ``"recompute"`` frees the victim's blocks and puts it back at the head of the
+waiting queue: it is re-prefilled later over prompt + tokens generated so far (cheap for short
+sequences, needs no host memory). ``"swap"`` copies its blocks to host memory (when the host has room;
+otherwise it falls back to recompute). Either way the request's generated tokens and its sampler state
+stay with it, so its output is the same as if it had run alone.
+
+The scheduler only keeps books (queues, the lesson 03 manager); the engine (:mod:`yaie.engine.llm`) runs
+the model on the plan and calls :meth:`Scheduler.finish`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class Request:
+    """One prompt in flight. ``request_id`` is its arrival number (smaller = older = served first)."""
+
+    request_id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    state: str = "waiting"                 # waiting, running, swapped or finished
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + generated tokens: what a (re-)prefill feeds."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """Most tokens this request ever holds in the cache (the last generated token is never fed)."""
+        return len(self.prompt_ids) + self.max_new_tokens - 1
+
+
+@dataclass
+class StepPlan:
+    """What the next forward pass runs: decodes (one token each) then prefills (all their tokens), with
+    the cache slots reserved for those tokens."""
+
+    decodes: list[Request] = field(default_factory=list)
+    decode_slots: list[torch.Tensor] = field(default_factory=list)
+    prefills: list[Request] = field(default_factory=list)
+    prefill_slots: list[torch.Tensor] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    max_running: int = 0
+    preempted_by_swap: int = 0
+    preempted_by_recompute: int = 0
+    swapped_in: int = 0
+
+
+class Scheduler:
+    """Args:
+        manager: the lesson 03 ``KVCacheManager`` (request ids are its sequence ids).
+        preemption: ``"recompute"`` or ``"swap"``.
+        max_num_seqs: at most this many requests run at once.
+        max_num_batched_tokens: prefill tokens per step; a single longer prompt still runs, alone.
+    """
+
+    def __init__(self, manager, preemption: str = "recompute", max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 4096):
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
+        self.manager = manager
+        self.preemption = preemption
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # The manager's own OutOfBlocks (the student's or the reference module, whichever built it).
+        self.out_of_blocks = importlib.import_module(type(manager).__module__).OutOfBlocks
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ queues
+    def add(self, request: Request) -> None:
+        """Queue a new request. ValueError if it could never fit in the cache, even alone."""
+        size = self.manager.block_size
+        need = -(-request.max_cached_tokens // size)
+        if need > self.manager.num_blocks:
+            raise ValueError(f"request {request.request_id} needs up to {request.max_cached_tokens} tokens "
+                             f"({need} blocks of {size}) in the KV cache, which has {self.manager.num_blocks} "
+                             "blocks: give the engine more blocks (num_blocks) or ask for fewer tokens")
+        _insert_by_age(self.waiting, request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, request: Request) -> None:
+        """A running request is done: give its blocks back."""
+        self.running.remove(request)
+        self.manager.free(request.request_id)
+        request.state = "finished"
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._schedule_decodes(plan)
+        if not plan.preempted:
+            self._swap_in(plan)
+            if not self.swapped:
+                self._admit(plan)
+        self.stats.steps += 1
+        self.stats.max_running = max(self.stats.max_running, len(self.running))
+        return plan
+
+    def _schedule_decodes(self, plan: StepPlan) -> None:
+        for request in list(self.running):       # oldest first; victims are taken from the end
+            if request.state != "running":
+                continue                          # preempted earlier in this loop
+            while True:
+                try:
+                    slots = self.manager.append_slots(request.request_id, 1)
+                except self.out_of_blocks:
+                    victim = self.running[-1]
+                    self._preempt(victim, plan)
+                    if victim is request:
+                        break
+                    continue
+                plan.decodes.append(request)
+                plan.decode_slots.append(slots)
+                break
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        request.num_preemptions += 1
+        plan.preempted.append(request)
+        seq = request.request_id
+        if self.preemption == "swap" and len(self.manager.block_ids(seq)) <= self.manager.num_free_cpu_blocks:
+            self.manager.swap_out(seq)
+            request.state = "swapped"
+            _insert_by_age(self.swapped, request)
+            self.stats.preempted_by_swap += 1
+        else:
+            self.manager.free(seq)
+            request.state = "waiting"
+            _insert_by_age(self.waiting, request)
+            self.stats.preempted_by_recompute += 1
+
+    def _swap_in(self, plan: StepPlan) -> None:
+        size = self.manager.block_size
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            tokens = self.manager.num_tokens(request.request_id)
+            # Its blocks come back, plus room for the slot it decodes into right away.
+            if -(-(tokens + 1) // size) > self.manager.num_free_blocks:
+                return
+            self.manager.swap_in(request.request_id)
+            self.swapped.pop(0)
+            request.state = "running"
+            _insert_by_age(self.running, request)
+            plan.decodes.append(request)
+            plan.decode_slots.append(self.manager.append_slots(request.request_id, 1))
+            self.stats.swapped_in += 1
+
+    def _admit(self, plan: StepPlan) -> None:
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            tokens = len(request.token_ids)
+            if plan.prefills and tokens > budget:
+                return
+            if not self.manager.can_allocate(tokens):
+                return
+            plan.prefill_slots.append(self.manager.allocate(request.request_id, tokens))
+            self.waiting.pop(0)
+            request.state = "running"
+            _insert_by_age(self.running, request)
+            plan.prefills.append(request)
+            budget -= tokens
+
+
+def _insert_by_age(queue: list[Request], request: Request) -> None:
+    """Keep a queue ordered by arrival (a preempted request goes back ahead of younger ones)."""
+    position = len(queue)
+    while position > 0 and queue[position - 1].request_id > request.request_id:
+        position -= 1
+    queue.insert(position, request)

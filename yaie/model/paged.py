@@ -1,0 +1,118 @@
+"""One engine step over the paged KV cache: which sequences run, where their tokens go, what they read.
+
+The engine builds a :class:`PagedStep` per forward pass and hands it to the model as its ``cache``; each
+layer calls :meth:`PagedStep.attend`, which writes the layer's new keys and values into the lesson 03
+cache and runs attention through :func:`yaie.ops.paged_attention`. Everything that is the same for all
+layers (block tables, lengths, offsets) is built once here, on the host, and copied to the device once.
+
+Token order inside a step: first one token per *decoding* sequence, then the tokens of each *prefilling*
+sequence, packed (no padding)::
+
+    q rows:  [d0, d1, d2 | p0 p0 p0 p0 p0 | p1 p1 p1]     num_decodes = 3, two prefills
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+
+from yaie import ops
+
+
+class PagedStep:
+    """Args:
+        manager: the lesson 03 ``KVCacheManager`` holding every sequence's blocks.
+        seq_ids: the sequences of this step, decodes first.
+        query_lens: new tokens per sequence (1 for a decode).
+        num_decodes: how many of ``seq_ids`` (the first ones) decode.
+        slot_mapping: int64 ``[num_tokens]`` on the cache's device: the cache slot of every new token.
+        use_kernels: run lessons 04 (decode) and 06 (prefill); default: on CUDA.
+    """
+
+    def __init__(self, manager, seq_ids: list, query_lens: list[int], num_decodes: int,
+                 slot_mapping: torch.Tensor, use_kernels: bool | None = None):
+        if len(seq_ids) != len(query_lens) or not seq_ids:
+            raise ValueError("a step needs one query length per sequence and at least one sequence")
+        if any(n != 1 for n in query_lens[:num_decodes]):
+            raise ValueError("decoding sequences feed exactly one token each")
+        self.manager = manager
+        self.seq_ids = list(seq_ids)
+        self.query_lens = list(query_lens)
+        self.num_decodes = num_decodes
+        self.num_prefills = len(seq_ids) - num_decodes
+        self.slot_mapping = slot_mapping
+        self.device = manager.device
+        self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
+        # Tokens each sequence holds once this step's tokens are written (cached context + new tokens).
+        self.context_lens_list = [manager.num_tokens(s) for s in self.seq_ids]
+        self._slots: dict[int, torch.Tensor] = {}     # context_slots, per sequence, built on first use
+        self.query_starts = [0]
+        for n in self.query_lens:
+            self.query_starts.append(self.query_starts[-1] + n)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_starts[-1]
+
+    @property
+    def last_token_rows(self) -> list[int]:
+        """The row of each sequence's last new token: the one whose logits pick the next token."""
+        return [end - 1 for end in self.query_starts[1:]]
+
+    # ------------------------------------------------------------------ for the kernels (built once a step)
+    @cached_property
+    def block_tables(self) -> torch.Tensor:
+        return self.manager.block_table(self.seq_ids)
+
+    @cached_property
+    def context_lens(self) -> torch.Tensor:
+        return self.manager.context_lens(self.seq_ids)
+
+    @cached_property
+    def _prefill_lens(self) -> tuple[list[int], list[int]]:
+        return self.query_lens[self.num_decodes:], self.context_lens_list[self.num_decodes:]
+
+    @property
+    def prefills_start_empty(self) -> bool:
+        """True when every prefill starts at position 0 (nothing of it cached before this step)."""
+        q_lens, k_lens = self._prefill_lens
+        return q_lens == k_lens
+
+    def _offsets(self, lengths: list[int]) -> torch.Tensor:
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        return torch.tensor(offsets, dtype=torch.int32).to(self.device)
+
+    @cached_property
+    def cu_seqlens_q(self) -> torch.Tensor:
+        return self._offsets(self._prefill_lens[0])
+
+    @cached_property
+    def cu_seqlens_k(self) -> torch.Tensor:
+        return self.cu_seqlens_q if self.prefills_start_empty else self._offsets(self._prefill_lens[1])
+
+    @property
+    def max_prefill_query(self) -> int:
+        return max(self._prefill_lens[0])
+
+    @property
+    def max_prefill_context(self) -> int:
+        return max(self._prefill_lens[1])
+
+    def context_slots(self, i: int) -> torch.Tensor:
+        """Cache slots of every token of sequence ``i`` (positions ``0 .. len - 1``), int64 on the device."""
+        if i not in self._slots:
+            size = self.manager.block_size
+            blocks = torch.tensor(self.manager.block_ids(self.seq_ids[i]), dtype=torch.int64)
+            positions = torch.arange(self.context_lens_list[i])
+            self._slots[i] = (blocks[positions // size] * size + positions % size).to(self.device)
+        return self._slots[i]
+
+    # ------------------------------------------------------------------ what the model calls
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """Write this layer's new ``k, v`` into the paged cache, then attend; ``[num_tokens, heads, head_dim]``."""
+        ops.write_kv(self.manager, layer, self.slot_mapping, k, v)
+        return ops.paged_attention(q, k, v, self, layer, sliding_window)
