@@ -1,0 +1,100 @@
+"""``ops.paged_attention`` through a ``PagedStep``: decodes and prefills in one step, over lesson 03's cache.
+
+Both paths are checked against float64 attention on the same keys and values laid out contiguously:
+the gather + lesson 01 path (the CPU engine) and the kernel path that the engine takes on CUDA
+(lesson 04 for decodes, lesson 06 for prefills), run here in the Triton interpreter in float32.
+"""
+
+from yaie.device import prepare_triton
+
+prepare_triton()
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from yaie import ops  # noqa: E402
+from yaie.model.paged import PagedStep  # noqa: E402
+from yaie.model.testing import fresh_seed  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+@pytest.fixture(autouse=True)
+def _reference_lessons(monkeypatch):
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+
+
+def reference(q, k, v, window=None):
+    """Float64 causal attention of the last ``len(q)`` positions over ``k, v`` (GQA by repetition)."""
+    q, k, v = q.double(), k.double(), v.double()
+    n_q, n_k = q.shape[0], k.shape[0]
+    group = HEADS // KV_HEADS
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(DIM)
+    qpos = torch.arange(n_k - n_q, n_k).unsqueeze(1)
+    kpos = torch.arange(n_k).unsqueeze(0)
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def build_step(seed, cached, new, num_decodes, use_kernels, block_size=8):
+    """A cache holding ``cached[i]`` tokens of sequence ``i`` already; this step adds ``new[i]`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    manager = ops.kv_cache_manager(64, block_size, 1, KV_HEADS, DIM, torch.float32, "cpu")
+    full_k, full_v, slot_list = [], [], []
+    for i, (c, n) in enumerate(zip(cached, new)):
+        full_k.append(torch.randn(c + n, KV_HEADS, DIM, generator=gen))
+        full_v.append(torch.randn(c + n, KV_HEADS, DIM, generator=gen))
+        manager.allocate(i, 0)
+        if c:
+            manager.write_kv(0, manager.append_slots(i, c), full_k[i][:c], full_v[i][:c])
+        slot_list.append(manager.append_slots(i, n))
+    step = PagedStep(manager, list(range(len(new))), list(new), num_decodes, torch.cat(slot_list),
+                     use_kernels=use_kernels)
+    q = torch.randn(sum(new), HEADS, DIM, generator=gen)
+    k_new = torch.cat([full_k[i][c:] for i, c in enumerate(cached)])
+    v_new = torch.cat([full_v[i][c:] for i, c in enumerate(cached)])
+    return step, q, k_new, v_new, full_k, full_v
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["gather+lesson01", "lesson04+lesson06"])
+@pytest.mark.parametrize("cached,new,num_decodes", [
+    ([5, 17, 0, 0], [1, 1, 9, 3], 2),      # two decodes, two whole-prompt prefills
+    ([30, 0], [1, 12], 1),                  # one decode, one prefill
+    ([0, 0, 0], [4, 11, 1], 0),             # prefills only (one of one token)
+    ([3, 20, 8], [1, 1, 1], 3),             # decodes only
+    ([0, 6], [1, 5], 1),                    # a prefill that continues a cached context (gathered)
+])
+def test_paged_step_matches_float64(use_kernels, cached, new, num_decodes):
+    seed = fresh_seed()
+    step, q, k_new, v_new, full_k, full_v = build_step(seed, cached, new, num_decodes, use_kernels)
+    got = step.attend(0, q, k_new, v_new)
+    for i in range(len(new)):
+        rows = slice(step.query_starts[i], step.query_starts[i + 1])
+        want = reference(q[rows], full_k[i], full_v[i])
+        err = (got[rows].double() - want).abs().max().item()
+        assert err < 1e-4, f"seed={seed} sequence {i}: max error {err}"
+
+
+def test_sliding_window_takes_the_gather_path():
+    seed = fresh_seed()
+    step, q, k_new, v_new, full_k, full_v = build_step(seed, [10, 0], [1, 12], 1, use_kernels=True)
+    got = step.attend(0, q, k_new, v_new, sliding_window=4)
+    for i in range(2):
+        rows = slice(step.query_starts[i], step.query_starts[i + 1])
+        err = (got[rows].double() - reference(q[rows], full_k[i], full_v[i], window=4)).abs().max().item()
+        assert err < 1e-4, f"seed={seed} sequence {i}: max error {err}"
+
+
+def test_bad_step():
+    manager = ops.kv_cache_manager(4, 4, 1, 1, 4, torch.float32, "cpu")
+    manager.allocate(0, 2)
+    with pytest.raises(ValueError, match="one query length per sequence"):
+        PagedStep(manager, [0], [2, 1], 0, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="exactly one token"):
+        PagedStep(manager, [0], [2], 1, torch.zeros(2, dtype=torch.int64))
