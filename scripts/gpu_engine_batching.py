@@ -1,0 +1,154 @@
+"""The batched engine on a CUDA GPU (issue 5, engine part): correctness and spies. One run, one JSON.
+
+    python scripts/gpu_engine_batching.py --out DIR [--device cpu]   (cpu: a dry run of the script)
+
+With the reference solutions, through continuous batching over lesson 03's paged cache:
+
+1. spies: a batched generation calls lesson 02 (norms, RoPE, SiLU), lesson 03 (KVCacheManager),
+   lesson 04 (``paged_attention_forward``, decode) and lesson 06 (``flash_attention_varlen_forward``,
+   prefill);
+2. float32, bundled model: the prompts generated together in ONE ``generate`` call, greedy, equal
+   transformers' greedy ids for each prompt alone; again through a cache too small for them all, with
+   recompute and with swap preemption (preemptions counted);
+3. float32, a random Llama 3 checkpoint (fresh seed): six random prompts in one call vs transformers.
+
+Each section is independent: a failure is recorded and the next runs. Exit status 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("YAIE_SOLUTIONS", "all")
+
+from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
+
+DEVICE = "cuda"
+PROMPTS = ["Once upon a time, there was a little fox named",
+           "One day, Tom and Mia went to the park. Tom had a blue kite",
+           "Lily was afraid of the dark.",
+           "Ben found a shiny red ball under the big tree.",
+           "The little owl could not sleep."]
+
+
+def hf_greedy(model, ids, max_new, eos):
+    x = torch.tensor([ids], device=DEVICE)
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                         eos_token_id=eos or None, pad_token_id=0)[0, len(ids):].tolist()
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[:i]
+    return out
+
+
+def _spy_functions(module, names, calls):
+    saved = {n: getattr(module, n) for n in names}
+    for n in names:
+        @functools.wraps(saved[n])
+        def spy(*a, _n=n, **kw):
+            calls[_n] += 1
+            return saved[_n](*a, **kw)
+        setattr(module, n, spy)
+    return lambda: [setattr(module, n, f) for n, f in saved.items()]
+
+
+def section_spies():
+    import solutions.kernels.flash_attention as l6
+    import solutions.kernels.gpu_elementwise as l2
+    import solutions.kernels.kv_cache as l3
+    import solutions.kernels.paged_attention as l4
+    groups = [(l2, ["rms_norm", "fused_add_rms_norm", "apply_rope_qk", "silu_and_mul"]),
+              (l3.KVCacheManager, ["allocate", "append_slots", "write_kv", "block_table", "free"]),
+              (l4, ["paged_attention_forward"]), (l6, ["flash_attention_varlen_forward"])]
+    calls = {n: 0 for _, names in groups for n in names}
+    restore = [_spy_functions(m, names, calls) for m, names in groups]
+    try:
+        llm = LLM(DEFAULT_MODEL, device=DEVICE, block_size=16)
+        llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        steps = llm.last_scheduler.stats.steps
+    finally:
+        for r in restore:
+            r()
+    layers = llm.config.num_layers
+    assert all(calls.values()), calls
+    # every layer of every step writes the cache once (+1: the probe of the class before serving)
+    assert calls["write_kv"] == layers * steps + 1, (calls, steps)
+    return dict(calls=calls, steps=steps, layers=layers)
+
+
+def section_fp32_bundled():
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).to(DEVICE).eval()
+    results = {}
+    for label, options in [("roomy cache", {}),
+                           ("tiny cache, recompute", dict(block_size=8, num_blocks=18, preemption="recompute")),
+                           ("tiny cache, swap", dict(block_size=8, num_blocks=18, preemption="swap"))]:
+        llm = LLM(DEFAULT_MODEL, device=DEVICE, dtype=torch.float32, **options)
+        params = [SamplingParams(max_tokens=40 + 8 * i, temperature=0) for i in range(len(PROMPTS))]
+        got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        want = [hf_greedy(hf, llm.tokenizer.encode(p), sp.max_tokens, llm.eos_token_ids)
+                for p, sp in zip(PROMPTS, params)]
+        stats = llm.last_scheduler.stats
+        manager = llm.last_scheduler.manager
+        results[label] = dict(equal=[g == w for g, w in zip(got, want)], tokens=[len(w) for w in want],
+                              stats=vars(stats), blocks_free_after=manager.num_free_blocks, blocks=manager.num_blocks)
+    assert all(all(r["equal"]) for r in results.values()), results
+    assert all(r["blocks_free_after"] == r["blocks"] for r in results.values()), results
+    for label in ("tiny cache, recompute", "tiny cache, swap"):
+        s = results[label]["stats"]
+        assert s["preempted_by_swap"] + s["preempted_by_recompute"] > 0, results
+    return results
+
+
+def section_fp32_random():
+    from yaie.model.testing import save_random_model
+    with tempfile.TemporaryDirectory() as d:
+        seed = int.from_bytes(os.urandom(4), "little") % 2**31
+        hf = save_random_model("llama3", d, seed=seed).to(DEVICE)
+        llm = LLM(d, device=DEVICE, dtype=torch.float32, block_size=8)
+        gen = torch.Generator().manual_seed(seed)
+        prompts = [[1] + torch.randint(3, 96, (int(n),), generator=gen).tolist()
+                   for n in torch.randint(4, 40, (6,), generator=gen)]
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))]
+        want = [hf_greedy(hf, ids, 24, [2]) for ids in prompts]
+    result = dict(seed=seed, equal=[g == w for g, w in zip(got, want)], tokens=[len(w) for w in want])
+    assert all(result["equal"]), result
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    import transformers
+    report = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
+                  transformers=transformers.__version__)
+    failed = False
+    for name, fn in [("spies", section_spies), ("fp32_bundled_batched", section_fp32_bundled),
+                     ("fp32_random_llama3_batched", section_fp32_random)]:
+        try:
+            report[name] = dict(ok=True, result=fn())
+        except Exception as err:  # record and go on: one GPU call must tell everything
+            failed = True
+            report[name] = dict(ok=False, error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
+        print(name, json.dumps(report[name], default=str)[:2000], flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "engine_batching_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
