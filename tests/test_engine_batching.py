@@ -14,6 +14,7 @@ import functools  # noqa: E402
 import pytest  # noqa: E402
 
 import solutions.kernels.kv_cache as lesson03  # noqa: E402
+import yaie.kernels.kv_cache as student03  # noqa: E402
 from yaie import ops  # noqa: E402
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
 from yaie.model.testing import fresh_seed, single_thread  # noqa: E402
@@ -117,7 +118,7 @@ def test_stream_and_generate_agree():
 
 @pytest.mark.parametrize("kwargs,what", [
     (dict(num_blocks=0), "num_blocks"), (dict(block_size=0), "block_size"), (dict(preemption="drop"), "preemption"),
-    (dict(num_cpu_blocks=-1), "num_cpu_blocks"),
+    (dict(num_cpu_blocks=-1), "num_cpu_blocks"), (dict(max_num_seqs=0), "max_num_seqs"),
 ])
 def test_bad_engine_options(kwargs, what):
     with pytest.raises(ValueError, match=what):
@@ -130,3 +131,22 @@ def test_request_larger_than_the_cache_is_refused():
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=64))
     with pytest.raises(ValueError, match="SamplingParams"):
         llm.generate(PROMPTS[:2], [SamplingParams(), "greedy"])
+
+
+def test_unfinished_lesson03_in_auto_mode_falls_back_once(monkeypatch, capsys, alone):
+    """The student's stub KVCacheManager: auto mode finds it before serving and uses the reference."""
+    seed, params, want = alone
+    monkeypatch.delenv("YAIE_SOLUTIONS")            # auto mode: every unfinished lesson falls back
+    with pytest.raises(NotImplementedError):
+        student03.KVCacheManager(4, 2, 1, 1, 1).allocate(0, 1)    # this copy's lesson 03 is the stub
+    out = LLM(DEFAULT_MODEL, device="cpu").generate(PROMPTS[0], params[0])[0]
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lesson 03")]
+    assert notices == ["lesson 03: KVCacheManager is not implemented yet in yaie/kernels/kv_cache.py; "
+                       "using the reference for lesson 03"], notices
+    assert out.token_ids == want[0]
+
+
+def test_unfinished_lesson03_in_strict_mode_names_it(monkeypatch):
+    monkeypatch.setenv("YAIE_SOLUTIONS", "1,2,4-8")       # lesson 03: the student's stub
+    with pytest.raises(ops.KernelMissing, match="lesson 03: KVCacheManager is not implemented yet"):
+        LLM(DEFAULT_MODEL, device="cpu").generate("Once", SamplingParams(max_tokens=2))

@@ -113,7 +113,7 @@ class LLM:
             busy 2-core machine: 0.4 s with one thread, 13 s with two), else torch's own setting.
         block_size: tokens per KV-cache block (lesson 03; lesson 04's kernel takes 8 to 128).
         num_blocks: device blocks of the KV cache; default: 256 MiB worth on the CPU, half the free GPU
-            memory on CUDA, and never fewer than one full context needs.
+            memory on CUDA, at most what ``max_num_seqs`` full contexts need and never fewer than one.
         num_cpu_blocks: host blocks for swap preemption; default: as many as the device (CPU) or 1 GiB
             worth (CUDA, pinned) with ``preemption="swap"``, none with ``"recompute"``.
         preemption: what happens to the newest running request when blocks run out: ``"recompute"``
@@ -144,6 +144,9 @@ class LLM:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.block_size, self.preemption = block_size, preemption
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.num_blocks = num_blocks or self._default_num_blocks()
@@ -162,7 +165,8 @@ class LLM:
         else:
             budget = DEFAULT_KV_CACHE_BYTES_CPU
         one_context = -(-self.config.max_position_embeddings // self.block_size)
-        return max(one_context, budget // self._block_bytes())
+        # No more than max_num_seqs full contexts could ever use, however much memory is free.
+        return max(one_context, min(budget // self._block_bytes(), self.max_num_seqs * one_context))
 
     def _default_cpu_blocks(self) -> int:
         if self.preemption != "swap":
