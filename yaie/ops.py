@@ -14,19 +14,26 @@ rms_norm / add_rms_norm       lesson 01 ``cpu_rms_norm``             lesson 02 `
                                                                      ``fused_add_rms_norm``
 rope                          lesson 01 ``cpu_rope_embeddings``      lesson 02 ``apply_rope_qk``
 silu_and_mul                  plain PyTorch                          lesson 02 ``silu_and_mul``
-attention                     lesson 01 ``cpu_attention_forward``    lesson 01 for now (lessons 04 and 06
-                                                                     plug in at :func:`attention`)
+kv_cache_manager / write_kv   lesson 03 ``KVCacheManager``           lesson 03
+paged_attention (decode)      gather + lesson 01                     lesson 04 ``paged_attention_forward``
+paged_attention (prefill)     gather + lesson 01                     lesson 06
+                              ``cpu_attention_forward``              ``flash_attention_varlen_forward``
+attention (one sequence)      lesson 01 ``cpu_attention_forward``    lesson 01
 ============================  =====================================  ==================================
 
-On CUDA, when lesson 02's module cannot be imported at all (``LessonUnavailable``), the lesson 01 ops
-(plain PyTorch, which run on CUDA too) stand in.
+Sliding-window layers (Mistral, some Qwen2) whose window is shorter than a context take the gather +
+lesson 01 path on CUDA too: neither kernel has a window.
+
+On CUDA, when lesson 02's, 04's or 06's module cannot be imported at all (``LessonUnavailable``), the
+lesson 01 ops (plain PyTorch, which run on CUDA too) stand in.
 
 Unfinished lessons. With ``YAIE_SOLUTIONS`` *not set at all* the engine runs in "auto" mode: it calls the
 student's function, and where that raises ``NotImplementedError`` (an untouched stub) it switches that
 lesson to the reference solution for the rest of the process, printing one notice line per lesson to
 stderr. With ``YAIE_SOLUTIONS`` set (even to ``none``) the switch is obeyed strictly: a stub stops
 generation with :class:`KernelMissing`, whose message says which lesson and function are missing and
-how to run the reference instead.
+how to run the reference instead. Lesson 03 is a class that holds the cache's state, so it is switched
+as a whole, before serving: :func:`kv_cache_manager` probes every method the engine uses first.
 """
 
 from __future__ import annotations
@@ -200,8 +207,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window:
 
     Returns ``[q_len, num_heads, head_dim]``.
 
-    This is the one place where the attention kernel is chosen: lesson 01 on every device for now;
-    lesson 06 (FlashAttention) will take prefill and lesson 04 (paged attention) decode on CUDA.
+    The attention of ONE sequence over a contiguous context (lesson 01 on every device): the
+    :class:`yaie.engine.kv_cache.ContiguousKVCache` path, and the naive gather path of
+    :func:`paged_attention`.
     """
     q_len, kv_len = q.shape[0], k.shape[0]
     if sliding_window is not None and kv_len > sliding_window:
