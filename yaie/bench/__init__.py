@@ -3,6 +3,7 @@
     yaie bench lesson02                    # your kernels (yaie/...)
     yaie bench lesson02 --solutions        # the reference kernels (solutions/...)
     yaie bench lesson02 --out /tmp/res --quick
+    yaie bench engine --out bench/results  # engine tokens/s beside transformers (yaie/bench/engine.py)
 
 The command measures the GPU's copy bandwidth and matmul rate once (:func:`harness.measure_peaks`),
 imports ``yaie.bench.lessonNN`` and calls its ``run(args) -> list[Row]``, then writes
@@ -40,7 +41,15 @@ def lesson_module_name(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["engine"]:  # the engine benchmark has options of its own
+        import torch
+        if not torch.cuda.is_available() and "--device" not in argv:
+            print(NO_GPU_MESSAGE)
+            return 2
+        from yaie.bench import engine
+        return engine.main(argv[1:])
+    args = _parser().parse_args(argv)
     try:
         name = lesson_module_name(args.lesson)
     except ValueError as err:
