@@ -36,8 +36,11 @@ def test_notebook_runs_on_the_solutions(path, monkeypatch):
     from nbclient import NotebookClient
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    # One thread per kernel: the notebooks' tensors are tiny, and on a loaded 2-core machine torch's
+    # thread pool can spin for minutes (seen once here).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3",
+    NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                      for out in cell.get("outputs", []) if out.get("output_type") == "stream")
