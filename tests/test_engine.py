@@ -1,32 +1,22 @@
 """The engine's behaviour: sampling, stopping, bad input, the lesson switch (spies, auto mode), the CLI."""
 
-from yaie.device import prepare_triton
+import functools
+import random
 
-prepare_triton()
+import pytest
+import torch
 
-import functools  # noqa: E402
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import solutions.kernels.cpu_kernels as reference  # noqa: E402
-import yaie.kernels.cpu_kernels as student  # noqa: E402
-from yaie import cli, ops  # noqa: E402
-from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
-from yaie.engine.sampling import filtered_probs  # noqa: E402
-from yaie.model.testing import fresh_seed, single_thread  # noqa: E402
+import solutions.kernels.cpu_kernels as reference
+import yaie.kernels.cpu_kernels as student
+from yaie import cli, ops
+from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
+from yaie.engine.sampling import filtered_probs
+from yaie.model.testing import fresh_seed, single_thread
 
 LESSON01 = ("build_rope_cache", "cpu_rope_embeddings", "cpu_rms_norm", "cpu_attention_forward")
 
 
-@pytest.fixture(autouse=True)
-def _reference_lessons(monkeypatch):
-    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
-    ops.reset_auto_fallback()
-    with single_thread():
-        yield
-    ops.reset_auto_fallback()
+pytestmark = pytest.mark.usefixtures("reference_lessons")
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,15 @@ for recompute preemption, greedy and seeded sampling alike (each request has its
 once all finish, every block of the lesson 03 cache is free again.
 """
 
-from yaie.device import prepare_triton
+import functools
 
-prepare_triton()
+import pytest
 
-import functools  # noqa: E402
-
-import pytest  # noqa: E402
-
-import solutions.kernels.kv_cache as lesson03  # noqa: E402
-import yaie.kernels.kv_cache as student03  # noqa: E402
-from yaie import ops  # noqa: E402
-from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
-from yaie.model.testing import fresh_seed, single_thread  # noqa: E402
+import solutions.kernels.kv_cache as lesson03
+import yaie.kernels.kv_cache as student03
+from yaie import ops
+from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
+from yaie.model.testing import fresh_seed, single_thread
 
 PROMPTS = [
     "Once upon a time, there was a little fox named",
@@ -30,12 +26,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _reference_lessons(monkeypatch):
-    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
-    ops.reset_auto_fallback()
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("reference_lessons")
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,18 @@
 """The bundled tiny-stories model: small, GQA, trained well (held-out loss bound), on topic."""
 
-from yaie.device import prepare_triton
+import sys
+from pathlib import Path
 
-prepare_triton()
+import pytest
+import torch
+import torch.nn.functional as F
 
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from yaie import ops  # noqa: E402
-from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
-from yaie.engine.kv_cache import ContiguousKVCache  # noqa: E402
-from yaie.model.testing import fresh_seed, single_thread  # noqa: E402
+from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
+from yaie.engine.kv_cache import ContiguousKVCache
+from yaie.model.testing import fresh_seed, single_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from make_corpus import make_stories  # noqa: E402
+from make_corpus import make_stories
 
 # Measured: 0.1621 by scripts/train_tiny_model.py on the GPU (train_log.json) and 0.1621 by this engine
 # on the CPU, over the first 48 held-out stories (seed 1). The bound leaves 5% for other platforms' rounding.
@@ -25,12 +20,7 @@ HELD_OUT_STORIES = 48
 HELD_OUT_LOSS_BOUND = 0.170
 
 
-@pytest.fixture(autouse=True)
-def _reference_lessons(monkeypatch):
-    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
-    ops.reset_auto_fallback()
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("reference_lessons")
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,12 @@ sequences) written with ``save_pretrained``. Weights and prompts are fresh rando
 a failure prints the seed (replay with ``YAIE_SEED=...``).
 """
 
-from yaie.device import prepare_triton
+import pytest
+import torch
 
-prepare_triton()
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from yaie import ops  # noqa: E402
-from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
-from yaie.engine.kv_cache import ContiguousKVCache  # noqa: E402
-from yaie.model.testing import fresh_seed, save_random_model, single_thread  # noqa: E402
+from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
+from yaie.engine.kv_cache import ContiguousKVCache
+from yaie.model.testing import fresh_seed, save_random_model, single_thread
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,12 +22,7 @@ BUNDLED_PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _reference_lessons(monkeypatch):
-    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
-    ops.reset_auto_fallback()
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("reference_lessons")
 
 
 def hf_greedy(model, ids: list[int], max_new: int, eos: list[int]) -> list[int]:

@@ -1,30 +1,20 @@
 """Checkpoint loading: sharded checkpoints, and errors that name the file and the problem."""
 
-from yaie.device import prepare_triton
+import json
 
-prepare_triton()
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-import json  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from yaie import ops  # noqa: E402
-from yaie.engine import LLM, SamplingParams  # noqa: E402
-from yaie.model import ModelLoadError, load_config  # noqa: E402
-from yaie.model.loader import load_weights  # noqa: E402
-from yaie.model.testing import fresh_seed, save_random_model, single_thread, write_tokenizer  # noqa: E402
+from yaie.engine import LLM, SamplingParams
+from yaie.model import ModelLoadError, load_config
+from yaie.model.loader import load_weights
+from yaie.model.testing import fresh_seed, save_random_model, single_thread, write_tokenizer
 
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _reference_lessons(monkeypatch):
-    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
-    ops.reset_auto_fallback()
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("reference_lessons")
 
 
 @pytest.fixture

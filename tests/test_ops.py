@@ -1,18 +1,14 @@
 """yaie.ops (the engine's door to the lesson kernels) and the KV cache, against float64 definitions."""
 
-from yaie.device import prepare_triton
+import math
 
-prepare_triton()
+import pytest
+import torch
 
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import solutions.kernels.cpu_kernels as reference  # noqa: E402
-from yaie import ops  # noqa: E402
-from yaie.engine.kv_cache import ContiguousKVCache  # noqa: E402
-from yaie.model.testing import fresh_seed  # noqa: E402
+import solutions.kernels.cpu_kernels as reference
+from yaie import ops
+from yaie.engine.kv_cache import ContiguousKVCache
+from yaie.model.testing import fresh_seed
 
 
 @pytest.fixture(autouse=True)

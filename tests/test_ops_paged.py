@@ -5,18 +5,14 @@ the gather + lesson 01 path (the CPU engine) and the kernel path that the engine
 (lesson 04 for decodes, lesson 06 for prefills), run here in the Triton interpreter in float32.
 """
 
-from yaie.device import prepare_triton
+import math
 
-prepare_triton()
+import pytest
+import torch
 
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from yaie import ops  # noqa: E402
-from yaie.model.paged import PagedStep  # noqa: E402
-from yaie.model.testing import fresh_seed  # noqa: E402
+from yaie import ops
+from yaie.model.paged import PagedStep
+from yaie.model.testing import fresh_seed
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
