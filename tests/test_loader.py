@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from yaie.engine import LLM, SamplingParams
 from yaie.model import ModelLoadError, load_config
 from yaie.model.loader import load_weights
-from yaie.model.testing import fresh_seed, save_random_model, single_thread, write_tokenizer
+from yaie.model.testing import fresh_seed, save_random_model, write_tokenizer
 
 pytest.importorskip("transformers")
 
