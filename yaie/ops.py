@@ -347,5 +347,12 @@ def _varlen_prefill(q, k, v, step, layer, scale) -> torch.Tensor:
 
 
 def write_kv(manager, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store new keys and values in the paged cache (lesson 03's ``write_kv``; its manager was probed)."""
-    manager.write_kv(layer, slot_mapping, k, v)
+    """Store new keys and values in the paged cache (lesson 03's ``write_kv``; its manager was probed).
+
+    On CUDA the slot range check is skipped (``validate=False``): it would read the slots back to the host,
+    one GPU sync per layer per step, and the engine's slots come from the manager itself.
+    """
+    if slot_mapping.is_cuda:
+        manager.write_kv(layer, slot_mapping, k, v, validate=False)
+    else:
+        manager.write_kv(layer, slot_mapping, k, v)

@@ -293,9 +293,10 @@ def test_write_kv_stores_rows_at_their_slots(device, seed, dtype):
            "the rows written", "different rows", "view the layer as [num_blocks * block_size, H, D]: a slot is a row")
     more = m.append_slots("a", 2)
     k2, v2 = (randn(2, 3, 8, dtype=dtype, device=device, seed=seed + 5 + i) for i in range(2))
-    m.write_kv(1, more, k2, v2)
+    m.write_kv(1, more, k2, v2, validate=False)   # the engine's call: no range check, same rows
     got_k, _ = rows_of(m, "a", 1)
-    expect(torch.equal(got_k, torch.cat([k, k2])), "appended tokens land after the earlier ones", "9 rows", "mismatch")
+    expect(torch.equal(got_k, torch.cat([k, k2])), "appended tokens land after the earlier ones", "9 rows", "mismatch",
+           "write_kv(..., validate=False) must store exactly what validate=True stores; it only skips the range check")
 
 
 @task(3, "write_kv, copy_blocks, fork")

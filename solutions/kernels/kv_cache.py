@@ -488,7 +488,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ task 3: data, copies, fork
 
     # yaie: task 3
-    def write_kv(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_kv(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 validate: bool = True) -> None:
         """Store the keys and values of new tokens of one layer at their slots.
 
         Args:
@@ -496,9 +497,12 @@ class KVCacheManager:
             slot_mapping: integer ``[num_tokens]`` (from ``allocate``/``append_slots``), on the cache's
                 device, every entry in ``0 .. num_blocks * block_size - 1``.
             k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype, on its device.
+            validate: also check that every slot is in range. Reading the slot values back costs a
+                device-to-host sync on a GPU, once per layer per step; an engine whose slots come from
+                ``allocate``/``append_slots`` passes ``False``. The shape, dtype and device checks always run.
 
         Raises:
-            ValueError: bad layer; wrong ranks, shapes, dtypes or devices; slots out of range.
+            ValueError: bad layer; wrong ranks, shapes, dtypes or devices; with ``validate``, slots out of range.
         """
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in 0..{self.num_layers - 1}, got {layer!r}")
@@ -518,11 +522,12 @@ class KVCacheManager:
             raise ValueError(f"slot_mapping must be on {self.device}, got {slot_mapping.device}")
         if slot_mapping.numel() == 0:
             return
-        # One check of the whole range (a device-to-host sync on a GPU, cheap next to a forward pass).
-        low, high = torch.aminmax(slot_mapping)
-        if int(low) < 0 or int(high) >= self.num_blocks * self.block_size:
-            raise ValueError(f"slot_mapping has slots out of range 0..{self.num_blocks * self.block_size - 1} "
-                             f"(min {int(low)}, max {int(high)})")
+        if validate:
+            # One check of the whole range: a device-to-host sync on a GPU (the engine skips it).
+            low, high = torch.aminmax(slot_mapping)
+            if int(low) < 0 or int(high) >= self.num_blocks * self.block_size:
+                raise ValueError(f"slot_mapping has slots out of range 0..{self.num_blocks * self.block_size - 1} "
+                                 f"(min {int(low)}, max {int(high)})")
         rows = slot_mapping.long()
         # [num_blocks, block_size, H, D] seen as [slots, H, D]: a slot is a row.
         self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, rows, k)

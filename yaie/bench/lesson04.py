@@ -10,22 +10,40 @@ Decode is memory bound: the figure that matters is the K/V bytes read per second
 measured copy bandwidth (``bytes_moved`` = K + V + q + out; the block table is negligible). The same
 byte count is used for SDPA, so the GB/s ratio is the speed ratio.
 
-Rows:
+Every yaie row calls the kernel with ``validate=False``, as the engine does: the value check of the
+block table and lengths is a device-to-host sync per call, which a server skips because it builds those
+tensors itself. The shape checks (host Python) stay in, as in the engine.
 
-* ``paged_decode`` / ``yaie triton``: the kernel with its own split-K heuristic (``num_splits=None``);
-* ``paged_decode`` / ``torch SDPA (<backend>)``: each SDPA backend that accepts the inputs;
-* ``paged_decode split sweep`` / ``splits=N``: the kernel with a forced split count (to judge the heuristic);
-* ``paged_decode tile sweep``: launch settings of the reference kernel on two shapes.
+Rows (``paged_decode``):
+
+* ``yaie triton``: the kernel with its own split-K heuristic (``num_splits=None``);
+* ``yaie triton (before)``: the committed kernel before the issue-5 work, frozen in
+  ``bench/results/lesson04_baseline_paged_attention.py``, timed in the same run (old vs new side by side);
+* ``yaie triton (CUDA graph)``: the same call replayed from a CUDA graph: the GPU time alone, without the
+  host's Python and launch work (what an engine that captures its decode step would see);
+* ``torch SDPA (default: <backend>)``: SDPA as a user calls it, no backend forced; the backend it picked
+  is read from the names of the GPU kernels it ran (torch profiler);
+* ``torch SDPA (default, CUDA graph)``: the same, replayed from a CUDA graph;
+* ``torch SDPA (<backend>)``: each SDPA backend forced in turn, where it accepts the inputs.
+
+``paged_decode split sweep`` / ``splits=N``: the kernel with a forced split count (to judge the heuristic).
+The launch-setting sweep (TILE_N, num_warps, num_stages x split counts) on the short-context shapes goes
+to a file of its own, ``lesson04_sweep_<gpu>.{json,md,png}``, next to the main results.
 
 Every shape is checked once against SDPA before timing: a fast wrong kernel is reported as MISMATCH.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import time
 import warnings
+from pathlib import Path
 
 import torch
 
+from yaie.bench import harness
 from yaie.bench.harness import Row, bench_ms
 from yaie.switch import module
 
@@ -33,6 +51,10 @@ LESSON = "lesson04"
 HEAD_DIM = 128
 BLOCK_SIZE = 16
 NUM_HEADS = 32
+BASELINE = Path(__file__).resolve().parents[2] / "bench" / "results" / "lesson04_baseline_paged_attention.py"
+# Launch settings tried on the short-context shapes: (TILE_N, num_warps, num_stages).
+SWEEP_CONFIGS = ((64, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 8, 2), (128, 8, 2), (32, 2, 3))
+SWEEP_SHAPES = ((32, 8, 1024), (32, 8, 4096), (32, 4, 1024), (32, 4, 4096), (128, 8, 1024), (128, 4, 1024))
 
 
 def shapes(quick: bool) -> list[tuple[int, int, int]]:
@@ -76,36 +98,113 @@ def sdpa_backends():
             ("math", lambda: sdpa_kernel(SDPBackend.MATH))]
 
 
+def load_baseline():
+    """The kernel module as committed before the issue-5 changes (None when the frozen copy is missing)."""
+    if not BASELINE.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("yaie_lesson04_baseline", BASELINE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def backend_of(fn) -> str:
+    """Which SDPA backend ``fn`` ran: the name of the aten op it dispatched to (torch profiler), else the
+    names of its GPU kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    joined = " ".join(names).lower()
+    for label, marks in (("cudnn", ("_scaled_dot_product_cudnn", "cudnn", "fort_native_sdpa")),
+                         ("flash", ("_scaled_dot_product_flash", "flash_fwd")),
+                         ("efficient", ("_efficient_attention", "fmha", "attentionkernel")),
+                         ("math", ("_scaled_dot_product_attention_math",))):
+        if any(m in joined for m in marks):
+            return label
+    return "unknown"
+
+
+def graphed(fn):
+    """Capture ``fn`` in a CUDA graph and return its replay (GPU work only, no host Python per call)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm())
 
 
+def _timed(rows, impl, shape, fn, moved, warmup, rep, kernel="paged_decode"):
+    """Time ``fn`` into a row; a failure (a graph that does not capture, say) is printed, not fatal."""
+    try:
+        rows.append(Row(LESSON, kernel, impl, shape, "bf16", bench_ms(fn, warmup, rep), bytes_moved=moved))
+    except Exception as err:  # noqa: BLE001
+        print(f"  {impl}: failed ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})",
+              flush=True)
+
+
+def shape_label(batch: int, kv_heads: int, ctx: int) -> str:
+    return f"b{batch} h{NUM_HEADS}/{kv_heads} ctx{ctx} d{HEAD_DIM} bs{BLOCK_SIZE}"
+
+
 def run(args) -> list[Row]:
     pa = module(4)
+    before = load_baseline()
     # SDPA explains at length why a backend declines GQA inputs; one line per backend is printed instead.
     warnings.filterwarnings("ignore", message=".*(kernel not used|num_heads|runtime disabled).*")
     quick = bool(getattr(args, "quick", False))
     warmup, rep = (10, 40) if quick else (25, 100)
     rows: list[Row] = []
+    began = time.monotonic()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    print("yaie rows call paged_attention_forward(..., validate=False) (no host sync), as the engine does", flush=True)
     for batch, kv_heads, ctx in shapes(quick):
-        shape = f"b{batch} h{NUM_HEADS}/{kv_heads} ctx{ctx} d{HEAD_DIM} bs{BLOCK_SIZE}"
+        shape = shape_label(batch, kv_heads, ctx)
         q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv_heads, ctx, gen)
         moved = kv_bytes(batch, kv_heads, ctx) + 2 * q.numel() * q.element_size()
         q4 = q.unsqueeze(2)                                    # [b, h, 1, d] for SDPA
 
-        def ours(splits=None):
-            return pa.paged_attention_forward(q, k_cache, v_cache, tables, lens, ctx, num_splits=splits,
-                                              validate=False)
+        def ours(splits=None, impl=pa):
+            return impl.paged_attention_forward(q, k_cache, v_cache, tables, lens, ctx, num_splits=splits,
+                                                validate=False)
 
-        reference = torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
+        def sdpa_default():
+            return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+        reference = sdpa_default().squeeze(2)
         err = _rel_err(ours(), reference)
         status = "ok" if err < 2e-2 else "MISMATCH"
         chosen = pa.choose_num_splits(batch, kv_heads, ctx) if hasattr(pa, "choose_num_splits") else None
-        print(f"{shape}: relative difference to SDPA {err:.1e} [{status}], heuristic splits {chosen}", flush=True)
+        programs = batch * kv_heads * (chosen or 1)
+        print(f"{shape}: relative difference to SDPA {err:.1e} [{status}], heuristic splits {chosen} "
+              f"({programs} programs)", flush=True)
         label = "yaie triton" + ("" if status == "ok" else " (MISMATCH)")
-        rows.append(Row(LESSON, "paged_decode", label, shape, "bf16", bench_ms(ours, warmup, rep), bytes_moved=moved))
+        _timed(rows, label, shape, ours, moved, warmup, rep)
+        if before is not None:
+            _timed(rows, "yaie triton (before)", shape, lambda: ours(impl=before), moved, warmup, rep)
+        if status == "ok":
+            _timed_graph(rows, "yaie triton (CUDA graph)", shape, ours, moved, warmup, rep)
+        try:
+            picked = backend_of(sdpa_default)
+        except Exception as err_:  # noqa: BLE001 - the profiler is a nicety
+            picked = f"unknown ({type(err_).__name__})"
+        print(f"  SDPA default picks: {picked}", flush=True)
+        _timed(rows, f"torch SDPA (default: {picked})", shape, sdpa_default, moved, warmup, rep)
+        _timed_graph(rows, "torch SDPA (default, CUDA graph)", shape, sdpa_default, moved, warmup, rep)
         for name, backend in sdpa_backends():
             if name == "math" and ctx * batch > 32 * 8192:
                 continue   # the math backend materialises the scores and copies heads: slow and huge
@@ -120,40 +219,80 @@ def run(args) -> list[Row]:
                 with backend():
                     return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
-            rows.append(Row(LESSON, "paged_decode", f"torch SDPA ({name})", shape, "bf16",
-                            bench_ms(sdpa, warmup, rep), bytes_moved=moved))
-        if not quick:
+            _timed(rows, f"torch SDPA ({name})", shape, sdpa, moved, warmup, rep)
+        if not quick and time.monotonic() - began < 0.6 * deadline():
             for splits in (1, 2, 4, 8, 16):
-                rows.append(Row(LESSON, "paged_decode split sweep", f"splits={splits}", shape, "bf16",
-                                bench_ms(lambda s=splits: ours(s), warmup, rep), bytes_moved=moved))
-        group = [r for r in rows if r.shape == shape and r.kernel == "paged_decode"]
-        best_sdpa = min((r.ms for r in group if r.impl.startswith("torch")), default=float("nan"))
-        print(f"  yaie {group[0].ms:.4f} ms ({group[0].gbps:.0f} GB/s), best SDPA {best_sdpa:.4f} ms "
-              f"({best_sdpa / group[0].ms:.2f}x)", flush=True)
-        if not quick and hasattr(pa, "_launch_decode") and (batch, kv_heads, ctx) in ((32, 8, 4096), (32, 4, 16384)):
-            rows.extend(tile_sweep(pa, q, k_cache, v_cache, tables, lens, ctx, shape, moved, warmup, rep))
+                _timed(rows, f"splits={splits}", shape, lambda s=splits: ours(s), moved, 10, 40,
+                       kernel="paged_decode split sweep")
+        group = {r.impl: r.ms for r in rows if r.shape == shape and r.kernel == "paged_decode"}
+        sdpa_ms = {impl: ms for impl, ms in group.items() if impl.startswith("torch")}
+        best = min(sdpa_ms, key=sdpa_ms.get, default=None)
+        if label in group and best:
+            print(f"  yaie {group[label]:.4f} ms (before {group.get('yaie triton (before)', float('nan')):.4f}), "
+                  f"best SDPA {sdpa_ms[best]:.4f} ms [{best}] ({sdpa_ms[best] / group[label]:.2f}x)", flush=True)
         del q, k, v, k_cache, v_cache, tables, lens, reference
         torch.cuda.empty_cache()
+    if not quick and hasattr(pa, "_launch_decode"):
+        write_sweep(pa, gen, getattr(args, "out", None), began)
     return rows
 
 
-def tile_sweep(pa, q, k_cache, v_cache, tables, lens, ctx, shape, moved, warmup, rep) -> list[Row]:
-    """Launch settings of the reference kernel (TILE_N, num_warps, num_stages) at the heuristic's split count."""
-    splits = pa.choose_num_splits(q.shape[0], k_cache.shape[2], ctx)
+def deadline() -> float:
+    """Seconds after the start of :func:`run` when the optional sweeps stop (``LESSON04_DEADLINE_S``)."""
+    return float(os.environ.get("LESSON04_DEADLINE_S", "150"))
+
+
+def _timed_graph(rows, impl, shape, fn, moved, warmup, rep):
+    try:
+        replay = graphed(fn)
+    except Exception as err:  # noqa: BLE001 - not every call captures; say so and go on
+        print(f"  {impl}: capture failed ({type(err).__name__})", flush=True)
+        return
+    _timed(rows, impl, shape, replay, moved, warmup, rep)
+
+
+def write_sweep(pa, gen, out_dir, began: float) -> None:
+    """Launch settings x split counts on the short-context shapes, into ``lesson04_sweep_<gpu>.*``.
+
+    Stops early (and still writes what it has) once ``LESSON04_DEADLINE_S`` seconds (default 150) have
+    passed since ``began`` (the start of the benchmark), so that a run under a wall-clock limit keeps
+    its main results.
+    """
+    budget = deadline()
+    rows: list[Row] = []
     scale = HEAD_DIM ** -0.5
-    rows = []
-    for tile, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
-                                (128, 8, 3), (64, 2, 2)):
-        config = dict(TILE_N=tile, num_warps=warps, num_stages=stages)
+    for batch, kv_heads, ctx in SWEEP_SHAPES:
+        if time.monotonic() - began > budget:
+            break
+        shape = shape_label(batch, kv_heads, ctx)
+        q, _, _, k_cache, v_cache, tables, lens = make_inputs(batch, kv_heads, ctx, gen)
+        moved = kv_bytes(batch, kv_heads, ctx) + 2 * q.numel() * q.element_size()
+        chosen = pa.choose_num_splits(batch, kv_heads, ctx)
+        split_counts = sorted({max(1, chosen // 2), chosen, 2 * chosen, max(1, 3 * chosen // 2)})
+        for tile, warps, stages in SWEEP_CONFIGS:
+            for splits in split_counts:
+                if time.monotonic() - began > budget:
+                    print(f"  sweep: stopped at the {budget:.0f} s deadline", flush=True)
+                    break
+                config = dict(TILE_N=tile, num_warps=warps, num_stages=stages)
 
-        def fn(config=config):
-            return pa._launch_decode(q, k_cache, v_cache, tables, lens, scale, splits, config)
+                def fn(config=config, splits=splits):
+                    return pa._launch_decode(q, k_cache, v_cache, tables, lens, scale, splits, config)
 
-        try:
-            fn()
-        except Exception as err:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-            print(f"  tile sweep {config}: failed ({type(err).__name__})", flush=True)
-            continue
-        rows.append(Row(LESSON, "paged_decode tile sweep", f"tile{tile} w{warps} s{stages} splits{splits}", shape,
-                        "bf16", bench_ms(fn, warmup, rep), bytes_moved=moved))
-    return rows
+                try:
+                    fn()
+                except Exception as err:  # noqa: BLE001 - a config that does not compile is reported
+                    print(f"  sweep {config}: failed ({type(err).__name__})", flush=True)
+                    continue
+                _timed(rows, f"tile{tile} w{warps} s{stages} splits{splits}", shape, fn, moved, 10, 40,
+                       kernel="paged_decode launch sweep")
+        best = min((r for r in rows if r.shape == shape), key=lambda r: r.ms, default=None)
+        if best:
+            print(f"  sweep {shape}: best {best.impl} {best.ms:.4f} ms (heuristic splits {chosen})", flush=True)
+        del q, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+    if rows:
+        peaks = harness.measure_peaks("cuda")
+        out = Path(out_dir) if out_dir else harness.ROOT / "bench" / "results"
+        for path in harness.write_results(f"{LESSON}_sweep_{harness.gpu_slug()}", rows, peaks, out):
+            print(f"wrote {path}", flush=True)

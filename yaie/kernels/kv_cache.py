@@ -394,7 +394,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ task 3: data, copies, fork
 
-    def write_kv(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_kv(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 validate: bool = True) -> None:
         """Store the keys and values of new tokens of one layer at their slots.
 
         Args:
@@ -402,9 +403,12 @@ class KVCacheManager:
             slot_mapping: integer ``[num_tokens]`` (from ``allocate``/``append_slots``), on the cache's
                 device, every entry in ``0 .. num_blocks * block_size - 1``.
             k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype, on its device.
+            validate: also check that every slot is in range. Reading the slot values back costs a
+                device-to-host sync on a GPU, once per layer per step; an engine whose slots come from
+                ``allocate``/``append_slots`` passes ``False``. The shape, dtype and device checks always run.
 
         Raises:
-            ValueError: bad layer; wrong ranks, shapes, dtypes or devices; slots out of range.
+            ValueError: bad layer; wrong ranks, shapes, dtypes or devices; with ``validate``, slots out of range.
         """
         raise NotImplementedError('lesson 03, task 3: implement write_kv in yaie/kernels/kv_cache.py')
 

@@ -35,6 +35,7 @@ Tasks: 1 the naive gather + PyTorch reference, 2 the Triton decode kernel and it
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -155,6 +156,12 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     raise NotImplementedError('lesson 04, task 1: implement paged_attention_reference in yaie/kernels/paged_attention.py')
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    """Multiprocessors of a CUDA device, asked once: the query costs host time on every decode step."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int | None = None,
                       min_tokens_per_split: int = 512) -> int:
     """The split-K heuristic: about 4 programs per multiprocessor, a power of two, at least
@@ -164,11 +171,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     bring that to about 4 per multiprocessor (enough loads in flight to keep the memory busy), rounded
     DOWN to a power of two (on the H200, 3 or 5 splits ran slower than 2 or 4: see
     bench/results/lesson04_h200.md, "split sweep"). A split must keep enough tokens that its fixed
-    costs (loading q, writing a partial result, the merge) stay small. Returns 1 (no split) .. ``MAX_SPLITS``.
+    costs (loading q, writing a partial result, the merge) stay small. Returns 1 (no split) .. ``MAX_SPLITS``;
+    with 1 the launcher runs no merge kernel at all.
     """
     if num_sms is None:
-        num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-                   if torch.cuda.is_available() else 8)
+        num_sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 8
     programs = max(1, batch * num_kv_heads)
     wanted = max(1, 4 * num_sms // programs)
     longest = max(1, max_context_len // min_tokens_per_split)

@@ -1,0 +1,449 @@
+"""Lesson 04: paged-attention decode in Triton.
+
+In a decode step every running sequence brings ONE new query token per head, and it must attend to all
+of its earlier tokens, whose keys and values sit in the paged KV cache of lesson 03::
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]   (one layer)
+    block_tables:     int32 [batch, max_blocks_per_seq]   logical block j of sequence b -> physical block
+    context_lens:     int32 [batch]                       tokens of each sequence (they differ)
+
+Logical token ``t`` of sequence ``b`` is row ``t % block_size`` of physical block
+``block_tables[b, t // block_size]``. The kernel never builds a contiguous copy of a sequence's cache: it
+follows the block table while it loads.
+
+Decode is **memory bound**: per token of context each KV head reads ``2 * head_dim`` numbers (K and V) and
+does about as many multiply-adds per query head. With grouped-query attention (GQA) ``group =
+num_heads // num_kv_heads`` query heads share one KV head, so the kernel gives one program a whole group:
+it loads each K/V tile once and uses it for every query head of the group (a ``[group, head_dim] x
+[head_dim, tile]`` product, padded to 16 rows for ``tl.dot``).
+
+**Split-K (flash-decoding).** With a small batch there are few (sequence, KV head) programs: too few to
+keep the GPU's memory system busy on a long context. Then each sequence's context is cut into
+``num_splits`` ranges handled by separate programs. Each writes its normalised partial output ``o_i`` and
+the log-sum-exp ``lse_i`` of its scores; a second kernel merges them exactly::
+
+    out = sum_i exp(lse_i - lse) * o_i,    lse = log(sum_i exp(lse_i))
+
+(the same rescaling as the online softmax of lesson 06, applied once per split).
+
+Tasks: 1 the naive gather + PyTorch reference, 2 the Triton decode kernel and its launcher (one split),
+3 merging split results by log-sum-exp and the split-K path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from yaie.device import triton_interpreted
+
+LOG2E = 1.4426950408889634   # exp(x) == exp2(x * LOG2E)
+LN2 = 0.6931471805599453     # log(x) == log2(x) * LN2
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+MAX_SPLITS = 64
+
+
+def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, max_context_len: int, scale: float | None = None,
+                       num_splits: int | None = None, for_kernel: bool = True) -> None:
+    """Raise ``ValueError`` unless the arguments are valid for :func:`paged_attention_forward`.
+
+    Checks ranks, shapes, dtypes and devices only: no values (that would need a device sync);
+    :func:`check_paged_values` checks the values. ``for_kernel=False`` (the PyTorch reference) also
+    accepts float64 and CPU tensors without the Triton interpreter.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("context_lens", context_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be 3-D [batch, num_heads, head_dim] (one token per sequence), got {tuple(q.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], "
+                             f"got {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous head_dim axis (stride 1)")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    allowed = SUPPORTED_DTYPES if for_kernel else (*SUPPORTED_DTYPES, torch.float64)
+    if q.dtype not in allowed:
+        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q and the caches must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if for_kernel and q.device.type == "cpu" and not triton_interpreted():
+        raise ValueError("CPU tensors need the Triton interpreter: call yaie.device.prepare_triton() "
+                         "before importing triton (or set TRITON_INTERPRET=1)")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensors must be on a CUDA GPU or the CPU, got {q.device}")
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"q's head_dim {head_dim} differs from the cache's {cache_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    if batch == 0 or num_blocks == 0 or block_size == 0 or num_kv_heads == 0:
+        raise ValueError(f"empty tensors are not allowed: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be int32 [batch={batch}, max_blocks], got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.shape[1] == 0:
+        raise ValueError("block_tables must have at least one column")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (batch,):
+        raise ValueError(f"context_lens must be int32 [batch={batch}], got {context_lens.dtype} {tuple(context_lens.shape)}")
+    if not isinstance(max_context_len, int) or isinstance(max_context_len, bool) or max_context_len < 1:
+        raise ValueError(f"max_context_len must be an int >= 1, got {max_context_len!r}")
+    if max_context_len > block_tables.shape[1] * block_size:
+        raise ValueError(f"max_context_len {max_context_len} exceeds what a block table row holds "
+                         f"({block_tables.shape[1]} blocks x {block_size} tokens)")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
+
+
+def check_paged_values(k_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                       max_context_len: int) -> None:
+    """Raise ``ValueError`` on context lengths outside ``0..max_context_len`` or block ids outside the cache
+    (only the blocks a sequence uses are checked; padding may hold anything). One small device sync."""
+    lens = context_lens.long()
+    low, high = torch.aminmax(lens)
+    if int(low) < 0 or int(high) > max_context_len:
+        raise ValueError(f"context_lens must lie in 0..max_context_len={max_context_len}, "
+                         f"got min {int(low)}, max {int(high)}")
+    block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
+    used_blocks = (lens + block_size - 1) // block_size
+    columns = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = columns[None, :] < used_blocks[:, None]
+    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_tables[{row}, {col}] = {int(block_tables[row, col])} is not a block id "
+                         f"(the cache has {num_blocks} blocks)")
+
+
+# yaie: task 1
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              scale: float | None = None) -> torch.Tensor:
+    """The naive paged decode: gather each sequence's K and V from its blocks, then plain attention.
+
+    Same arguments as :func:`paged_attention_forward` (without ``max_context_len``): q
+    ``[batch, num_heads, head_dim]``, caches ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+    ``block_tables`` int32 ``[batch, max_blocks]``, ``context_lens`` int32 ``[batch]``. Query head ``h``
+    reads KV head ``h // (num_heads // num_kv_heads)``. Computes in the inputs' dtype (call it on float64
+    copies to get a reference). A sequence with context length 0 gets a zero output.
+
+    Returns:
+        ``[batch, num_heads, head_dim]`` in q's dtype.
+
+    Raises:
+        ValueError: as :func:`check_paged_inputs` (with ``max_context_len`` = the longest context).
+    """
+    max_len = max(1, int(context_lens.max())) if isinstance(context_lens, torch.Tensor) and context_lens.numel() else 1
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_len, scale, for_kernel=False)
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        length = int(context_lens[b])
+        if length == 0:
+            continue
+        positions = torch.arange(length, device=q.device)
+        blocks = block_tables[b, positions // block_size].long()
+        rows = positions % block_size
+        k = k_cache[blocks, rows].repeat_interleave(group, dim=1)     # [length, num_heads, head_dim]
+        v = v_cache[blocks, rows].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[b], k) * scale          # [num_heads, length]
+        out[b] = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v)
+    return out
+
+
+# yaie: solution-only
+@triton.jit
+def _paged_decode_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, CONTEXT_LENS, OUT, PART_OUT, PART_LSE,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_table,
+    stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    scale_log2, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_SPLITS: tl.constexpr,
+    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: one sequence, one KV head (all its GROUP query heads), one range of the context."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(CONTEXT_LENS + seq)
+
+    # This split's tokens: equal shares, rounded up to whole tiles so only the last tile is partial.
+    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), TILE_N) * TILE_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, context_len)
+
+    rows = tl.arange(0, GROUP_PAD)                      # query heads of the group, padded for tl.dot
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM                            # head dims that are not a power of two
+    q = tl.load(Q + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)   # running max of the scores (log2 units)
+    l = tl.zeros([GROUP_PAD], tl.float32)                 # running sum of exp2(score - m)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)      # running sum of exp2(score - m) * v
+    table = BLOCK_TABLES + seq.to(tl.int64) * stride_table
+    for tile_start in range(start, end, TILE_N):
+        offs_n = tile_start + tl.arange(0, TILE_N)
+        n_ok = offs_n < end
+        # Follow the block table: token t is row t % BLOCK_SIZE of block table[t // BLOCK_SIZE].
+        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        within = offs_n % BLOCK_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_CACHE + block[:, None] * stride_kb + within[:, None] * stride_kt + kv_head * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V_CACHE + block[:, None] * stride_vb + within[:, None] * stride_vt + kv_head * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:   # the interpreter's bf16 tl.dot is broken: upcast there
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.where(n_ok[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))        # finite: every tile has a valid token
+        alpha = tl.exp2(m - m_new)                      # rescales what was summed under the old max
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    has_keys = l > 0                                    # an empty split (or context) has no keys
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if USE_SPLITS:
+        base = seq.to(tl.int64) * stride_pb + split * stride_ps
+        tl.store(PART_OUT + base + heads[:, None] * stride_ph + offs_d[None, :], out, mask=out_mask)
+        lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(PART_LSE + seq.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+    else:
+        tl.store(OUT + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=out_mask)
+
+
+# yaie: solution-only
+@triton.jit
+def _merge_splits_kernel(
+    PART_OUT, PART_LSE, OUT, num_splits,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One program per (sequence, head): out = sum_i exp(lse_i - max) o_i / sum_i exp(lse_i - max)."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(PART_LSE + seq * stride_lb + head * stride_lh + splits, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)        # no keys at all: every weight is 0
+    weights = tl.exp(lse - top)                           # empty splits (lse = -inf) weigh 0
+    parts = tl.load(PART_OUT + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps + offs_d[None, :],
+                    mask=split_ok[:, None] & d_ok[None, :], other=0.0)
+    parts = tl.where(weights[:, None] > 0, parts, 0.0)    # never let an unwritten NaN through a zero weight
+    total = tl.sum(weights, 0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(OUT + seq * stride_ob + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
+
+
+# yaie: solution-only
+def _decode_config(group: int, block_d: int) -> dict:
+    """Launch settings: small tiles in the interpreter (fast on a CPU), wide tiles on a GPU."""
+    if triton_interpreted():
+        return dict(TILE_N=16, num_warps=1, num_stages=1)
+    return dict(TILE_N=64 if block_d <= 128 else 32, num_warps=4, num_stages=2)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int | None = None,
+                      min_tokens_per_split: int = 512) -> int:
+    """The split-K heuristic: about 4 programs per multiprocessor, a power of two, at least
+    ``min_tokens_per_split`` tokens per split.
+
+    Without splitting there are ``batch * num_kv_heads`` programs; ``num_sms * 4 / programs`` splits
+    bring that to about 4 per multiprocessor (enough loads in flight to keep the memory busy), rounded
+    DOWN to a power of two (on the H200, 3 or 5 splits ran slower than 2 or 4: see
+    bench/results/lesson04_h200.md, "split sweep"). A split must keep enough tokens that its fixed
+    costs (loading q, writing a partial result, the merge) stay small. Returns 1 (no split) .. ``MAX_SPLITS``.
+    """
+    if num_sms is None:
+        num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                   if torch.cuda.is_available() else 8)
+    programs = max(1, batch * num_kv_heads)
+    wanted = max(1, 4 * num_sms // programs)
+    longest = max(1, max_context_len // min_tokens_per_split)
+    splits = min(wanted, longest, MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)     # the largest power of two <= splits
+
+
+# yaie: solution-only
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+# yaie: solution-only
+def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, config=None):
+    """Run the decode kernel (and the merge when ``num_splits > 1``); ``config`` overrides launch settings."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_d = _block_d(head_dim)
+    config = {**_decode_config(group, block_d), **(config or {})}
+    out = torch.empty_like(q)
+    use_splits = num_splits > 1
+    if use_splits:
+        part_out = torch.empty((batch, num_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
+        part_lse = torch.empty((batch, num_heads, num_splits), device=q.device, dtype=torch.float32)
+    else:
+        part_out = part_lse = out            # unused pointers
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if use_splits else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        scale * LOG2E, num_splits,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, USE_SPLITS=use_splits,
+        FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16, PRECISION=precision,
+        **config,
+    )
+    if use_splits:
+        merge_split_results(part_out, part_lse, out=out)
+    return out
+
+
+# yaie: task 3
+def merge_split_results(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Merge the partial results of split-K decode into the exact attention output.
+
+    Split ``i`` attended to its own range of keys and produced its *normalised* output ``o_i`` and the
+    natural-log log-sum-exp of its scores ``lse_i``. Then, with ``lse = log(sum_i exp(lse_i))``::
+
+        out = sum_i exp(lse_i - lse) * o_i
+
+    A split without keys has ``lse_i = -inf`` and weight 0 (whatever its ``o_i`` holds, even NaN); a row
+    whose splits are all empty gets 0.
+
+    Args:
+        part_out: float32 ``[batch, num_heads, num_splits, head_dim]``.
+        part_lse: float32 ``[batch, num_heads, num_splits]``.
+        out: optional ``[batch, num_heads, head_dim]`` tensor to write into (its dtype wins).
+        out_dtype: dtype of a new output (default float32).
+
+    Returns:
+        ``[batch, num_heads, head_dim]``.
+
+    Raises:
+        ValueError: wrong ranks, shapes, dtypes or devices.
+    """
+    for name, t, rank in (("part_out", part_out, 4), ("part_lse", part_lse, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be a {rank}-D float32 tensor")
+    batch, num_heads, num_splits, head_dim = part_out.shape
+    if tuple(part_lse.shape) != (batch, num_heads, num_splits):
+        raise ValueError(f"part_lse must be [batch, num_heads, num_splits] = {[batch, num_heads, num_splits]}, "
+                         f"got {list(part_lse.shape)}")
+    if part_out.device != part_lse.device:
+        raise ValueError("part_out and part_lse must be on one device")
+    if not 1 <= num_splits <= MAX_SPLITS or not 1 <= head_dim <= MAX_HEAD_DIM or batch * num_heads == 0:
+        raise ValueError(f"unsupported sizes: {num_splits} splits (1..{MAX_SPLITS}), head_dim {head_dim}, "
+                         f"batch {batch}, heads {num_heads}")
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), device=part_out.device, dtype=out_dtype or torch.float32)
+    elif tuple(out.shape) != (batch, num_heads, head_dim) or out.device != part_out.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be [batch, num_heads, head_dim] = {[batch, num_heads, head_dim]} on "
+                         f"{part_out.device} with a contiguous last axis")
+    part_out = part_out if part_out.stride(-1) == 1 else part_out.contiguous()
+    part_lse = part_lse if part_lse.stride(-1) == 1 else part_lse.contiguous()
+    _merge_splits_kernel[(batch, num_heads)](
+        part_out, part_lse, out, num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+    )
+    return out
+
+
+# yaie: task 2
+def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
+                            scale: float | None = None, num_splits: int | None = None,
+                            validate: bool = True) -> torch.Tensor:
+    """Decode attention over a paged KV cache: one new query token per sequence, in Triton.
+
+    Args:
+        q: ``[batch, num_heads, head_dim]``, the new token's query of every sequence (any strides with a
+            contiguous last axis).
+        k_cache, v_cache: ONE layer's cache, ``[num_blocks, block_size, num_kv_heads, head_dim]``, last axis
+            contiguous (lesson 03's layout). ``num_heads`` must be a multiple of ``num_kv_heads``
+            (grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+        block_tables: int32 ``[batch, max_blocks_per_seq]``: logical block ``j`` of sequence ``b`` is
+            physical block ``block_tables[b, j]``; entries past a sequence's length are never read.
+        context_lens: int32 ``[batch]``: tokens of each sequence, 0 .. ``max_context_len`` (the lengths
+            differ; 0 gives a zero output).
+        max_context_len: an upper bound of ``context_lens`` (a Python int, so no sync is needed to plan).
+        scale: multiplier of the scores, default ``head_dim ** -0.5``.
+        num_splits: split-K factor: each sequence's context is cut into this many ranges handled in
+            parallel and merged by log-sum-exp (:func:`merge_split_results`); 1 disables it; ``None``
+            picks one with :func:`choose_num_splits`.
+        validate: also check the *values* of ``context_lens`` and ``block_tables`` (one device sync); an
+            engine that builds them itself may pass False.
+
+    Dtypes: float16, bfloat16 or float32, the same for q and the caches. Head dims 1..256 (padded to a
+    power of two inside: 96 works), block sizes 8..128 (any size works). On the CPU the kernel runs in
+    the Triton interpreter.
+
+    Returns:
+        ``[batch, num_heads, head_dim]`` in q's dtype.
+
+    Raises:
+        ValueError: as :func:`check_paged_inputs`; with ``validate``, context lengths outside
+            ``0..max_context_len`` or used block ids outside the cache.
+    """
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits)
+    if validate:
+        check_paged_values(k_cache, block_tables, context_lens, max_context_len)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if num_splits is None:
+        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_context_len,
+                                       num_sms=8 if q.device.type == "cpu" else None)
+    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
