@@ -17,8 +17,9 @@ tensors itself. The shape checks (host Python) stay in, as in the engine.
 Rows (``paged_decode``):
 
 * ``yaie triton``: the kernel with its own split-K heuristic (``num_splits=None``);
-* ``yaie triton (before)``: the committed kernel before the issue-5 work, frozen in
-  ``bench/results/lesson04_baseline_paged_attention.py``, timed in the same run (old vs new side by side);
+* ``yaie triton (before)``: an older kernel timed in the same run (old vs new side by side), when a copy of it
+  is put at ``bench/results/lesson04_baseline_paged_attention.py`` (the committed results compare against
+  ``git show 94faf0d:solutions/kernels/paged_attention.py``); without that file these rows are skipped;
 * ``yaie triton (CUDA graph)``: the same call replayed from a CUDA graph: the GPU time alone, without the
   host's Python and launch work (what an engine that captures its decode step would see);
 * ``torch SDPA (default: <backend>)``: SDPA as a user calls it, no backend forced; the backend it picked
