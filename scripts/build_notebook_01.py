@@ -4,15 +4,10 @@ The notebook is generated so its cells stay reviewable as plain Python in this f
     python scripts/build_notebook_01.py
 """
 
-from pathlib import Path
+from notebook_builder import NotebookBuilder
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-ROOT = Path(__file__).resolve().parents[1]
-cells = []
-md = lambda text: cells.append(new_markdown_cell(text.strip()))   # noqa: E731
-code = lambda text: cells.append(new_code_cell(text.strip()))     # noqa: E731
+notebook = NotebookBuilder()
+md, code = notebook.md, notebook.code
 
 md(r"""
 # Lesson 01: CPU kernels
@@ -48,19 +43,13 @@ import matplotlib.pyplot as plt
 import torch
 import ipywidgets as widgets
 
+from yaie.notebook import try_it
 from yaie.switch import LessonProxy, describe, use_solutions
 
 L1 = LessonProxy(1)           # your yaie/kernels/cpu_kernels.py, or the reference if the switch says so
 # use_solutions(1)            # uncomment to run the reference for lesson 01
 print(describe())
 
-
-def try_it(fn):
-    # Run an exercise check; an unfinished task prints one line instead of a traceback.
-    try:
-        return fn()
-    except NotImplementedError as err:
-        print(f"not implemented yet: {err}")
 """)
 
 md(r"""
@@ -317,11 +306,4 @@ from yaie.grade import run_grader
 result = run_grader(1)
 """)
 
-nb = new_notebook(cells=cells, metadata={
-    "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-    "language_info": {"name": "python"},
-})
-out = ROOT / "lessons" / "01_cpu_kernels" / "01_cpu_kernels.ipynb"
-out.parent.mkdir(parents=True, exist_ok=True)
-nbformat.write(nb, out)
-print(f"wrote {out.relative_to(ROOT)}")
+notebook.write("lessons/01_cpu_kernels/01_cpu_kernels.ipynb")

@@ -3,15 +3,10 @@
     python scripts/build_notebook_03.py
 """
 
-from pathlib import Path
+from notebook_builder import NotebookBuilder
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-ROOT = Path(__file__).resolve().parents[1]
-cells = []
-md = lambda text: cells.append(new_markdown_cell(text.strip()))   # noqa: E731
-code = lambda text: cells.append(new_code_cell(text.strip()))     # noqa: E731
+notebook = NotebookBuilder()
+md, code = notebook.md, notebook.code
 
 md(r"""
 # Lesson 03: the paged KV cache
@@ -54,19 +49,13 @@ import matplotlib.patches as patches
 import torch
 import ipywidgets as widgets
 
+from yaie.notebook import try_it
 from yaie.switch import LessonProxy, describe, use_solutions
 
 L3 = LessonProxy(3)           # your yaie/kernels/kv_cache.py, or the reference if the switch says so
 # use_solutions(3)            # uncomment to run the reference for lesson 03
 print(describe())
 
-
-def try_it(fn):
-    # Run an exercise check; an unfinished task prints one line instead of a traceback.
-    try:
-        return fn()
-    except NotImplementedError as err:
-        print(f"not implemented yet: {err}")
 """)
 
 md(r"""
@@ -303,11 +292,4 @@ from yaie.grade import run_grader
 result = run_grader(3)
 """)
 
-nb = new_notebook(cells=cells, metadata={
-    "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-    "language_info": {"name": "python"},
-})
-out = ROOT / "lessons" / "03_paged_kv_cache" / "03_paged_kv_cache.ipynb"
-out.parent.mkdir(parents=True, exist_ok=True)
-nbformat.write(nb, out)
-print(f"wrote {out.relative_to(ROOT)}")
+notebook.write("lessons/03_paged_kv_cache/03_paged_kv_cache.ipynb")

@@ -3,15 +3,10 @@
     python scripts/build_notebook_04.py
 """
 
-from pathlib import Path
+from notebook_builder import NotebookBuilder
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-ROOT = Path(__file__).resolve().parents[1]
-cells = []
-md = lambda text: cells.append(new_markdown_cell(text.strip()))   # noqa: E731
-code = lambda text: cells.append(new_code_cell(text.strip()))     # noqa: E731
+notebook = NotebookBuilder()
+md, code = notebook.md, notebook.code
 
 md(r"""
 # Lesson 04: paged-attention decode
@@ -55,19 +50,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from yaie.notebook import try_it
 from yaie.switch import LessonProxy, describe
 L4 = LessonProxy(4)          # your module, or the reference if YAIE_SOLUTIONS says so
 device = default_device()
 dtype = torch.float32 if interpreted else torch.bfloat16
 print("Triton interpreter:", interpreted, "| device:", device, "|", describe())
 
-
-def try_it(fn):
-    # Run an exercise check; an unfinished task prints one line instead of a traceback.
-    try:
-        return fn()
-    except NotImplementedError as err:
-        print(f"not implemented yet: {err}")
 
 
 def make_batch(lengths, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=0, dtype=torch.float32):
@@ -338,11 +327,4 @@ from yaie.grade import run_grader
 result = run_grader(4)
 """)
 
-nb = new_notebook(cells=cells, metadata={
-    "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-    "language_info": {"name": "python"},
-})
-out = ROOT / "lessons" / "04_paged_attention" / "04_paged_attention.ipynb"
-out.parent.mkdir(parents=True, exist_ok=True)
-nbformat.write(nb, out)
-print(f"wrote {out.relative_to(ROOT)}")
+notebook.write("lessons/04_paged_attention/04_paged_attention.ipynb")

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("YAIE_SOLUTIONS", "all")
 
+from gpu_sections import run_sections  # noqa: E402
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
 from yaie.engine.kv_cache import ContiguousKVCache  # noqa: E402
 
@@ -137,20 +136,9 @@ def main() -> int:
     args = p.parse_args()
     global DEVICE
     DEVICE = args.device
-    import transformers
-    report = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__, transformers=transformers.__version__)
-    failed = False
-    for name, fn in [("spies", section_spies), ("fp32_bundled", section_fp32_bundled),
-                     ("fp32_random", section_fp32_random), ("bf16_bundled", section_bf16_bundled)]:
-        try:
-            report[name] = dict(ok=True, result=fn())
-        except Exception as err:  # record and go on: one GPU call must tell everything
-            failed = True
-            report[name] = dict(ok=False, error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
-        print(name, json.dumps(report[name], default=str)[:1500], flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "engine_gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return 1 if failed else 0
+    sections = [("spies", section_spies), ("fp32_bundled", section_fp32_bundled),
+                ("fp32_random", section_fp32_random), ("bf16_bundled", section_bf16_bundled)]
+    return run_sections(sections, DEVICE, Path(args.out) / "engine_gpu_check.json", print_chars=1500)
 
 
 if __name__ == "__main__":
