@@ -45,7 +45,9 @@ def run_grader(lesson: int, solutions: bool = False, extra_args: list[str] | Non
         cmd += list(extra_args or [])
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
         if not quiet:
-            print(proc.stdout[-20000:], end="")
+            # The results file is this function's own temporary file: not worth a line in the report.
+            shown = proc.stdout.replace(f"results written to {results}\n", "")
+            print(shown[-20000:], end="")
             if proc.returncode not in (0, 1) and proc.stderr:
                 print(proc.stderr[-5000:], end="", file=sys.stderr)
         if not results.exists():
