@@ -68,3 +68,20 @@ def test_bench_shapes_and_bytes():
     assert {kv for _, kv, _ in shapes} == {8, 4}
     assert min(c for _, _, c in shapes) == 1024 and max(c for _, _, c in shapes) == 32768
     assert lesson04.kv_bytes(1, 1, 1) == 2 * 128 * 2
+
+
+def test_fused_merge_matches_the_merge_kernel_and_leaves_its_counters_at_zero():
+    """The split merge fused into the decode kernel (the last split to finish merges) gives the answer of
+    the separate merge kernel, on empty contexts and empty splits too, call after call: every call must
+    put the counters it used back to 0, or the next call would merge too early or never."""
+    case = ([0, 1, 37, 64, 5], 4, 2, 16, 8)
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, "cpu", seed=11)
+    expected = ref_decode(q, ks, vs)
+    scale = q.shape[-1] ** -0.5
+    for splits in (2, 3, 8):
+        for _ in range(2):
+            fused = ref._launch_decode(q, kc, vc, bt, cl, scale, splits)
+            separate = ref._launch_decode(q, kc, vc, bt, cl, scale, splits, fuse_merge=False)
+            torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(fused.double(), expected, atol=2e-5, rtol=1e-5)
+            assert int(ref._split_counters(q.device, q.shape[0] * kc.shape[2]).abs().sum()) == 0

@@ -20,6 +20,11 @@ Rows (``paged_decode``):
 * ``yaie triton (before)``: an older kernel timed in the same run (old vs new side by side), when a copy of it
   is put at ``bench/results/lesson04_baseline_paged_attention.py`` (the committed results compare against
   ``git show 94faf0d:solutions/kernels/paged_attention.py``); without that file these rows are skipped;
+* ``yaie triton (merge as a 2nd kernel)``: split-K with the log-sum-exp merge launched as a kernel of its
+  own instead of fused into the decode kernel's last split (shapes where the heuristic splits);
+* ``yaie triton on SDPA's contiguous K/V``: the kernel reading SDPA's own ``[batch, kv_heads, ctx, head_dim]``
+  tensors as a cache of one block per sequence (``block_size = ctx``): the same bytes in the same places,
+  so the gap left to SDPA is the kernel's, not the paging's;
 * ``yaie triton (CUDA graph)``: the same call replayed from a CUDA graph: the GPU time alone, without the
   host's Python and launch work (what an engine that captures its decode step would see);
 * ``torch SDPA (default: <backend>)``: SDPA as a user calls it, no backend forced; the backend it picked
@@ -28,8 +33,8 @@ Rows (``paged_decode``):
 * ``torch SDPA (<backend>)``: each SDPA backend forced in turn, where it accepts the inputs.
 
 ``paged_decode split sweep`` / ``splits=N``: the kernel with a forced split count (to judge the heuristic).
-The launch-setting sweep (TILE_N, num_warps, num_stages x split counts) on the short-context shapes goes
-to a file of its own, ``lesson04_sweep_<gpu>.{json,md,png}``, next to the main results.
+Launch settings, cache layouts, block placement and host time are studied by
+``scripts/gpu_lesson04_tune.py`` (results ``lesson04_tune_<gpu>.json``).
 
 Every shape is checked once against SDPA before timing: a fast wrong kernel is reported as MISMATCH.
 """
@@ -44,7 +49,6 @@ from pathlib import Path
 
 import torch
 
-from yaie.bench import harness
 from yaie.bench.harness import Row, bench_ms
 from yaie.switch import module
 
@@ -53,9 +57,6 @@ HEAD_DIM = 128
 BLOCK_SIZE = 16
 NUM_HEADS = 32
 BASELINE = Path(__file__).resolve().parents[2] / "bench" / "results" / "lesson04_baseline_paged_attention.py"
-# Launch settings tried on the short-context shapes: (TILE_N, num_warps, num_stages).
-SWEEP_CONFIGS = ((64, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 8, 2), (128, 8, 2), (32, 2, 3))
-SWEEP_SHAPES = ((32, 8, 1024), (32, 8, 4096), (32, 4, 1024), (32, 4, 4096), (128, 8, 1024), (128, 4, 1024))
 
 
 def shapes(quick: bool) -> list[tuple[int, int, int]]:
@@ -197,6 +198,17 @@ def run(args) -> list[Row]:
         _timed(rows, label, shape, ours, moved, warmup, rep)
         if before is not None:
             _timed(rows, "yaie triton (before)", shape, lambda: ours(impl=before), moved, warmup, rep)
+        if chosen and chosen > 1 and hasattr(pa, "_launch_decode"):
+            scale = HEAD_DIM ** -0.5
+            _timed(rows, "yaie triton (merge as a 2nd kernel)", shape,
+                   lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, scale, chosen, fuse_merge=False),
+                   moved, warmup, rep)
+        # SDPA's own contiguous tensors handed to our kernel as a cache of one block per sequence: the same
+        # bytes in the same places, so what differs from the SDPA rows is the kernel, not the paging.
+        one_block = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None]
+        _timed(rows, "yaie triton on SDPA's contiguous K/V", shape,
+               lambda: pa.paged_attention_forward(q, k.transpose(1, 2), v.transpose(1, 2), one_block, lens, ctx,
+                                                  validate=False), moved, warmup, rep)
         if status == "ok":
             _timed_graph(rows, "yaie triton (CUDA graph)", shape, ours, moved, warmup, rep)
         try:
@@ -233,13 +245,11 @@ def run(args) -> list[Row]:
                   f"best SDPA {sdpa_ms[best]:.4f} ms [{best}] ({sdpa_ms[best] / group[label]:.2f}x)", flush=True)
         del q, k, v, k_cache, v_cache, tables, lens, reference
         torch.cuda.empty_cache()
-    if not quick and hasattr(pa, "_launch_decode"):
-        write_sweep(pa, gen, getattr(args, "out", None), began)
     return rows
 
 
 def deadline() -> float:
-    """Seconds after the start of :func:`run` when the optional sweeps stop (``LESSON04_DEADLINE_S``)."""
+    """Seconds after the start of :func:`run` after which the split sweeps are skipped (``LESSON04_DEADLINE_S``)."""
     return float(os.environ.get("LESSON04_DEADLINE_S", "150"))
 
 
@@ -250,50 +260,3 @@ def _timed_graph(rows, impl, shape, fn, moved, warmup, rep):
         print(f"  {impl}: capture failed ({type(err).__name__})", flush=True)
         return
     _timed(rows, impl, shape, replay, moved, warmup, rep)
-
-
-def write_sweep(pa, gen, out_dir, began: float) -> None:
-    """Launch settings x split counts on the short-context shapes, into ``lesson04_sweep_<gpu>.*``.
-
-    Stops early (and still writes what it has) once ``LESSON04_DEADLINE_S`` seconds (default 150) have
-    passed since ``began`` (the start of the benchmark), so that a run under a wall-clock limit keeps
-    its main results.
-    """
-    budget = deadline()
-    rows: list[Row] = []
-    scale = HEAD_DIM ** -0.5
-    for batch, kv_heads, ctx in SWEEP_SHAPES:
-        if time.monotonic() - began > budget:
-            break
-        shape = shape_label(batch, kv_heads, ctx)
-        q, _, _, k_cache, v_cache, tables, lens = make_inputs(batch, kv_heads, ctx, gen)
-        moved = kv_bytes(batch, kv_heads, ctx) + 2 * q.numel() * q.element_size()
-        chosen = pa.choose_num_splits(batch, kv_heads, ctx)
-        split_counts = sorted({max(1, chosen // 2), chosen, 2 * chosen, max(1, 3 * chosen // 2)})
-        for tile, warps, stages in SWEEP_CONFIGS:
-            for splits in split_counts:
-                if time.monotonic() - began > budget:
-                    print(f"  sweep: stopped at the {budget:.0f} s deadline", flush=True)
-                    break
-                config = dict(TILE_N=tile, num_warps=warps, num_stages=stages)
-
-                def fn(config=config, splits=splits):
-                    return pa._launch_decode(q, k_cache, v_cache, tables, lens, scale, splits, config)
-
-                try:
-                    fn()
-                except Exception as err:  # noqa: BLE001 - a config that does not compile is reported
-                    print(f"  sweep {config}: failed ({type(err).__name__})", flush=True)
-                    continue
-                _timed(rows, f"tile{tile} w{warps} s{stages} splits{splits}", shape, fn, moved, 10, 40,
-                       kernel="paged_decode launch sweep")
-        best = min((r for r in rows if r.shape == shape), key=lambda r: r.ms, default=None)
-        if best:
-            print(f"  sweep {shape}: best {best.impl} {best.ms:.4f} ms (heuristic splits {chosen})", flush=True)
-        del q, k_cache, v_cache, tables, lens
-        torch.cuda.empty_cache()
-    if rows:
-        peaks = harness.measure_peaks("cuda")
-        out = Path(out_dir) if out_dir else harness.ROOT / "bench" / "results"
-        for path in harness.write_results(f"{LESSON}_sweep_{harness.gpu_slug()}", rows, peaks, out):
-            print(f"wrote {path}", flush=True)

@@ -1,0 +1,330 @@
+"""Lesson 04 investigation on the lent GPU (one call, about 2 minutes): where does paged decode lose time
+against SDPA's default (cuDNN) kernel? Companion of ``yaie bench lesson04``; results go to
+``$OUT/lesson04_tune_<gpu>.json`` and are summarised in bench/README.md.
+
+Sections (``TUNE_SECTIONS``, comma separated, default all):
+
+* ``host``: microseconds of host time per call on a tiny shape (the GPU waits on the host there): the
+  input checks, the launcher with and without the fused merge, a 3-argument Triton kernel, SDPA;
+* ``contiguous``: SDPA's own contiguous ``[batch, kv_heads, ctx, head_dim]`` tensors handed to the kernel as
+  a cache of one block per sequence, beside the paged (shuffled) cache and SDPA: is the gap the paging
+  or the kernel? Also an experimental kernel that fetches K/V tiles with the TMA engine (tensor
+  descriptors) instead of pointer loads;
+* ``placement``: the paged cache with its blocks shuffled / in order / round-robin, block sizes 16-128,
+  token-major (nhd) and head-major (hnd) blocks;
+* ``sweep``: launch settings (TILE_N, num_warps, num_stages) x split counts x nhd/hnd, GPU time from CUDA
+  graph replays;
+* ``large``: a cache of more than 2**31 elements (64-bit offsets), checked against float64.
+
+    OUT=out python scripts/gpu_lesson04_tune.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from solutions.kernels import paged_attention as pa  # noqa: E402
+from yaie.bench.harness import bench_ms, gpu_slug, measure_peaks  # noqa: E402
+from yaie.bench.lesson04 import graphed, kv_bytes, make_inputs, shape_label  # noqa: E402
+
+SHAPES = [(32, 4, 4096), (32, 8, 4096), (32, 4, 1024), (32, 8, 1024), (32, 4, 16384), (32, 8, 32768),
+          (64, 4, 8192), (128, 8, 4096), (128, 4, 1024)]
+CONFIGS = [(64, 4, 2), (64, 4, 3), (32, 2, 3), (128, 4, 2), (128, 8, 3)]
+SPLITS = (1, 2, 3, 4, 8)
+SCALE = 128 ** -0.5
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def per_call_us(fn, calls=400):
+    """Wall microseconds per call in a loop without syncs: the host cost when the GPU work is tiny."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) / calls * 1e6
+
+
+def graph_ms(fn, warmup=5, rep=25):
+    """GPU time of ``fn`` alone: median of CUDA-graph replays (no host Python per call)."""
+    return bench_ms(graphed(fn), warmup, rep)
+
+
+def sdpa_fn(q, k, v):
+    q4 = q.unsqueeze(2)
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
+
+
+@triton.jit
+def _tma_decode(Q, K_DESC, V_DESC, BLOCK_TABLES, CONTEXT_LENS, OUT, PART_OUT, PART_LSE, COUNTERS,
+                stride_table, scale_log2, num_splits,
+                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                TILE_N: tl.constexpr):
+    """Experiment: the decode kernel with K/V tiles fetched by the TMA engine (tile inside one block)."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+    num_heads = num_kv_heads * GROUP
+    context_len = tl.load(CONTEXT_LENS + seq)
+    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), TILE_N) * TILE_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, context_len)
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (seq * num_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for tile_start in range(start, end, TILE_N):
+        block = tl.load(BLOCK_TABLES + seq * stride_table + tile_start // BLOCK_SIZE)
+        row0 = tile_start % BLOCK_SIZE
+        k = K_DESC.load([block, row0, kv_head, 0]).reshape(TILE_N, HEAD_DIM)
+        v = V_DESC.load([block, row0, kv_head, 0]).reshape(TILE_N, HEAD_DIM)
+        n_ok = tile_start + tl.arange(0, TILE_N) < end
+        v = tl.where(n_ok[:, None], v, 0.0)
+        scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(n_ok[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    stride_ps = HEAD_DIM
+    part_out = PART_OUT + ((seq * num_heads + heads)[:, None] * num_splits) * HEAD_DIM + offs_d[None, :]
+    part_lse = PART_LSE + (seq * num_heads + heads) * num_splits
+    tl.store(part_out + split * stride_ps, out, mask=row_ok[:, None])
+    lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(part_lse + split, lse, mask=row_ok)
+    tl.debug_barrier()
+    counter = COUNTERS + seq * num_kv_heads + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        merged = pa._merge_rows(part_out, part_lse, stride_ps, num_splits, row_ok, offs_d < HEAD_DIM)
+        tl.store(OUT + (seq * num_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :], merged.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(counter, 0)
+
+
+def tma_decode(q, k_cache, v_cache, tables, lens, splits, tile, warps, stages):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, num_heads, d = q.shape
+    nb, bs, kv, _ = k_cache.shape
+    box = [1, tile, 1, d]
+    k_desc = TensorDescriptor(k_cache, list(k_cache.shape), list(k_cache.stride()), box)
+    v_desc = TensorDescriptor(v_cache, list(v_cache.shape), list(v_cache.stride()), box)
+    out = torch.empty_like(q)
+    part_out = torch.empty((batch, num_heads, splits, d), device=q.device, dtype=torch.float32)
+    part_lse = torch.empty((batch, num_heads, splits), device=q.device, dtype=torch.float32)
+    counters = pa._split_counters(q.device, batch * kv)
+    _tma_decode[(batch, kv, splits)](q, k_desc, v_desc, tables, lens, out, part_out, part_lse, counters,
+                                     tables.stride(0), SCALE * pa.LOG2E, splits, GROUP=num_heads // kv,
+                                     GROUP_PAD=max(16, triton.next_power_of_2(num_heads // kv)), HEAD_DIM=d,
+                                     BLOCK_SIZE=bs, TILE_N=tile, num_warps=warps, num_stages=stages)
+    return out
+
+
+
+def section_host(report, gen):
+    q, k, v, k_cache, v_cache, tables, lens = make_inputs(1, 1, 64, gen)
+
+    @triton.jit
+    def _tiny(X, Y, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(Y + offs, tl.load(X + offs, mask=offs < n), mask=offs < n)
+
+    x, y = torch.zeros(16, device="cuda"), torch.zeros(16, device="cuda")
+    calls = {
+        "check_paged_inputs": lambda: pa.check_paged_inputs(q, k_cache, v_cache, tables, lens, 64),
+        "launcher, 1 split": lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, SCALE, 1),
+        "launcher, 2 splits, fused merge": lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, SCALE, 2),
+        "launcher, 2 splits, merge as a 2nd kernel": lambda: pa._launch_decode(
+            q, k_cache, v_cache, tables, lens, SCALE, 2, fuse_merge=False),
+        "paged_attention_forward (validate=False)": lambda: pa.paged_attention_forward(
+            q, k_cache, v_cache, tables, lens, 64, validate=False),
+        "a 3-argument Triton kernel": lambda: _tiny[(1,)](x, y, 16, BLOCK=16),
+        "torch SDPA (default)": sdpa_fn(q, k, v),
+    }
+    report["host_us"] = {name: per_call_us(fn) for name, fn in calls.items()}
+    for name, us in report["host_us"].items():
+        print(f"host {name}: {us:.1f} us/call", flush=True)
+
+
+def section_contiguous(report, gen, pct):
+    rows = report.setdefault("contiguous", [])
+    for batch, kv, ctx in SHAPES:
+        label = shape_label(batch, kv, ctx)
+        q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv, ctx, gen)
+        moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
+        sdpa = sdpa_fn(q, k, v)
+        ref = sdpa()
+        whole_k, whole_v = k.transpose(1, 2), v.transpose(1, 2)      # [batch, ctx, kv, d] views: one block each
+        one_block = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None]
+        splits = pa.choose_num_splits(batch, kv, ctx)
+        impls = {
+            "torch SDPA (default)": sdpa,
+            "yaie, paged cache (shuffled, block 16)": lambda: pa._launch_decode(
+                q, k_cache, v_cache, tables, lens, SCALE, splits),
+            "yaie, paged cache, merge as a 2nd kernel": lambda: pa._launch_decode(
+                q, k_cache, v_cache, tables, lens, SCALE, splits, fuse_merge=False),
+            "yaie, SDPA's contiguous K/V": lambda: pa._launch_decode(
+                q, whole_k, whole_v, one_block, lens, SCALE, splits),
+        }
+        for tile, warps, stages in ((64, 4, 3), (128, 4, 3)):
+            for n in sorted({splits, 2 * splits}):
+                impls[f"TMA experiment, contiguous K/V, tile {tile} w{warps} s{stages} splits {n}"] = (
+                    lambda t=tile, w=warps, st=stages, n=n: tma_decode(q, whole_k, whole_v, one_block, lens, n, t, w, st))
+                impls[f"TMA experiment, paged cache, tile 16 w4 s4 splits {n}"] = (
+                    lambda n=n: tma_decode(q, k_cache, v_cache, tables, lens, n, 16, 4, 4))
+        for name, fn in impls.items():
+            try:
+                err = rel_err(fn(), ref)
+                ms = graph_ms(fn)
+            except Exception as exc:  # noqa: BLE001 - an experiment that does not compile is reported
+                print(f"  {label} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            rows.append({"shape": label, "impl": name, "ms": ms, "pct_copy": pct(moved, ms), "rel_err_vs_sdpa": err})
+            print(f"  {label} {name}: {ms * 1e3:.1f}us ({pct(moved, ms):.1f}%) err {err:.1e}", flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens, whole_k, whole_v
+        torch.cuda.empty_cache()
+
+
+def section_placement(report, gen, pct):
+    rows = report.setdefault("placement", [])
+    for batch, kv, ctx in ((32, 4, 4096), (32, 8, 4096), (32, 8, 32768), (128, 8, 4096)):
+        q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
+        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        splits = pa.choose_num_splits(batch, kv, ctx)
+        for bs in (16, 64, 128):
+            per_seq, nb = ctx // bs, batch * (ctx // bs)
+            k_nhd = torch.randn(nb, bs, kv, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+            v_nhd = torch.randn_like(k_nhd)
+            layouts = {"nhd": (k_nhd, v_nhd)}
+            if bs == 16:   # the same numbers stored head-major, passed as a transposed view
+                layouts["hnd"] = (k_nhd.transpose(1, 2).contiguous().transpose(1, 2),
+                                  v_nhd.transpose(1, 2).contiguous().transpose(1, 2))
+            orders = {"shuffled": torch.randperm(nb, device="cuda", generator=gen).view(batch, per_seq),
+                      "in order": torch.arange(nb, device="cuda").view(batch, per_seq),
+                      "round-robin": torch.arange(nb, device="cuda").view(per_seq, batch).t()}
+            for layout, (kc, vc) in layouts.items():
+                for order, table in orders.items():
+                    table = table.contiguous().to(torch.int32)
+                    ms = graph_ms(lambda kc=kc, vc=vc, t=table: pa._launch_decode(q, kc, vc, t, lens, SCALE, splits))
+                    rows.append({"shape": f"b{batch} h32/{kv} ctx{ctx} d128", "block_size": bs, "layout": layout,
+                                 "order": order, "ms": ms, "pct_copy": pct(moved, ms)})
+                    print(f"  b{batch} h32/{kv} ctx{ctx} bs{bs} {layout} {order}: {ms * 1e3:.1f}us "
+                          f"({pct(moved, ms):.1f}%)", flush=True)
+            del k_nhd, v_nhd, layouts
+            torch.cuda.empty_cache()
+
+
+def section_sweep(report, gen, pct, began, deadline_s):
+    rows = report.setdefault("sweep", [])
+    for batch, kv, ctx in SHAPES:
+        label = shape_label(batch, kv, ctx)
+        q, _, _, k_nhd, v_nhd, tables, lens = make_inputs(batch, kv, ctx, gen)
+        k_hnd = k_nhd.transpose(1, 2).contiguous().transpose(1, 2)
+        v_hnd = v_nhd.transpose(1, 2).contiguous().transpose(1, 2)
+        moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
+        best = {}
+        for layout, (kc, vc) in (("nhd", (k_nhd, v_nhd)), ("hnd", (k_hnd, v_hnd))):
+            for tile, warps, stages in CONFIGS:
+                for splits in SPLITS:
+                    if ctx // splits < 256 or time.monotonic() - began > deadline_s:
+                        continue
+                    config = dict(TILE_N=tile, num_warps=warps, num_stages=stages)
+                    ms = graph_ms(lambda c=config, s=splits, kc=kc, vc=vc: pa._launch_decode(
+                        q, kc, vc, tables, lens, SCALE, s, c))
+                    entry = {"shape": label, "layout": layout, "tile": tile, "warps": warps, "stages": stages,
+                             "splits": splits, "ms": ms, "pct_copy": pct(moved, ms)}
+                    rows.append(entry)
+                    if layout not in best or ms < best[layout]["ms"]:
+                        best[layout] = entry
+        for layout, e in best.items():
+            print(f"  {label} {layout} best: tile {e['tile']} w{e['warps']} s{e['stages']} splits {e['splits']} "
+                  f"{e['ms'] * 1e3:.1f}us ({e['pct_copy']:.1f}%)", flush=True)
+        del q, k_nhd, v_nhd, k_hnd, v_hnd, tables, lens
+        torch.cuda.empty_cache()
+
+
+def section_large(report):
+    """A cache past 2**31 elements (sequences use its last blocks), against float64 on the used blocks."""
+    num_blocks = 2**31 // (16 * 8 * 128) + 64
+    try:
+        k_cache = torch.randn(num_blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.arange(num_blocks - 4 * 64, num_blocks, device="cuda", dtype=torch.int32).view(4, 64)
+        lens = torch.tensor([1024, 1000, 17, 512], device="cuda", dtype=torch.int32)
+        q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+        errs = {}
+        for splits in (1, 4):
+            out = pa.paged_attention_forward(q, k_cache, v_cache, tables, lens, 1024, num_splits=splits)
+            used = tables.flatten().long()
+            small_tables = torch.arange(4 * 64, device="cuda", dtype=torch.int32).view(4, 64)
+            ref = pa.paged_attention_reference(q.double(), k_cache[used].double(), v_cache[used].double(),
+                                               small_tables, lens)
+            errs[f"max_abs_err splits={splits}"] = float((out.double() - ref).abs().max())
+        result = {"elements": k_cache.numel(), **errs}
+    except Exception as err:  # noqa: BLE001
+        result = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+    report["large_cache"] = result
+    print("cache past 2**31 elements:", result, flush=True)
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    began = time.monotonic()
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sections = os.environ.get("TUNE_SECTIONS", "host,contiguous,placement,sweep,large").split(",")
+    deadline_s = float(os.environ.get("TUNE_DEADLINE_S", "240"))
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(), "commit": os.environ.get("YAIE_GIT_COMMIT"),
+              "command": f"TUNE_SECTIONS={','.join(sections)} OUT=out python scripts/gpu_lesson04_tune.py",
+              "peaks": measure_peaks("cuda"),
+              "timing": "GPU time: median of CUDA-graph replays under triton.testing.do_bench (L2 cleared); "
+                        "host: wall time per call over 400 calls without syncs"}
+    copy = report["peaks"]["copy_GBps"]
+    print(f"{report['gpu']} torch {torch.__version__} triton {triton.__version__} copy {copy:.0f} GB/s", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def pct(moved, ms):
+        return 100 * moved / (ms * 1e-3) / 1e9 / copy
+
+    if "host" in sections:
+        section_host(report, gen)
+    if "contiguous" in sections:
+        section_contiguous(report, gen, pct)
+    if "placement" in sections:
+        section_placement(report, gen, pct)
+    if "sweep" in sections:
+        section_sweep(report, gen, pct, began, deadline_s)
+    if "large" in sections:
+        section_large(report)
+    path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
