@@ -12,8 +12,8 @@ Sections (``TUNE_SECTIONS``, comma separated, default all):
   descriptors) instead of pointer loads;
 * ``placement``: the paged cache with its blocks shuffled / in order / round-robin, block sizes 16-128,
   token-major (nhd) and head-major (hnd) blocks;
-* ``sweep``: launch settings (TILE_N, num_warps, num_stages) x split counts x nhd/hnd, GPU time from CUDA
-  graph replays;
+* ``sweep``: launch settings (TILE_N, num_warps, num_stages) x split counts (x nhd/hnd with ``TUNE_HND=1``),
+  GPU time from CUDA graph replays;
 * ``large``: a cache of more than 2**31 elements (64-bit offsets), checked against float64.
 
     OUT=out python scripts/gpu_lesson04_tune.py
@@ -40,7 +40,8 @@ from yaie.bench.lesson04 import graphed, kv_bytes, make_inputs, shape_label  # n
 
 SHAPES = [(32, 4, 4096), (32, 8, 4096), (32, 4, 1024), (32, 8, 1024), (32, 4, 16384), (32, 8, 32768),
           (64, 4, 8192), (128, 8, 4096), (128, 4, 1024)]
-CONFIGS = [(64, 4, 2), (64, 4, 3), (32, 2, 3), (128, 4, 2), (128, 8, 3)]
+CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 4, 4), (32, 2, 4), (32, 2, 6), (128, 4, 3),
+           (128, 8, 3)]
 SPLITS = (1, 2, 3, 4, 8)
 SCALE = 128 ** -0.5
 
@@ -247,7 +248,8 @@ def section_sweep(report, gen, pct, began, deadline_s):
         v_hnd = v_nhd.transpose(1, 2).contiguous().transpose(1, 2)
         moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
         best = {}
-        for layout, (kc, vc) in (("nhd", (k_nhd, v_nhd)), ("hnd", (k_hnd, v_hnd))):
+        layouts = (("nhd", (k_nhd, v_nhd)), ("hnd", (k_hnd, v_hnd)))[:2 if os.environ.get("TUNE_HND") else 1]
+        for layout, (kc, vc) in layouts:
             for tile, warps, stages in CONFIGS:
                 for splits in SPLITS:
                     if ctx // splits < 256 or time.monotonic() - began > deadline_s:

@@ -186,15 +186,17 @@ def _paged_decode_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_table,
-    stride_ob, stride_oh,
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
     scale_log2, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_SPLITS: tl.constexpr, FUSE_MERGE: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: one sequence, one KV head (all its GROUP query heads), one range of the context."""
+    """One program: one sequence, one KV head (all its GROUP query heads), one range of the context.
+
+    OUT ``[batch, num_heads, HEAD_DIM]``, PART_OUT ``[batch, num_heads, num_splits, HEAD_DIM]`` and PART_LSE
+    ``[batch, num_heads, num_splits]`` are the launcher's own contiguous buffers: their strides follow from
+    the sizes, so they are not passed (every argument costs host time at each launch).
+    """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -216,12 +218,19 @@ def _paged_decode_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)   # running max of the scores (log2 units)
     l = tl.zeros([GROUP_PAD], tl.float32)                 # running sum of exp2(score - m)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)      # running sum of exp2(score - m) * v
+    # Follow the block table: token t is row t % BLOCK_SIZE of block table[t // BLOCK_SIZE]. The block ids
+    # are read one tile AHEAD: then a tile's K/V addresses do not hang on a load of the same iteration,
+    # and Triton's software pipeliner can keep num_stages - 1 tiles of K and V in flight (with the ids
+    # read in the same iteration it kept one K/V buffer, whatever num_stages said).
     table = BLOCK_TABLES + seq.to(tl.int64) * stride_table
+    first = start + tl.arange(0, TILE_N)
+    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < end, other=0)
     for tile_start in range(start, end, TILE_N):
         offs_n = tile_start + tl.arange(0, TILE_N)
         n_ok = offs_n < end
-        # Follow the block table: token t is row t % BLOCK_SIZE of block table[t // BLOCK_SIZE].
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        block = next_block.to(tl.int64)
+        ahead = offs_n + TILE_N
+        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
         within = offs_n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K_CACHE + block[:, None] * stride_kb + within[:, None] * stride_kt + kv_head * stride_kh
@@ -246,10 +255,12 @@ def _paged_decode_kernel(
     has_keys = l > 0                                    # an empty split (or context) has no keys
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
     out_mask = row_ok[:, None] & d_ok[None, :]
+    row = seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads     # (sequence, head) row of the outputs
+    out_ptrs = OUT + row[:, None] * HEAD_DIM + offs_d[None, :]
     if USE_SPLITS:
-        part_out = PART_OUT + seq.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]
-        part_lse = PART_LSE + seq.to(tl.int64) * stride_lb + heads * stride_lh
-        tl.store(part_out + split * stride_ps, out, mask=out_mask)
+        part_out = PART_OUT + (row * num_splits)[:, None] * HEAD_DIM + offs_d[None, :]   # this row's split 0
+        part_lse = PART_LSE + row * num_splits
+        tl.store(part_out + split * HEAD_DIM, out, mask=out_mask)
         lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(part_lse + split, lse, mask=row_ok)
         if FUSE_MERGE:
@@ -261,13 +272,11 @@ def _paged_decode_kernel(
             counter = COUNTERS + seq * tl.num_programs(1) + kv_head
             finished_before = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if finished_before == num_splits - 1:
-                merged = _merge_rows(part_out, part_lse, stride_ps, num_splits, row_ok, d_ok)
-                tl.store(OUT + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                         merged.to(OUT.dtype.element_ty), mask=out_mask)
+                merged = _merge_rows(part_out, part_lse, HEAD_DIM, num_splits, row_ok, d_ok)
+                tl.store(out_ptrs, merged.to(OUT.dtype.element_ty), mask=out_mask)
                 tl.store(counter, 0)
     else:
-        tl.store(OUT + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=out_mask)
 
 
 # yaie: solution-only
@@ -388,7 +397,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_d = _block_d(head_dim)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)     # contiguous: the kernel relies on it
     use_splits = num_splits > 1
     if use_splits:
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
@@ -409,9 +418,6 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2) if use_splits else 0,
-        part_lse.stride(0), part_lse.stride(1),
         scale * LOG2E, num_splits,
         **meta,
     )
