@@ -302,9 +302,12 @@ for path in result_files[:1]:
 
 md(r"""
 What the measurement says (H200, `bench/README.md`): from 4k tokens of context the kernel reads K/V at
-89-102% of the copy bandwidth at 9 of 10 shapes and beats SDPA's flash backend at most shapes, while SDPA's
-cuDNN backend stays 1-4% ahead. Short contexts (1k) reach only 45-92%: the op is then a few tens of
-microseconds, and fixed costs (launch, ramp-up, the last wave of programs) weigh.
+79-103% of the copy bandwidth, beats SDPA's flash backend at every shape, and trails SDPA's default (cuDNN)
+by 1.6-4.6%. Two experiments locate that gap. Handed SDPA's own contiguous tensors (a "cache" of one block per
+sequence), the same kernel is only 0.5-2.4% faster than on a shuffled paged cache: paging is nearly free, and
+the rest is the kernel's fixed cost per call (about 20 us against cuDNN's 17: launch, ramp-up, the last split's
+merge, drain). Short contexts (1k) reach only 48-91% for the same reason. Fusing the split merge into the decode
+kernel (the last split of a row to finish merges, see the solution) saved 2.6-8 us per call.
 
 ## Exercises
 
@@ -317,6 +320,15 @@ microseconds, and fixed costs (launch, ramp-up, the last wave of programs) weigh
    `context_len / tile`? (Check with the widget.)
 5. On a GPU, `yaie bench lesson04` times your kernel; compare the `split sweep` rows with
    `choose_num_splits` and explain why 3 splits can be slower than 2 and 4.
+6. The reference solution fuses the merge into the decode kernel: each split bumps an atomic counter of its
+   (sequence, KV head) after storing its partial result, and the split that sees `num_splits - 1` merges.
+   Why is there a barrier (`tl.debug_barrier()`) before the atomic, why does the merging program read the
+   partials with `cache_modifier=".cg"`, and what would go wrong on the NEXT call if it did not reset the
+   counter to 0?
+7. The solution reads the block ids of the next tile one iteration ahead. Compile the kernel for sm_90 with and
+   without that look-ahead (`triton.compile` with a `GPUTarget("cuda", 90, 32)` works without a GPU) and compare
+   `metadata.shared` at `num_stages` 2, 3 and 4: how many K/V buffers does the software pipeliner keep in each
+   case, and why does a load whose address comes from another load of the same iteration stop it?
 
 ## Grade
 """)
