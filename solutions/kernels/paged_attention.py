@@ -195,7 +195,7 @@ def _paged_decode_kernel(
 
     OUT ``[batch, num_heads, HEAD_DIM]``, PART_OUT ``[batch, num_heads, num_splits, HEAD_DIM]`` and PART_LSE
     ``[batch, num_heads, num_splits]`` are the launcher's own contiguous buffers: their strides follow from
-    the sizes, so they are not passed (every argument costs host time at each launch).
+    the sizes, so they are not passed.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
