@@ -19,7 +19,8 @@ Rows (``paged_decode``):
 * ``yaie triton``: the kernel with its own split-K heuristic (``num_splits=None``);
 * ``yaie triton (before)``: an older kernel timed in the same run (old vs new side by side), when a copy of it
   is put at ``bench/results/lesson04_baseline_paged_attention.py`` (the committed results compare against
-  ``git show 94faf0d:solutions/kernels/paged_attention.py``); without that file these rows are skipped;
+  ``git show 6667ffd:solutions/kernels/paged_attention.py``, the kernel before the fused merge); without that
+  file these rows are skipped;
 * ``yaie triton (merge as a 2nd kernel)``: split-K with the log-sum-exp merge launched as a kernel of its
   own instead of fused into the decode kernel's last split (shapes where the heuristic splits);
 * ``yaie triton on SDPA's contiguous K/V``: the kernel reading SDPA's own ``[batch, kv_heads, ctx, head_dim]``
