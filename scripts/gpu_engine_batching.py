@@ -31,6 +31,7 @@ os.environ.setdefault("YAIE_SOLUTIONS", "all")
 
 from gpu_sections import run_sections  # noqa: E402
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
+from yaie.model.testing import hf_greedy  # noqa: E402
 
 DEVICE = "cuda"
 PROMPTS = ["Once upon a time, there was a little fox named",
@@ -39,15 +40,6 @@ PROMPTS = ["Once upon a time, there was a little fox named",
            "Ben found a shiny red ball under the big tree.",
            "The little owl could not sleep."]
 
-
-def hf_greedy(model, ids, max_new, eos):
-    x = torch.tensor([ids], device=DEVICE)
-    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
-                         eos_token_id=eos or None, pad_token_id=0)[0, len(ids):].tolist()
-    for i, t in enumerate(out):
-        if t in eos:
-            return out[:i]
-    return out
 
 
 def _spy_functions(module, names, calls):

@@ -11,7 +11,7 @@ import torch
 
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
 from yaie.engine.kv_cache import ContiguousKVCache
-from yaie.model.testing import fresh_seed, save_random_model, single_thread
+from yaie.model.testing import fresh_seed, hf_greedy, save_random_model, single_thread
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,16 +24,6 @@ BUNDLED_PROMPTS = [
 
 pytestmark = pytest.mark.usefixtures("reference_lessons")
 
-
-def hf_greedy(model, ids: list[int], max_new: int, eos: list[int]) -> list[int]:
-    """transformers' greedy ``generate``, cut before the first end-of-sequence id (the engine omits it)."""
-    x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
-                         eos_token_id=eos or None, pad_token_id=0)[0, len(ids):].tolist()
-    for i, t in enumerate(out):
-        if t in eos:
-            return out[:i]
-    return out
 
 
 def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:

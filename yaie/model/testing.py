@@ -76,3 +76,15 @@ def fresh_seed() -> int:
     """A new random seed per call, unless ``YAIE_SEED`` fixes one (to replay a failure); as the graders do."""
     fixed = os.environ.get("YAIE_SEED")
     return int(fixed) if fixed else int.from_bytes(os.urandom(4), "little") % (2**31)
+
+
+def hf_greedy(model, ids: list[int], max_new: int, eos: list[int]) -> list[int]:
+    """transformers' greedy ``generate`` on the model's device, cut before the first end-of-sequence id
+    (the engine leaves it out): the reference the engine's greedy output is compared with."""
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                         eos_token_id=eos or None, pad_token_id=0)[0, len(ids):].tolist()
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[:i]
+    return out
