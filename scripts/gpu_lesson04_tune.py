@@ -8,8 +8,8 @@ Sections (``TUNE_SECTIONS``, comma separated, default all):
   input checks, the launcher with and without the fused merge, a 3-argument Triton kernel, SDPA;
 * ``contiguous``: SDPA's own contiguous ``[batch, kv_heads, ctx, head_dim]`` tensors handed to the kernel as
   a cache of one block per sequence, beside the paged (shuffled) cache and SDPA: is the gap the paging
-  or the kernel? Also an experimental kernel that fetches K/V tiles with the TMA engine (tensor
-  descriptors) instead of pointer loads;
+  or the kernel? (Run 4, commit b752918, also tried a kernel fetching K/V tiles with the TMA engine: no
+  gain on contiguous data, slower on 16-token blocks; it is in that commit's version of this script.)
 * ``placement``: the paged cache with its blocks shuffled / in order / round-robin, block sizes 16-128,
   token-major (nhd) and head-major (hnd) blocks;
 * ``sweep``: launch settings (TILE_N, num_warps, num_stages) x split counts (x nhd/hnd with ``TUNE_HND=1``),
@@ -72,79 +72,6 @@ def sdpa_fn(q, k, v):
     return lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
 
 
-@triton.jit
-def _tma_decode(Q, K_DESC, V_DESC, BLOCK_TABLES, CONTEXT_LENS, OUT, PART_OUT, PART_LSE, COUNTERS,
-                stride_table, scale_log2, num_splits,
-                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                TILE_N: tl.constexpr):
-    """Experiment: the decode kernel with K/V tiles fetched by the TMA engine (tile inside one block)."""
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
-    num_heads = num_kv_heads * GROUP
-    context_len = tl.load(CONTEXT_LENS + seq)
-    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), TILE_N) * TILE_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, context_len)
-    rows = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + rows
-    row_ok = rows < GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + (seq * num_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for tile_start in range(start, end, TILE_N):
-        block = tl.load(BLOCK_TABLES + seq * stride_table + tile_start // BLOCK_SIZE)
-        row0 = tile_start % BLOCK_SIZE
-        k = K_DESC.load([block, row0, kv_head, 0]).reshape(TILE_N, HEAD_DIM)
-        v = V_DESC.load([block, row0, kv_head, 0]).reshape(TILE_N, HEAD_DIM)
-        n_ok = tile_start + tl.arange(0, TILE_N) < end
-        v = tl.where(n_ok[:, None], v, 0.0)
-        scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(n_ok[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    has_keys = l > 0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]
-    stride_ps = HEAD_DIM
-    part_out = PART_OUT + ((seq * num_heads + heads)[:, None] * num_splits) * HEAD_DIM + offs_d[None, :]
-    part_lse = PART_LSE + (seq * num_heads + heads) * num_splits
-    tl.store(part_out + split * stride_ps, out, mask=row_ok[:, None])
-    lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(part_lse + split, lse, mask=row_ok)
-    tl.debug_barrier()
-    counter = COUNTERS + seq * num_kv_heads + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        merged = pa._merge_rows(part_out, part_lse, stride_ps, num_splits, row_ok, offs_d < HEAD_DIM)
-        tl.store(OUT + (seq * num_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :], merged.to(OUT.dtype.element_ty),
-                 mask=row_ok[:, None])
-        tl.store(counter, 0)
-
-
-def tma_decode(q, k_cache, v_cache, tables, lens, splits, tile, warps, stages):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    batch, num_heads, d = q.shape
-    nb, bs, kv, _ = k_cache.shape
-    box = [1, tile, 1, d]
-    k_desc = TensorDescriptor(k_cache, list(k_cache.shape), list(k_cache.stride()), box)
-    v_desc = TensorDescriptor(v_cache, list(v_cache.shape), list(v_cache.stride()), box)
-    out = torch.empty_like(q)
-    part_out = torch.empty((batch, num_heads, splits, d), device=q.device, dtype=torch.float32)
-    part_lse = torch.empty((batch, num_heads, splits), device=q.device, dtype=torch.float32)
-    counters = pa._split_counters(q.device, batch * kv)
-    _tma_decode[(batch, kv, splits)](q, k_desc, v_desc, tables, lens, out, part_out, part_lse, counters,
-                                     tables.stride(0), SCALE * pa.LOG2E, splits, GROUP=num_heads // kv,
-                                     GROUP_PAD=max(16, triton.next_power_of_2(num_heads // kv)), HEAD_DIM=d,
-                                     BLOCK_SIZE=bs, TILE_N=tile, num_warps=warps, num_stages=stages)
-    return out
-
-
-
 def section_host(report, gen):
     q, k, v, k_cache, v_cache, tables, lens = make_inputs(1, 1, 64, gen)
 
@@ -156,10 +83,10 @@ def section_host(report, gen):
     x, y = torch.zeros(16, device="cuda"), torch.zeros(16, device="cuda")
     calls = {
         "check_paged_inputs": lambda: pa.check_paged_inputs(q, k_cache, v_cache, tables, lens, 64),
-        "launcher, 1 split": lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, SCALE, 1),
-        "launcher, 2 splits, fused merge": lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, SCALE, 2),
+        "launcher, 1 split": lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, 64, SCALE, 1),
+        "launcher, 2 splits, fused merge": lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, 64, SCALE, 2),
         "launcher, 2 splits, merge as a 2nd kernel": lambda: pa._launch_decode(
-            q, k_cache, v_cache, tables, lens, SCALE, 2, fuse_merge=False),
+            q, k_cache, v_cache, tables, lens, 64, SCALE, 2, fuse_merge=False),
         "paged_attention_forward (validate=False)": lambda: pa.paged_attention_forward(
             q, k_cache, v_cache, tables, lens, 64, validate=False),
         "a 3-argument Triton kernel": lambda: _tiny[(1,)](x, y, 16, BLOCK=16),
@@ -184,18 +111,12 @@ def section_contiguous(report, gen, pct):
         impls = {
             "torch SDPA (default)": sdpa,
             "yaie, paged cache (shuffled, block 16)": lambda: pa._launch_decode(
-                q, k_cache, v_cache, tables, lens, SCALE, splits),
+                q, k_cache, v_cache, tables, lens, ctx, SCALE, splits),
             "yaie, paged cache, merge as a 2nd kernel": lambda: pa._launch_decode(
-                q, k_cache, v_cache, tables, lens, SCALE, splits, fuse_merge=False),
+                q, k_cache, v_cache, tables, lens, ctx, SCALE, splits, fuse_merge=False),
             "yaie, SDPA's contiguous K/V": lambda: pa._launch_decode(
-                q, whole_k, whole_v, one_block, lens, SCALE, splits),
+                q, whole_k, whole_v, one_block, lens, ctx, SCALE, splits),
         }
-        for tile, warps, stages in ((64, 4, 3), (128, 4, 3)):
-            for n in sorted({splits, 2 * splits}):
-                impls[f"TMA experiment, contiguous K/V, tile {tile} w{warps} s{stages} splits {n}"] = (
-                    lambda t=tile, w=warps, st=stages, n=n: tma_decode(q, whole_k, whole_v, one_block, lens, n, t, w, st))
-                impls[f"TMA experiment, paged cache, tile 16 w4 s4 splits {n}"] = (
-                    lambda n=n: tma_decode(q, k_cache, v_cache, tables, lens, n, 16, 4, 4))
         for name, fn in impls.items():
             try:
                 err = rel_err(fn(), ref)
@@ -230,7 +151,7 @@ def section_placement(report, gen, pct):
             for layout, (kc, vc) in layouts.items():
                 for order, table in orders.items():
                     table = table.contiguous().to(torch.int32)
-                    ms = graph_ms(lambda kc=kc, vc=vc, t=table: pa._launch_decode(q, kc, vc, t, lens, SCALE, splits))
+                    ms = graph_ms(lambda kc=kc, vc=vc, t=table: pa._launch_decode(q, kc, vc, t, lens, ctx, SCALE, splits))
                     rows.append({"shape": f"b{batch} h32/{kv} ctx{ctx} d128", "block_size": bs, "layout": layout,
                                  "order": order, "ms": ms, "pct_copy": pct(moved, ms)})
                     print(f"  b{batch} h32/{kv} ctx{ctx} bs{bs} {layout} {order}: {ms * 1e3:.1f}us "
@@ -256,7 +177,7 @@ def section_sweep(report, gen, pct, began, deadline_s):
                         continue
                     config = dict(TILE_N=tile, num_warps=warps, num_stages=stages)
                     ms = graph_ms(lambda c=config, s=splits, kc=kc, vc=vc: pa._launch_decode(
-                        q, kc, vc, tables, lens, SCALE, s, c))
+                        q, kc, vc, tables, lens, ctx, SCALE, s, c))
                     entry = {"shape": label, "layout": layout, "tile": tile, "warps": warps, "stages": stages,
                              "splits": splits, "ms": ms, "pct_copy": pct(moved, ms)}
                     rows.append(entry)

@@ -78,10 +78,11 @@ def test_fused_merge_matches_the_merge_kernel_and_leaves_its_counters_at_zero():
     q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, "cpu", seed=11)
     expected = ref_decode(q, ks, vs)
     scale = q.shape[-1] ** -0.5
-    for splits in (2, 3, 8):
+    capacity = bt.shape[1] * kc.shape[1]         # max_context_len may be any bound up to what a row holds
+    for splits, max_len in ((2, 64), (3, 64), (8, 64), (3, capacity), (8, capacity)):
         for _ in range(2):
-            fused = ref._launch_decode(q, kc, vc, bt, cl, scale, splits)
-            separate = ref._launch_decode(q, kc, vc, bt, cl, scale, splits, fuse_merge=False)
+            fused = ref._launch_decode(q, kc, vc, bt, cl, max_len, scale, splits)
+            separate = ref._launch_decode(q, kc, vc, bt, cl, max_len, scale, splits, fuse_merge=False)
             torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(fused.double(), expected, atol=2e-5, rtol=1e-5)
             assert int(ref._split_counters(q.device, q.shape[0] * kc.shape[2]).abs().sum()) == 0

@@ -18,9 +18,10 @@ it loads each K/V tile once and uses it for every query head of the group (a ``[
 [head_dim, tile]`` product, padded to 16 rows for ``tl.dot``).
 
 **Split-K (flash-decoding).** With a small batch there are few (sequence, KV head) programs: too few to
-keep the GPU's memory system busy on a long context. Then each sequence's context is cut into
-``num_splits`` ranges handled by separate programs. Each writes its normalised partial output ``o_i`` and
-the log-sum-exp ``lse_i`` of its scores; a second kernel merges them exactly::
+keep the GPU's memory system busy on a long context. Then the context is cut into ``num_splits``
+ranges of whole tiles (``max_context_len / num_splits`` tokens each, rounded up) handled by separate
+programs. Each writes its normalised partial output ``o_i`` and the log-sum-exp ``lse_i`` of its scores;
+a second kernel merges them exactly::
 
     out = sum_i exp(lse_i - lse) * o_i,    lse = log(sum_i exp(lse_i))
 
@@ -186,9 +187,9 @@ def _paged_decode_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_table,
-    scale_log2, num_splits,
+    scale_log2, tokens_per_split, max_context_len,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_SPLITS: tl.constexpr, FUSE_MERGE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_MERGE: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: one sequence, one KV head (all its GROUP query heads), one range of the context.
@@ -200,12 +201,14 @@ def _paged_decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # This split's tokens: split * tokens_per_split onwards (a whole number of tiles, worked out on the host
+    # from max_context_len). Where a split STARTS does not depend on this sequence's length, so the first
+    # block ids below are requested at the same time as the length, not after it: one memory round trip
+    # less before the first K/V bytes arrive. A sequence shorter than the others leaves its last splits
+    # empty; the batch's longest sequence, which sets the kernel's time, is split evenly.
+    start = split * tokens_per_split
     context_len = tl.load(CONTEXT_LENS + seq)
-
-    # This split's tokens: equal shares, rounded up to whole tiles so only the last tile is partial.
-    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), TILE_N) * TILE_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, context_len)
+    end = tl.minimum(start + tokens_per_split, context_len)
 
     rows = tl.arange(0, GROUP_PAD)                      # query heads of the group, padded for tl.dot
     heads = kv_head * GROUP + rows
@@ -224,7 +227,7 @@ def _paged_decode_kernel(
     # read in the same iteration it kept one K/V buffer, whatever num_stages said).
     table = BLOCK_TABLES + seq.to(tl.int64) * stride_table
     first = start + tl.arange(0, TILE_N)
-    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < end, other=0)
+    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)
     for tile_start in range(start, end, TILE_N):
         offs_n = tile_start + tl.arange(0, TILE_N)
         n_ok = offs_n < end
@@ -257,9 +260,9 @@ def _paged_decode_kernel(
     out_mask = row_ok[:, None] & d_ok[None, :]
     row = seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads     # (sequence, head) row of the outputs
     out_ptrs = OUT + row[:, None] * HEAD_DIM + offs_d[None, :]
-    if USE_SPLITS:
-        part_out = PART_OUT + (row * num_splits)[:, None] * HEAD_DIM + offs_d[None, :]   # this row's split 0
-        part_lse = PART_LSE + row * num_splits
+    if NUM_SPLITS > 1:
+        part_out = PART_OUT + (row * NUM_SPLITS)[:, None] * HEAD_DIM + offs_d[None, :]   # this row's split 0
+        part_lse = PART_LSE + row * NUM_SPLITS
         tl.store(part_out + split * HEAD_DIM, out, mask=out_mask)
         lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(part_lse + split, lse, mask=row_ok)
@@ -271,8 +274,8 @@ def _paged_decode_kernel(
             tl.debug_barrier()
             counter = COUNTERS + seq * tl.num_programs(1) + kv_head
             finished_before = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if finished_before == num_splits - 1:
-                merged = _merge_rows(part_out, part_lse, HEAD_DIM, num_splits, row_ok, d_ok)
+            if finished_before == NUM_SPLITS - 1:
+                merged = _merge_rows(part_out, part_lse, HEAD_DIM, row_ok, d_ok, NUM_SPLITS)
                 tl.store(out_ptrs, merged.to(OUT.dtype.element_ty), mask=out_mask)
                 tl.store(counter, 0)
     else:
@@ -281,19 +284,24 @@ def _paged_decode_kernel(
 
 # yaie: solution-only
 @triton.jit
-def _merge_rows(part_out, part_lse, stride_ps, num_splits, row_ok, d_ok):
-    """Merge split results of some rows (query heads) by an online log-sum-exp over the splits.
+def _merge_rows(part_out, part_lse, stride_ps, row_ok, d_ok, NUM_SPLITS: tl.constexpr):
+    """Merge the split results of some rows (query heads) by an online log-sum-exp over the splits.
 
     ``part_out``: pointers ``[ROWS, BLOCK_D]`` to split 0's normalised outputs (split ``s`` lies
     ``s * stride_ps`` further on); ``part_lse``: pointers ``[ROWS]`` to split 0's log-sum-exp (split ``s``
     at ``+ s``). Returns ``sum_s exp(lse_s - lse) * o_s`` as float32 ``[ROWS, BLOCK_D]``: the running max
-    and rescaling of lesson 06's online softmax, one split at a time. The loads bypass L1 (``.cg``): the
-    partial results were written by other programs, possibly on other multiprocessors.
+    and rescaling of lesson 06's online softmax, one split at a time.
+
+    ``NUM_SPLITS`` is a constexpr and the loop is unrolled at compile time: then no load waits for the
+    previous split's arithmetic, and the compiler issues every split's loads at once. In the fused merge
+    this runs at the very end of the kernel, where a loop that waited for each split's load in turn would
+    add one memory round trip per split to every decode step. The loads bypass L1 (``.cg``): other
+    programs, possibly on other multiprocessors, wrote these values.
     """
     top = tl.full(row_ok.shape, float("-inf"), tl.float32)    # largest lse so far
     total = tl.zeros(row_ok.shape, tl.float32)                 # sum of exp(lse_s - top)
     acc = tl.zeros(part_out.shape, tl.float32)                 # sum of exp(lse_s - top) * o_s
-    for s in range(num_splits):
+    for s in tl.static_range(NUM_SPLITS):
         lse = tl.load(part_lse + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         part = tl.load(part_out + s * stride_ps, mask=row_ok[:, None] & d_ok[None, :], other=0.0,
                        cache_modifier=".cg")
@@ -311,11 +319,11 @@ def _merge_rows(part_out, part_lse, stride_ps, num_splits, row_ok, d_ok):
 # yaie: solution-only
 @triton.jit
 def _merge_splits_kernel(
-    PART_OUT, PART_LSE, OUT, num_heads, num_splits,
+    PART_OUT, PART_LSE, OUT, num_heads,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     """One program per (sequence, BLOCK_H query heads): the standalone merge of :func:`merge_split_results`."""
     seq = tl.program_id(0).to(tl.int64)
@@ -325,7 +333,7 @@ def _merge_splits_kernel(
     d_ok = offs_d < HEAD_DIM
     part_out = PART_OUT + seq * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]
     part_lse = PART_LSE + seq * stride_lb + heads * stride_lh
-    out = _merge_rows(part_out, part_lse, stride_ps, num_splits, row_ok, d_ok)
+    out = _merge_rows(part_out, part_lse, stride_ps, row_ok, d_ok, NUM_SPLITS)
     tl.store(OUT + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
@@ -389,8 +397,8 @@ def _zeroed_counters(device: torch.device, stream: int, size: int) -> torch.Tens
 
 
 # yaie: solution-only
-def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, config=None,
-                   fuse_merge=True):
+def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
+                   config=None, fuse_merge=True):
     """Run the decode kernel (with the split merge fused in, or as a second kernel when ``fuse_merge`` is
     False); ``config`` overrides the launch settings."""
     batch, num_heads, head_dim = q.shape
@@ -399,6 +407,8 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     block_d = _block_d(head_dim)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)     # contiguous: the kernel relies on it
     use_splits = num_splits > 1
+    tile_n = (config or {}).get("TILE_N", _decode_config(group, block_d)["TILE_N"])
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), tile_n) * tile_n
     if use_splits:
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
         part_lse = torch.empty((batch, num_heads, num_splits), device=q.device, dtype=torch.float32)
@@ -407,7 +417,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     fused = use_splits and fuse_merge
     counters = _split_counters(q.device, batch * num_kv_heads) if fused else out
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-                BLOCK_SIZE=block_size, USE_SPLITS=use_splits, FUSE_MERGE=fused,
+                BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, FUSE_MERGE=fused,
                 FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 **_decode_config(group, block_d))
@@ -418,7 +428,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        scale * LOG2E, num_splits,
+        scale * LOG2E, tokens_per_split, max_context_len,
         **meta,
     )
     if use_splits and not fused:
@@ -432,11 +442,11 @@ def _launch_merge(part_out, part_lse, out):
     batch, num_heads, num_splits, head_dim = part_out.shape
     block_h = 16
     _merge_splits_kernel[(batch, triton.cdiv(num_heads, block_h))](
-        part_out, part_lse, out, num_heads, num_splits,
+        part_out, part_lse, out, num_heads,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_H=block_h,
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_H=block_h, NUM_SPLITS=num_splits,
     )
     return out
 
@@ -506,6 +516,7 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         context_lens: int32 ``[batch]``: tokens of each sequence, 0 .. ``max_context_len`` (the lengths
             differ; 0 gives a zero output).
         max_context_len: an upper bound of ``context_lens`` (a Python int, so no sync is needed to plan).
+            It also sizes the split ranges: a loose bound leaves splits empty.
         scale: multiplier of the scores, default ``head_dim ** -0.5``.
         num_splits: split-K factor: each sequence's context is cut into this many ranges handled in
             parallel and merged by log-sum-exp (:func:`merge_split_results`); 1 disables it; ``None``
@@ -533,4 +544,4 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_splits is None:
         num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_context_len,
                                        num_sms=8 if q.device.type == "cpu" else None)
-    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
+    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits)

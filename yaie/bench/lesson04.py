@@ -202,7 +202,8 @@ def run(args) -> list[Row]:
         if chosen and chosen > 1 and hasattr(pa, "_launch_decode"):
             scale = HEAD_DIM ** -0.5
             _timed(rows, "yaie triton (merge as a 2nd kernel)", shape,
-                   lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, scale, chosen, fuse_merge=False),
+                   lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx, scale, chosen,
+                                             fuse_merge=False),
                    moved, warmup, rep)
         # SDPA's own contiguous tensors handed to our kernel as a cache of one block per sequence: the same
         # bytes in the same places, so what differs from the SDPA rows is the kernel, not the paging.

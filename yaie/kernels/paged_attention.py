@@ -21,9 +21,10 @@ it loads each K/V tile once and uses it for every query head of the group (a ``[
 [head_dim, tile]`` product, padded to 16 rows for ``tl.dot``).
 
 **Split-K (flash-decoding).** With a small batch there are few (sequence, KV head) programs: too few to
-keep the GPU's memory system busy on a long context. Then each sequence's context is cut into
-``num_splits`` ranges handled by separate programs. Each writes its normalised partial output ``o_i`` and
-the log-sum-exp ``lse_i`` of its scores; a second kernel merges them exactly::
+keep the GPU's memory system busy on a long context. Then the context is cut into ``num_splits``
+ranges of whole tiles (``max_context_len / num_splits`` tokens each, rounded up) handled by separate
+programs. Each writes its normalised partial output ``o_i`` and the log-sum-exp ``lse_i`` of its scores;
+a second kernel merges them exactly::
 
     out = sum_i exp(lse_i - lse) * o_i,    lse = log(sum_i exp(lse_i))
 
@@ -233,6 +234,7 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         context_lens: int32 ``[batch]``: tokens of each sequence, 0 .. ``max_context_len`` (the lengths
             differ; 0 gives a zero output).
         max_context_len: an upper bound of ``context_lens`` (a Python int, so no sync is needed to plan).
+            It also sizes the split ranges: a loose bound leaves splits empty.
         scale: multiplier of the scores, default ``head_dim ** -0.5``.
         num_splits: split-K factor: each sequence's context is cut into this many ranges handled in
             parallel and merged by log-sum-exp (:func:`merge_split_results`); 1 disables it; ``None``
