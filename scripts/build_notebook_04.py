@@ -192,8 +192,8 @@ by separate programs. Split `i` produces its normalised output `o_i` and the log
 $$\text{out} = \sum_i e^{\,lse_i - lse}\, o_i, \qquad lse = \log \sum_i e^{\,lse_i}.$$
 
 (Subtract `max_i lse_i` before `exp` so nothing overflows; a split with no keys has `lse_i = -inf` and weighs 0.)
-`choose_num_splits` (given) picks about 4 programs per multiprocessor, a power of two, at least 512 tokens per
-split. Move the sliders: the picture shows how one sequence's tokens are shared out, and the check runs your
+`choose_num_splits` (given) picks about 2 programs per multiprocessor (one wave of them), a power of two, at
+least 512 tokens per split. Move the sliders: the picture shows how one sequence's tokens are shared out, and the check runs your
 split path against float64.
 """)
 
@@ -319,7 +319,8 @@ kernel (the last split of a row to finish merges, see the solution) saved 2.6-8 
 4. Why round the split length up to whole tiles? What happens to the last split when `num_splits` exceeds
    `context_len / tile`? (Check with the widget.)
 5. On a GPU, `yaie bench lesson04` times your kernel; compare the `split sweep` rows with
-   `choose_num_splits` and explain why 3 splits can be slower than 2 and 4.
+   `choose_num_splits` and explain why one split more can make a decode step 20% slower (hint: how many
+   programs fit on a multiprocessor at once, and what happens to the ones that do not?).
 6. The reference solution fuses the merge into the decode kernel: each split bumps an atomic counter of its
    (sequence, KV head) after storing its partial result, and the split that sees `num_splits - 1` merges.
    Why is there a barrier (`tl.debug_barrier()`) before the atomic, why does the merging program read the

@@ -53,6 +53,7 @@ LN2 = 0.6931471805599453     # log(x) == log2(x) * LN2
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2          # decode programs per multiprocessor the split heuristic aims at (one wave)
 
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -339,11 +340,20 @@ def _merge_splits_kernel(
 
 
 # yaie: solution-only
-def _decode_config(group: int, block_d: int) -> dict:
-    """Launch settings: small tiles in the interpreter (fast on a CPU), wide tiles on a GPU."""
+def _decode_config(block_d: int, itemsize: int, programs: int, num_sms: int) -> dict:
+    """Launch settings: small tiles in the interpreter (fast on a CPU), wide tiles on a GPU.
+
+    The pipeline depth depends on the wave: with 16-bit K/V, a 3-stage program (about 70 KB of shared
+    memory at head_dim 128) fits about 2 times on a multiprocessor, a 2-stage one (about 38 KB) twice as
+    often. When every program fits in ONE wave of ``PROGRAMS_PER_SM`` per multiprocessor, the deeper
+    pipeline keeps more bytes in flight per program and wins; when they do not, 3 stages would leave
+    multiprocessors with room for fewer programs and add a second, mostly empty wave (measured on the
+    H200: bench/results/lesson04_tune_h200.json, "sweep"). float32 tiles are twice as big: 2 stages.
+    """
     if triton_interpreted():
         return dict(TILE_N=16, num_warps=1, num_stages=1)
-    return dict(TILE_N=64 if block_d <= 128 else 32, num_warps=4, num_stages=2)
+    one_wave = programs <= PROGRAMS_PER_SM * num_sms
+    return dict(TILE_N=64 if block_d <= 128 else 32, num_warps=4, num_stages=3 if one_wave and itemsize <= 2 else 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -352,22 +362,33 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device the kernel runs on; 8 for the CPU interpreter (any small number)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 8
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int | None = None,
                       min_tokens_per_split: int = 512) -> int:
-    """The split-K heuristic: about 4 programs per multiprocessor, a power of two, at least
-    ``min_tokens_per_split`` tokens per split.
+    """The split-K heuristic: about ``PROGRAMS_PER_SM`` (2) programs per multiprocessor, a power of two, at
+    least ``min_tokens_per_split`` tokens per split.
 
-    Without splitting there are ``batch * num_kv_heads`` programs; ``num_sms * 4 / programs`` splits
-    bring that to about 4 per multiprocessor (enough loads in flight to keep the memory busy), rounded
-    DOWN to a power of two (on the H200, 3 or 5 splits ran slower than 2 or 4: see
-    bench/results/lesson04_h200.md, "split sweep"). A split must keep enough tokens that its fixed
-    costs (loading q, writing a partial result, the merge) stay small. Returns 1 (no split) .. ``MAX_SPLITS``;
-    with 1 the launcher runs no merge kernel at all.
+    Without splitting there are ``batch * num_kv_heads`` programs; ``2 * num_sms / programs`` splits
+    bring that to about 2 per multiprocessor: one wave of programs that each keep 2 tiles of K/V in
+    flight (3 pipeline stages, see ``_decode_config``), enough to keep the memory busy. Rounded DOWN to a
+    power of two so the programs never spill into a second wave. A split must keep enough tokens that its
+    fixed costs (loading q, writing a partial result, the merge) stay small. Returns 1 (no split) ..
+    ``MAX_SPLITS``; with 1 there is no merge at all.
+
+    Measured on the H200 (bench/results/lesson04_tune_h200.json, "sweep": every split count with 2, 3
+    and 4 stages at 9 shapes): the fastest setting put about 2 programs on each multiprocessor with 3
+    stages at all 7 shapes with at most 2 * num_sms (sequence, KV head) pairs; one program more per
+    multiprocessor than fits in a wave costs up to 20%.
     """
     if num_sms is None:
         num_sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 8
     programs = max(1, batch * num_kv_heads)
-    wanted = max(1, 4 * num_sms // programs)
+    wanted = max(1, PROGRAMS_PER_SM * num_sms // programs)
     longest = max(1, max_context_len // min_tokens_per_split)
     splits = min(wanted, longest, MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)     # the largest power of two <= splits
@@ -407,7 +428,9 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
     block_d = _block_d(head_dim)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)     # contiguous: the kernel relies on it
     use_splits = num_splits > 1
-    tile_n = (config or {}).get("TILE_N", _decode_config(group, block_d)["TILE_N"])
+    settings = _decode_config(block_d, q.element_size(), batch * num_kv_heads * num_splits, _num_sms(q.device))
+    settings.update(config or {})
+    tile_n = settings["TILE_N"]
     tokens_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), tile_n) * tile_n
     if use_splits:
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
@@ -419,9 +442,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
                 BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, FUSE_MERGE=fused,
                 FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                **_decode_config(group, block_d))
-    meta.update(config or {})
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **settings)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         q.stride(0), q.stride(1),
@@ -542,6 +563,5 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q = q.contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if num_splits is None:
-        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_context_len,
-                                       num_sms=8 if q.device.type == "cpu" else None)
+        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_context_len, _num_sms(q.device))
     return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits)

@@ -56,6 +56,7 @@ LN2 = 0.6931471805599453     # log(x) == log2(x) * LN2
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2          # decode programs per multiprocessor the split heuristic aims at (one wave)
 
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -169,22 +170,33 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device the kernel runs on; 8 for the CPU interpreter (any small number)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 8
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int | None = None,
                       min_tokens_per_split: int = 512) -> int:
-    """The split-K heuristic: about 4 programs per multiprocessor, a power of two, at least
-    ``min_tokens_per_split`` tokens per split.
+    """The split-K heuristic: about ``PROGRAMS_PER_SM`` (2) programs per multiprocessor, a power of two, at
+    least ``min_tokens_per_split`` tokens per split.
 
-    Without splitting there are ``batch * num_kv_heads`` programs; ``num_sms * 4 / programs`` splits
-    bring that to about 4 per multiprocessor (enough loads in flight to keep the memory busy), rounded
-    DOWN to a power of two (on the H200, 3 or 5 splits ran slower than 2 or 4: see
-    bench/results/lesson04_h200.md, "split sweep"). A split must keep enough tokens that its fixed
-    costs (loading q, writing a partial result, the merge) stay small. Returns 1 (no split) .. ``MAX_SPLITS``;
-    with 1 the launcher runs no merge kernel at all.
+    Without splitting there are ``batch * num_kv_heads`` programs; ``2 * num_sms / programs`` splits
+    bring that to about 2 per multiprocessor: one wave of programs that each keep 2 tiles of K/V in
+    flight (3 pipeline stages, see ``_decode_config``), enough to keep the memory busy. Rounded DOWN to a
+    power of two so the programs never spill into a second wave. A split must keep enough tokens that its
+    fixed costs (loading q, writing a partial result, the merge) stay small. Returns 1 (no split) ..
+    ``MAX_SPLITS``; with 1 there is no merge at all.
+
+    Measured on the H200 (bench/results/lesson04_tune_h200.json, "sweep": every split count with 2, 3
+    and 4 stages at 9 shapes): the fastest setting put about 2 programs on each multiprocessor with 3
+    stages at all 7 shapes with at most 2 * num_sms (sequence, KV head) pairs; one program more per
+    multiprocessor than fits in a wave costs up to 20%.
     """
     if num_sms is None:
         num_sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 8
     programs = max(1, batch * num_kv_heads)
-    wanted = max(1, 4 * num_sms // programs)
+    wanted = max(1, PROGRAMS_PER_SM * num_sms // programs)
     longest = max(1, max_context_len // min_tokens_per_split)
     splits = min(wanted, longest, MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)     # the largest power of two <= splits
