@@ -302,12 +302,15 @@ for path in result_files[:1]:
 
 md(r"""
 What the measurement says (H200, `bench/README.md`): from 4k tokens of context the kernel reads K/V at
-79-103% of the copy bandwidth, beats SDPA's flash backend at every shape, and trails SDPA's default (cuDNN)
-by 1.6-4.6%. Two experiments locate that gap. Handed SDPA's own contiguous tensors (a "cache" of one block per
-sequence), the same kernel is only 0.5-2.4% faster than on a shuffled paged cache: paging is nearly free, and
-the rest is the kernel's fixed cost per call (about 20 us against cuDNN's 17: launch, ramp-up, the last split's
-merge, drain). Short contexts (1k) reach only 48-91% for the same reason. Fusing the split merge into the decode
-kernel (the last split of a row to finish merges, see the solution) saved 2.6-8 us per call.
+80-103% of the copy bandwidth, beats SDPA's flash backend at every shape, and trails SDPA's default (cuDNN)
+by 1-3% (6% at the shortest context). Where the gap lives shows once you fit time = fixed cost + bytes / rate
+over the context lengths: both kernels pay about 15-21 us per call whatever the length, but cuDNN streams
+K/V at 4.55-4.62 TB/s and ours at 4.45-4.49 TB/s on the shuffled paged cache (4.49-4.53 TB/s on contiguous
+tensors: half the gap is where the blocks lie in memory, half the kernel). Three changes of the reference
+solution each bought a few percent: fusing the split merge into the decode kernel (2.6-8 us per call),
+unrolling that merge so every split's partial result is requested at once, and choosing splits and pipeline
+depth by waves: about 2 programs per multiprocessor, with 3 stages when they all fit at once (up to 10% at a
+1k context).
 
 ## Exercises
 

@@ -6,6 +6,9 @@ Sections (``TUNE_SECTIONS``, comma separated, default all):
 
 * ``host``: microseconds of host time per call on a tiny shape (the GPU waits on the host there): the
   input checks, the launcher with and without the fused merge, a 3-argument Triton kernel, SDPA;
+* ``host_ab``: host time per ``paged_attention_forward(validate=False)`` call (what the engine calls), the
+  kernel now beside the one in ``bench/results/lesson04_baseline_paged_attention.py``, 1 and 2 splits,
+  interleaved over 3 rounds, with the GPU time of the same call (CUDA-graph replay) beside it;
 * ``contiguous``: SDPA's own contiguous ``[batch, kv_heads, ctx, head_dim]`` tensors handed to the kernel as
   a cache of one block per sequence, beside the paged (shuffled) cache and SDPA: is the gap the paging
   or the kernel? (Run 4, commit b752918, also tried a kernel fetching K/V tiles with the TMA engine: no
@@ -95,6 +98,27 @@ def section_host(report, gen):
     report["host_us"] = {name: per_call_us(fn) for name, fn in calls.items()}
     for name, us in report["host_us"].items():
         print(f"host {name}: {us:.1f} us/call", flush=True)
+
+
+def section_host_ab(report, gen):
+    from yaie.bench.lesson04 import load_baseline
+
+    before = load_baseline()
+    if before is None:
+        print("host_ab: no baseline kernel file, skipped", flush=True)
+        return
+    q, _, _, k_cache, v_cache, tables, lens = make_inputs(1, 1, 64, gen)
+    rows = report.setdefault("host_ab", [])
+    for round_ in range(3):
+        for name, module in (("before", before), ("now", pa)):
+            for splits in (1, 2):
+                def call(m=module, s=splits):
+                    return m.paged_attention_forward(q, k_cache, v_cache, tables, lens, 64, num_splits=s,
+                                                     validate=False)
+                host, gpu = per_call_us(call), graph_ms(call) * 1e3
+                rows.append({"round": round_, "kernel": name, "splits": splits, "host_us": host, "gpu_us": gpu})
+                print(f"host_ab round {round_} {name} splits {splits}: host {host:.1f} us, GPU {gpu:.1f} us",
+                      flush=True)
 
 
 def section_contiguous(report, gen, pct):
@@ -236,6 +260,8 @@ def main() -> None:
 
     if "host" in sections:
         section_host(report, gen)
+    if "host_ab" in sections:
+        section_host_ab(report, gen)
     if "contiguous" in sections:
         section_contiguous(report, gen, pct)
     if "placement" in sections:

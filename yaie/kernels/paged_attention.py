@@ -242,7 +242,8 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             contiguous (lesson 03's layout). ``num_heads`` must be a multiple of ``num_kv_heads``
             (grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
         block_tables: int32 ``[batch, max_blocks_per_seq]``: logical block ``j`` of sequence ``b`` is
-            physical block ``block_tables[b, j]``; entries past a sequence's length are never read.
+            physical block ``block_tables[b, j]``; entries past a sequence's length may hold anything (they
+            may be loaded with the others, but the blocks they name are never read).
         context_lens: int32 ``[batch]``: tokens of each sequence, 0 .. ``max_context_len`` (the lengths
             differ; 0 gives a zero output).
         max_context_len: an upper bound of ``context_lens`` (a Python int, so no sync is needed to plan).
