@@ -528,12 +528,12 @@ def _launch(kind: str, grid_rows: int, grid_heads: int, batch: int, args: tuple,
     exact_fp32 = constexprs.get("PRECISION") == "ieee"
     if _use_autotune(exact_fp32, grid_rows):
         def grid(meta):
-            return (triton.cdiv(grid_rows, meta[tile]), grid_heads, batch)
+            return ((grid_rows + meta[tile] - 1) // meta[tile], grid_heads, batch)
         _tuned(kind)[grid](*args, BLOCK_D=block_d, **constexprs)
     else:
         kernel = {"fwd": _flash_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}[kind]
         config = _fixed_config(kind, block_d, exact_fp32)
-        grid = (triton.cdiv(grid_rows, config[tile]), grid_heads, batch)
+        grid = ((grid_rows + config[tile] - 1) // config[tile], grid_heads, batch)   # not triton.cdiv: slow on the host
         kernel[grid](*args, BLOCK_D=block_d, **constexprs, **config)
 
 

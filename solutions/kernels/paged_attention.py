@@ -431,7 +431,10 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
     settings = _decode_config(block_d, q.element_size(), batch * num_kv_heads * num_splits, _num_sms(q.device))
     settings.update(config or {})
     tile_n = settings["TILE_N"]
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), tile_n) * tile_n
+    # Whole tiles per split. Plain integer arithmetic: triton.cdiv is a constexpr function, and calling it
+    # costs microseconds of host time on every decode step (measured: bench/README.md, lesson 04).
+    per_split = (max_context_len + num_splits - 1) // num_splits
+    tokens_per_split = (per_split + tile_n - 1) // tile_n * tile_n
     if use_splits:
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
         part_lse = torch.empty((batch, num_heads, num_splits), device=q.device, dtype=torch.float32)
@@ -462,7 +465,7 @@ def _launch_merge(part_out, part_lse, out):
     """Launch the merge kernel on checked tensors (one program per sequence and 16 query heads)."""
     batch, num_heads, num_splits, head_dim = part_out.shape
     block_h = 16
-    _merge_splits_kernel[(batch, triton.cdiv(num_heads, block_h))](
+    _merge_splits_kernel[(batch, (num_heads + block_h - 1) // block_h)](
         part_out, part_lse, out, num_heads,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
