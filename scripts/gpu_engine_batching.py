@@ -10,7 +10,10 @@ With the reference solutions, through continuous batching over lesson 03's paged
 2. float32, bundled model: the prompts generated together in ONE ``generate`` call, greedy, equal
    transformers' greedy ids for each prompt alone; again through a cache too small for them all, with
    recompute and with swap preemption (preemptions counted);
-3. float32, a random Llama 3 checkpoint (fresh seed): six random prompts in one call vs transformers.
+3. float32, bundled model: CUDA graphs on (the default on CUDA) give the tokens of graphs off, in two
+   calls in a row (the second replays the first's graphs); sections 2 and 4 run with graphs on too, the
+   spies (1) with graphs off (a replayed graph calls no Python);
+4. float32, a random Llama 3 checkpoint (fresh seed): six random prompts in one call vs transformers.
 
 Each section is independent: a failure is recorded and the next runs. Exit status 1 if any failed.
 """
@@ -64,7 +67,8 @@ def section_spies():
     calls = {n: 0 for _, names in groups for n in names}
     restore = [_spy_functions(m, names, calls) for m, names in groups]
     try:
-        llm = LLM(DEFAULT_MODEL, device=DEVICE, block_size=16)
+        # Without CUDA graphs: a replayed graph calls no Python, so the spies would miss its steps.
+        llm = LLM(DEFAULT_MODEL, device=DEVICE, block_size=16, cuda_graphs=False)
         llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         steps = llm.last_scheduler.stats.steps
     finally:
@@ -91,14 +95,42 @@ def section_fp32_bundled():
                 for p, sp in zip(PROMPTS, params)]
         stats = llm.last_scheduler.stats
         manager = llm.last_scheduler.manager
+        graphs = llm.last_graphs
+        # blocks: the ones requests may use (with CUDA graphs the cache has one more, the graphs' scratch).
         results[label] = dict(equal=[g == w for g, w in zip(got, want)], tokens=[len(w) for w in want],
-                              stats=vars(stats), blocks_free_after=manager.num_free_blocks, blocks=manager.num_blocks)
+                              stats=vars(stats), blocks_free_after=manager.num_free_blocks, blocks=llm.num_blocks,
+                              cuda_graph_buckets=sorted(graphs.graphs) if graphs else None,
+                              cuda_graph_failure=graphs.failed if graphs else None)
     assert all(all(r["equal"]) for r in results.values()), results
     assert all(r["blocks_free_after"] == r["blocks"] for r in results.values()), results
+    if DEVICE == "cuda":     # the batched steps above really replayed graphs
+        assert all(r["cuda_graph_buckets"] and r["cuda_graph_failure"] is None for r in results.values()), results
     for label in ("tiny cache, recompute", "tiny cache, swap"):
         s = results[label]["stats"]
         assert s["preempted_by_swap"] + s["preempted_by_recompute"] > 0, results
     return results
+
+
+def section_graphs_vs_eager():
+    """float32, the bundled model: the engine with CUDA graphs gives the tokens it gives without them, for
+    5 requests that end at different steps (buckets 8, 4, 2, 1, with padding rows), twice in a row (the
+    second call replays the graphs of the first). float32 because the graphs' decode kernel splits the
+    context by the whole block table, not by the longest context: another summation order, which in
+    bf16 could flip a near-tie between two tokens."""
+    params = [SamplingParams(max_tokens=12 + 6 * i, temperature=0, ignore_eos=True) for i in range(len(PROMPTS))]
+    eager = LLM(DEFAULT_MODEL, device=DEVICE, dtype=torch.float32, cuda_graphs=False)
+    want = [o.token_ids for o in eager.generate(PROMPTS, params)]
+    llm = LLM(DEFAULT_MODEL, device=DEVICE, dtype=torch.float32)
+    first = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    runner = llm.last_graphs
+    second = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    result = dict(equal_first=[g == w for g, w in zip(first, want)], equal_second=[g == w for g, w in zip(second, want)],
+                  buckets=sorted(runner.graphs) if runner else None, failure=runner.failed if runner else None,
+                  same_runner=llm.last_graphs is runner)
+    assert all(result["equal_first"]) and all(result["equal_second"]), result
+    if DEVICE == "cuda":
+        assert result["buckets"] and result["failure"] is None and result["same_runner"], result
+    return result
 
 
 def section_fp32_random():
@@ -125,6 +157,7 @@ def main() -> int:
     global DEVICE
     DEVICE = args.device
     sections = [("spies", section_spies), ("fp32_bundled_batched", section_fp32_bundled),
+                ("fp32_graphs_vs_eager", section_graphs_vs_eager),
                 ("fp32_random_llama3_batched", section_fp32_random)]
     return run_sections(sections, DEVICE, Path(args.out) / "engine_batching_check.json", print_chars=2000)
 

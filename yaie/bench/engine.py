@@ -10,7 +10,8 @@ token ids each generate exactly ``--new-tokens`` tokens, greedy (end-of-sequence
 
 * the engine: ``LLM.generate(prompts, SamplingParams(max_tokens=N, temperature=0, ignore_eos=True))``,
   i.e. continuous batching over lesson 03's paged cache, lessons 02 (norms, RoPE, SiLU), 04 (decode)
-  and 06 (prefill) on CUDA, the reference solutions;
+  and 06 (prefill) on CUDA, the reference solutions; decode steps replayed from CUDA graphs, and again
+  with ``cuda_graphs`` off (every kernel launched from Python);
 * transformers: ``model.generate(input_ids [B, P], max_new_tokens=N, min_new_tokens=N, do_sample=False)``
   (its default dynamic cache and attention implementation).
 
@@ -116,7 +117,13 @@ def main(argv=None) -> int:
                 outs = llm.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
                 assert all(len(o.token_ids) == n for o in outs)
 
+            graphs_supported = llm.cuda_graphs
             rows.append(measure("yaie engine", engine, batch, args.new_tokens, args.repeats, args.device))
+            if graphs_supported:     # the same engine with every step run eagerly, side by side
+                llm.cuda_graphs = False
+                rows.append(measure("yaie engine (no CUDA graphs)", engine, batch, args.new_tokens, args.repeats,
+                                    args.device))
+                llm.cuda_graphs = True
             if args.skip_hf:
                 continue
             x = torch.tensor(ids, device=args.device)

@@ -3,10 +3,11 @@
 Requests run through continuous batching (:mod:`yaie.engine.scheduler`): all prompts of a ``generate``
 call are queued; every step runs one forward pass over the decoding requests (one token each) and the
 newly admitted prefills (whole prompts), packed into one batch. The KV cache is lesson 03's paged cache
-(a ``KVCacheManager``, one per ``generate`` or ``stream`` call); the model reads and writes it through a
-:class:`yaie.model.paged.PagedStep`. When blocks run out the scheduler preempts the newest request by
-recompute or swap; each request keeps its own sampler (and seed), so its tokens do not depend on what
-it was batched with.
+(a ``KVCacheManager``, kept from one ``generate`` or ``stream`` call to the next when the last one ended
+cleanly); the model reads and writes it through a :class:`yaie.model.paged.PagedStep`. When blocks run
+out the scheduler preempts the newest request by recompute or swap; each request keeps its own sampler
+(and seed), so its tokens do not depend on what it was batched with. On CUDA, decode-only steps replay
+CUDA graphs (:mod:`yaie.engine.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from yaie import ops
 from yaie.device import default_device
+from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
 from yaie.engine.sampling import SamplingParams, sample
 from yaie.engine.scheduler import PREEMPTION_MODES, Request, Scheduler, StepPlan
 from yaie.model.config import ModelLoadError
@@ -119,12 +121,16 @@ class LLM:
         preemption: what happens to the newest running request when blocks run out: ``"recompute"``
             (free its blocks, prefill it again later) or ``"swap"`` (copy its blocks to host memory).
         max_num_seqs: requests running at once at most. max_num_batched_tokens: prefill tokens per step.
+        cuda_graphs: replay decode-only steps from CUDA graphs (:mod:`yaie.engine.cuda_graphs`); default:
+            on CUDA for models without sliding-window layers. One block of the cache is kept back as the
+            graphs' scratch block (``num_blocks`` counts the blocks requests can use).
     """
 
     def __init__(self, model: str | Path | None = None, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, cpu_threads: int | None = None, *,
                  block_size: int = 16, num_blocks: int | None = None, num_cpu_blocks: int | None = None,
-                 preemption: str = "recompute", max_num_seqs: int = 256, max_num_batched_tokens: int = 4096):
+                 preemption: str = "recompute", max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
+                 cuda_graphs: bool | None = None):
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = torch.device(device) if device is not None else default_device()
         self.model = LlamaModel.from_pretrained(self.model_dir, device=self.device, dtype=dtype)
@@ -151,7 +157,13 @@ class LLM:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.num_blocks = num_blocks or self._default_num_blocks()
         self.num_cpu_blocks = num_cpu_blocks if num_cpu_blocks is not None else self._default_cpu_blocks()
+        supported = DecodeGraphs.supported(self.model, self.device)
+        if cuda_graphs and not supported:
+            raise ValueError("cuda_graphs=True needs a CUDA device and a model without sliding-window layers")
+        self.cuda_graphs = supported if cuda_graphs is None else bool(cuda_graphs)
         self.last_scheduler: Scheduler | None = None   # the last run's scheduler (stats, manager), for tests
+        self.last_graphs: DecodeGraphs | None = None   # the last run's CUDA-graph runner, for tests
+        self._kept: tuple | None = None    # (cache, graph runner, cuda_graphs flag) of the last clean run
 
     def _block_bytes(self) -> int:
         cfg = self.config
@@ -261,10 +273,11 @@ class LLM:
         out.prompt = text
         return out
 
-    def new_kv_cache(self):
-        """A fresh lesson 03 ``KVCacheManager`` sized for this engine (through :func:`yaie.ops.kv_cache_manager`)."""
+    def new_kv_cache(self, extra_blocks: int = 0):
+        """A fresh lesson 03 ``KVCacheManager`` sized for this engine (through :func:`yaie.ops.kv_cache_manager`),
+        with ``extra_blocks`` more than ``num_blocks`` (the CUDA-graph scratch block)."""
         cfg = self.config
-        return ops.kv_cache_manager(self.num_blocks, self.block_size, cfg.num_layers, cfg.num_kv_heads,
+        return ops.kv_cache_manager(self.num_blocks + extra_blocks, self.block_size, cfg.num_layers, cfg.num_kv_heads,
                                     cfg.head_dim, self.model.dtype, self.device, self.num_cpu_blocks,
                                     swap=self.preemption == "swap" and self.num_cpu_blocks > 0)
 
@@ -272,13 +285,15 @@ class LLM:
         """Generator over events ``(request, text piece, its _Text)``: one per request per step, the last
         one with ``request.state == "finished"``."""
         previous = torch.get_num_threads()
+        graphs = None
         if self.device.type == "cpu" and self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         try:
-            self.last_scheduler = None       # let the previous cache go before allocating the next
-            scheduler = Scheduler(self.new_kv_cache(), self.preemption, self.max_num_seqs,
-                                  self.max_num_batched_tokens)
-            self.last_scheduler = scheduler
+            manager, graphs = self._cache_for_run()
+            reserved = 1 if graphs is not None else 0
+            scheduler = Scheduler(manager, self.preemption, self.max_num_seqs, self.max_num_batched_tokens,
+                                  reserved_blocks=reserved)
+            self.last_scheduler, self.last_graphs = scheduler, graphs
             texts = {}
             for i, (ids, p) in enumerate(zip(prompt_ids, params)):
                 room = self.config.max_position_embeddings - len(ids)
@@ -290,7 +305,7 @@ class LLM:
                 if plan.empty:
                     raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
                 tokens = self._forward(scheduler.manager, plan, [texts[r.request_id] for r in
-                                                                 plan.decodes + plan.prefills])
+                                                                 plan.decodes + plan.prefills], graphs)
                 for request, token in zip(plan.decodes + plan.prefills, tokens):
                     text = texts[request.request_id]
                     piece = text.push(request, token)
@@ -300,11 +315,41 @@ class LLM:
         finally:
             torch.set_num_threads(previous)
 
-    def _forward(self, manager, plan: StepPlan, texts: list[_Text]) -> list[int]:
+    def _cache_for_run(self):
+        """The KV cache (and CUDA-graph runner) of a run: the last run's when it ended cleanly, every
+        request's blocks given back, so the graphs recorded then replay again (they hold the cache's
+        addresses); else a new cache, the old one dropped first."""
+        if self._kept is not None:
+            manager, graphs, flag = self._kept
+            try:
+                clean = set(manager.seq_ids()) <= {SCRATCH_SEQ} and \
+                    manager.num_free_cpu_blocks == self.num_cpu_blocks
+            except NotImplementedError:     # a student's cache without seq_ids yet: always start afresh
+                clean = False
+            if clean and flag == self.cuda_graphs:
+                return manager, graphs
+            if graphs is not None:
+                graphs.close()
+        self._kept = self.last_scheduler = self.last_graphs = None   # let the old cache go first
+        manager = self.new_kv_cache(1 if self.cuda_graphs else 0)
+        graphs = self._graph_runner(manager) if self.cuda_graphs else None
+        self._kept = (manager, graphs, self.cuda_graphs)
+        return manager, graphs
+
+    def _graph_runner(self, manager) -> DecodeGraphs:
+        """The CUDA-graph runner of one run (tests replace this to run its fixed-buffer steps eagerly)."""
+        return DecodeGraphs(self.model, manager, self.max_num_seqs)
+
+    def _forward(self, manager, plan: StepPlan, texts: list[_Text], graphs: DecodeGraphs | None = None) -> list[int]:
         """One forward pass over a step's decodes and prefills; returns one sampled token per request."""
         token_ids = [r.token_ids[-1] for r in plan.decodes] + [t for r in plan.prefills for t in r.token_ids]
         positions = [len(r.token_ids) - 1 for r in plan.decodes] + [p for r in plan.prefills
                                                                     for p in range(len(r.token_ids))]
+        if graphs is not None and not plan.prefills and graphs.fits(len(plan.decodes)):
+            logits = graphs.run([r.request_id for r in plan.decodes], token_ids, positions,
+                                torch.cat(plan.decode_slots))
+            if logits is not None:       # None: recording failed, run this step (and the next) eagerly
+                return _sample_rows(logits, texts)
         requests = plan.decodes + plan.prefills
         step = PagedStep(manager, [r.request_id for r in requests],
                          [1] * len(plan.decodes) + [len(r.token_ids) for r in plan.prefills], len(plan.decodes),

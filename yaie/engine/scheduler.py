@@ -90,10 +90,12 @@ class Scheduler:
         preemption: ``"recompute"`` or ``"swap"``.
         max_num_seqs: at most this many requests run at once.
         max_num_batched_tokens: prefill tokens per step; a single longer prompt still runs, alone.
+        reserved_blocks: blocks of the cache that no request may count on (the CUDA-graph runner's scratch
+            block): a request is refused if it needs more than ``manager.num_blocks - reserved_blocks``.
     """
 
     def __init__(self, manager, preemption: str = "recompute", max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 4096):
+                 max_num_batched_tokens: int = 4096, reserved_blocks: int = 0):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -104,6 +106,7 @@ class Scheduler:
         self.preemption = preemption
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.usable_blocks = manager.num_blocks - reserved_blocks
         # The manager's own OutOfBlocks (the student's or the reference module, whichever built it).
         self.out_of_blocks = importlib.import_module(type(manager).__module__).OutOfBlocks
         self.waiting: list[Request] = []
@@ -116,9 +119,9 @@ class Scheduler:
         """Queue a new request. ValueError if it could never fit in the cache, even alone."""
         size = self.manager.block_size
         need = -(-request.max_cached_tokens // size)
-        if need > self.manager.num_blocks:
+        if need > self.usable_blocks:
             raise ValueError(f"request {request.request_id} needs up to {request.max_cached_tokens} tokens "
-                             f"({need} blocks of {size}) in the KV cache, which has {self.manager.num_blocks} "
+                             f"({need} blocks of {size}) in the KV cache, which has {self.usable_blocks} "
                              "blocks: give the engine more blocks (num_blocks) or ask for fewer tokens")
         _insert_by_age(self.waiting, request)
 

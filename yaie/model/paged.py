@@ -116,3 +116,36 @@ class PagedStep:
         """Write this layer's new ``k, v`` into the paged cache, then attend; ``[num_tokens, heads, head_dim]``."""
         ops.write_kv(self.manager, layer, self.slot_mapping, k, v)
         return ops.paged_attention(q, k, v, self, layer, sliding_window)
+
+
+class StaticDecodeStep(PagedStep):
+    """A decode-only step over FIXED buffers, for a CUDA graph (:mod:`yaie.engine.cuda_graphs`).
+
+    A CUDA graph replays the kernels it recorded with the same arguments: the same tensors, the same Python
+    numbers. So everything that changes from step to step lives in tensors that are overwritten before each
+    replay (``block_tables``, ``context_lens``, ``slot_mapping``), and everything the kernels are given as a
+    number is fixed for the graph's life: ``batch`` rows (real sequences first, padding after: context
+    length 0, a scratch slot to write to) and a context length bound of the whole block table
+    (``capacity`` tokens), which is what lesson 04 sizes its splits by.
+
+    Args:
+        manager: the lesson 03 cache the graph reads and writes.
+        block_tables: int32 ``[batch, max_blocks]``, context_lens: int32 ``[batch]``, slot_mapping: int64
+            ``[batch]``, all on the cache's device.
+    """
+
+    def __init__(self, manager, block_tables: torch.Tensor, context_lens: torch.Tensor, slot_mapping: torch.Tensor):
+        batch = block_tables.shape[0]
+        self.manager = manager
+        self.seq_ids = [None] * batch
+        self.query_lens = [1] * batch
+        self.num_decodes, self.num_prefills = batch, 0
+        self.slot_mapping = slot_mapping
+        self.device = manager.device
+        self.use_kernels = True
+        # ops.paged_attention passes max(context_lens_list) to the kernel as its bound: the whole table.
+        self.context_lens_list = [block_tables.shape[1] * manager.block_size] * batch
+        self._slots = {}
+        self.query_starts = list(range(batch + 1))
+        self.__dict__["block_tables"] = block_tables      # the cached_property values, fixed
+        self.__dict__["context_lens"] = context_lens

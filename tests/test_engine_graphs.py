@@ -1,0 +1,106 @@
+"""The CUDA-graph decode path (yaie/engine/cuda_graphs.py), checked on the CPU.
+
+A CUDA graph cannot be recorded without a GPU, but everything around it can be checked here: the runner
+can run its fixed-buffer steps eagerly (``capture=False``), through lesson 04's kernel in the Triton
+interpreter, with padding rows (context 0, a scratch slot), the whole block table as the context bound,
+buckets that change as requests finish, and preemption. Those steps must give exactly the engine's own
+tokens. (The recording itself is checked on the GPU: scripts/gpu_engine_batching.py compares the engine,
+graphs on, with transformers.)
+"""
+
+import pytest
+
+from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
+from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs, buckets
+from yaie.engine.scheduler import Request, Scheduler
+from yaie.model.testing import single_thread
+
+PROMPTS = [
+    "Once upon a time, there was a little fox named",
+    "Lily was afraid of the dark.",
+    "Ben found a shiny red ball under the big tree.",
+    "The little owl could not sleep.",
+    "A small dog named Max lived on a farm.",
+]
+
+pytestmark = pytest.mark.usefixtures("reference_lessons")
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(6) == [1, 2, 4, 6]
+    assert buckets(8) == [1, 2, 4, 8]
+
+
+def eager_graphs(llm: LLM) -> LLM:
+    """Turn the CUDA-graph path on for a CPU engine, with the fixed-buffer steps run eagerly."""
+    llm.cuda_graphs = True
+    llm._graph_runner = lambda manager: DecodeGraphs(llm.model, manager, llm.max_num_seqs, capture=False)
+    return llm
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_fixed_buffer_decode_steps_give_the_engines_tokens(preemption):
+    # Different lengths: 5 requests decode in the bucket of 6 (one padding row), then 4, 2, 1 as they end.
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 14, 6, 10, 8)]
+    with single_thread():
+        plain = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=64, max_num_seqs=6)
+        want = [out.token_ids for out in plain.generate(PROMPTS, params)]
+        # 16 blocks of 4 tokens: all 5 requests start together, then the cache runs out and one is preempted.
+        llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=16, max_num_seqs=6,
+                               preemption=preemption))
+        calls = []
+        runner_run = DecodeGraphs.run
+
+        def spy(self, seq_ids, *args):
+            calls.append(len(seq_ids))
+            return runner_run(self, seq_ids, *args)
+
+        DecodeGraphs.run = spy
+        try:
+            got = [out.token_ids for out in llm.generate(PROMPTS, params)]
+        finally:
+            DecodeGraphs.run = runner_run
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"{preemption}: request {i} differs with the fixed-buffer decode steps:\n{g}\n{w}"
+    runner, scheduler = llm.last_graphs, llm.last_scheduler
+    used = {next(b for b in buckets(6) if b >= n) for n in calls}
+    assert {1, 4} <= used and any(n not in buckets(6) for n in calls), calls   # buckets change, padding used
+    assert set(runner.graphs) == used
+    stats = scheduler.stats
+    assert stats.preempted_by_swap + stats.preempted_by_recompute > 0, stats
+    manager = scheduler.manager
+    assert manager.num_blocks == 16 + 1                                     # the scratch block is extra
+    assert manager.seq_ids() == [SCRATCH_SEQ] and manager.num_free_blocks == 16
+    # The next call keeps the cache and the runner (recorded graphs stay valid: same addresses).
+    again = [out.token_ids for out in llm.generate(PROMPTS[:2], params[:2])]
+    assert again == want[:2]
+    assert llm.last_scheduler.manager is manager and llm.last_graphs is runner
+
+
+def test_a_run_that_stops_early_gets_a_fresh_cache():
+    llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=32))
+    stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    next(stream)
+    next(stream)                       # the request holds blocks; the stream is dropped half-way
+    stream.close()
+    first = llm.last_scheduler.manager
+    assert set(first.seq_ids()) != {SCRATCH_SEQ}
+    llm.generate(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0))
+    assert llm.last_scheduler.manager is not first
+    assert llm.last_scheduler.manager.seq_ids() == [SCRATCH_SEQ]
+
+
+def test_the_scratch_block_is_not_promised_to_requests():
+    llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=5)
+    manager = llm.new_kv_cache(extra_blocks=1)
+    scheduler = Scheduler(manager, reserved_blocks=1)
+    scheduler.add(Request(0, [1] * 11, 10))            # 20 tokens cached at most: the 5 usable blocks
+    with pytest.raises(ValueError, match="5 blocks"):
+        scheduler.add(Request(1, [1] * 12, 10))        # 21 tokens cached at most: 6 blocks, only with the scratch one
+
+
+def test_cuda_graphs_need_cuda():
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        LLM(DEFAULT_MODEL, device="cpu", cuda_graphs=True)
+    assert LLM(DEFAULT_MODEL, device="cpu").cuda_graphs is False
