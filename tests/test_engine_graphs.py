@@ -8,6 +8,8 @@ tokens. (The recording itself is checked on the GPU: scripts/gpu_engine_batching
 graphs on, with transformers.)
 """
 
+import weakref
+
 import pytest
 
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
@@ -66,7 +68,8 @@ def test_fixed_buffer_decode_steps_give_the_engines_tokens(preemption):
     runner, scheduler = llm.last_graphs, llm.last_scheduler
     used = {next(b for b in buckets(6) if b >= n) for n in calls}
     assert {1, 4} <= used and any(n not in buckets(6) for n in calls), calls   # buckets change, padding used
-    assert set(runner.graphs) == used
+    assert {bucket for bucket, _ in runner.graphs} == used
+    assert {bound for _, bound in runner.graphs} == {runner.capacity}      # the bundled model: 512 tokens
     stats = scheduler.stats
     assert stats.preempted_by_swap + stats.preempted_by_recompute > 0, stats
     manager = scheduler.manager
@@ -78,17 +81,64 @@ def test_fixed_buffer_decode_steps_give_the_engines_tokens(preemption):
     assert llm.last_scheduler.manager is manager and llm.last_graphs is runner
 
 
-def test_a_run_that_stops_early_gets_a_fresh_cache():
+def test_a_run_that_stops_early_gets_a_fresh_cache_and_the_old_one_is_released_first(monkeypatch):
     llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=32))
     stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     next(stream)
     next(stream)                       # the request holds blocks; the stream is dropped half-way
     stream.close()
-    first = llm.last_scheduler.manager
-    assert set(first.seq_ids()) != {SCRATCH_SEQ}
+    first = weakref.ref(llm.last_scheduler.manager)
+    closed = []
+    close = DecodeGraphs.close
+    monkeypatch.setattr(DecodeGraphs, "close", lambda self: (closed.append(self.failed), close(self)))
+    assert set(first().seq_ids()) != {SCRATCH_SEQ}
+    built = []
+    new_kv_cache = llm.new_kv_cache
+
+    def spy(extra_blocks=0):
+        built.append(first() is None)       # is the old cache gone before the new one is allocated?
+        return new_kv_cache(extra_blocks)
+
+    llm.new_kv_cache = spy
     llm.generate(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0))
-    assert llm.last_scheduler.manager is not first
+    assert built == [True]
     assert llm.last_scheduler.manager.seq_ids() == [SCRATCH_SEQ]
+    assert closed == [None]            # the old runner was closed (and was still open)
+
+
+def test_a_closed_runner_refuses_steps_and_gives_its_block_back():
+    llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=8)
+    manager = llm.new_kv_cache(extra_blocks=1)
+    runner = DecodeGraphs(llm.model, manager, 4, capture=False)
+    assert runner.fits(3) and not runner.fits(5) and manager.num_free_blocks == 8
+    runner.close()
+    assert not runner.fits(1) and manager.num_free_blocks == 9 and not manager.has_seq(SCRATCH_SEQ)
+
+
+def test_two_streams_at_once_get_two_caches():
+    llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=32))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [llm.generate(p, params)[0].token_ids for p in PROMPTS[:2]]
+    kept = llm.last_scheduler.manager
+    a, b = llm.stream(PROMPTS[0], params), llm.stream(PROMPTS[1], params)
+    text_a, text_b = next(a), next(b)          # both running: b could not take a's cache
+    assert llm.last_scheduler.manager is not kept
+    text_a += "".join(a)
+    text_b += "".join(b)
+    tokenizer = llm.tokenizer
+    assert [text_a, text_b] == [tokenizer.decode(w) for w in want]
+    llm.generate(PROMPTS[0], params)
+    assert llm.last_scheduler.manager is kept  # the kept cache serves the next call again
+
+
+def test_a_new_lesson_switch_gets_a_new_cache(monkeypatch):
+    llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=32))
+    params = SamplingParams(max_tokens=3, temperature=0)
+    llm.generate(PROMPTS[0], params)
+    kept = llm.last_scheduler.manager
+    monkeypatch.setenv("YAIE_SOLUTIONS", "1-4,6")   # graphs replay the kernels they recorded: record anew
+    llm.generate(PROMPTS[0], params)
+    assert llm.last_scheduler.manager is not kept
 
 
 def test_the_scratch_block_is_not_promised_to_requests():

@@ -81,7 +81,7 @@ def test_fused_merge_matches_the_merge_kernel_and_leaves_its_counters_at_zero():
     expected = ref_decode(q, ks, vs)
     scale = q.shape[-1] ** -0.5
     capacity = bt.shape[1] * kc.shape[1]         # max_context_len may be any bound up to what a row holds
-    for splits, max_len in ((2, 64), (3, 64), (8, 64), (3, capacity), (8, capacity)):
+    for splits, max_len in ((2, 64), (3, 64), (8, 64), (3, capacity), (8, capacity), (20, capacity)):   # 20: not unrolled
         for _ in range(2):
             fused = ref._launch_decode(q, kc, vc, bt, cl, max_len, scale, splits)
             separate = ref._launch_decode(q, kc, vc, bt, cl, max_len, scale, splits, fuse_merge=False)

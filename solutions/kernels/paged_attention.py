@@ -293,28 +293,37 @@ def _merge_rows(part_out, part_lse, stride_ps, row_ok, d_ok, NUM_SPLITS: tl.cons
     at ``+ s``). Returns ``sum_s exp(lse_s - lse) * o_s`` as float32 ``[ROWS, BLOCK_D]``: the running max
     and rescaling of lesson 06's online softmax, one split at a time.
 
-    ``NUM_SPLITS`` is a constexpr and the loop is unrolled at compile time: then no load waits for the
-    previous split's arithmetic, and the compiler issues every split's loads at once. In the fused merge
-    this runs at the very end of the kernel, where a loop that waited for each split's load in turn would
-    add one memory round trip per split to every decode step. The loads bypass L1 (``.cg``): other
-    programs, possibly on other multiprocessors, wrote these values.
+    ``NUM_SPLITS`` is a constexpr, and up to 16 splits the loop is unrolled at compile time: then no load
+    waits for the previous split's arithmetic, and the compiler issues every split's loads at once. In
+    the fused merge this runs at the very end of the kernel, where a loop that waited for each split's
+    load in turn would add one memory round trip per split to every decode step. (Past 16 splits the
+    unrolled loads would need more registers than a thread has: a plain loop.) The loads bypass L1
+    (``.cg``): other programs, possibly on other multiprocessors, wrote these values.
     """
     top = tl.full(row_ok.shape, float("-inf"), tl.float32)    # largest lse so far
     total = tl.zeros(row_ok.shape, tl.float32)                 # sum of exp(lse_s - top)
     acc = tl.zeros(part_out.shape, tl.float32)                 # sum of exp(lse_s - top) * o_s
-    for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(part_lse + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(part_out + s * stride_ps, mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-                       cache_modifier=".cg")
-        new_top = tl.maximum(top, lse)
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)   # no keys yet: keep every weight 0
-        alpha = tl.exp(top - shift)
-        weight = tl.exp(lse - shift)                                # an empty split (lse = -inf) weighs 0
-        part = tl.where(weight[:, None] > 0, part, 0.0)             # and its unwritten output is never read
-        acc = acc * alpha[:, None] + weight[:, None] * part
-        total = total * alpha + weight
-        top = new_top
+    if NUM_SPLITS <= 16:
+        for s in tl.static_range(NUM_SPLITS):
+            top, total, acc = _merge_one(top, total, acc, part_out + s * stride_ps, part_lse + s, row_ok, d_ok)
+    else:
+        for s in range(NUM_SPLITS):
+            top, total, acc = _merge_one(top, total, acc, part_out + s * stride_ps, part_lse + s, row_ok, d_ok)
     return acc / tl.where(total > 0, total, 1.0)[:, None]
+
+
+# yaie: solution-only
+@triton.jit
+def _merge_one(top, total, acc, part_out, part_lse, row_ok, d_ok):
+    """One split into the running merge: ``(top, total, acc)`` as in :func:`_merge_rows`."""
+    lse = tl.load(part_lse, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(part_out, mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+    new_top = tl.maximum(top, lse)
+    shift = tl.where(new_top == float("-inf"), 0.0, new_top)   # no keys yet: keep every weight 0
+    alpha = tl.exp(top - shift)
+    weight = tl.exp(lse - shift)                                # an empty split (lse = -inf) weighs 0
+    part = tl.where(weight[:, None] > 0, part, 0.0)             # and its unwritten output is never read
+    return new_top, total * alpha + weight, acc * alpha[:, None] + weight[:, None] * part
 
 
 # yaie: solution-only

@@ -13,13 +13,14 @@ The price: a graph replays exactly what it recorded, so
   and a step of ``n`` sequences runs the smallest bucket ``>= n`` with ``bucket - n`` padding rows. A
   padding row has context length 0 (attention reads nothing) and writes its key and value into a scratch
   block that no sequence owns;
-* every number the kernels receive is fixed: lesson 04's kernel gets the whole block table's length as
-  its context bound and sizes its split-K ranges by it (a short context then leaves most splits empty);
+* every number the kernels receive is fixed: lesson 04's kernel sizes its split-K ranges by the context
+  bound it is given, so a graph is recorded per (batch bucket, context bound), the bound being the
+  step's longest context rounded up to a power of two;
 * nothing in the step may wait for the GPU (no ``.item()``, no value checks on the host): the engine's
   kernels are called with ``validate=False`` on CUDA already.
 
-Graphs are recorded lazily, the first time a bucket is needed, and live as long as the ``generate`` call
-(the KV cache they write into is made per call). Only decode-only steps replay a graph; a step with a
+Graphs are recorded lazily, the first time a (bucket, bound) is needed, and live as long as the KV cache
+they write into (the engine keeps both from one ``generate`` call to the next). Only decode-only steps replay a graph; a step with a
 prefill runs eagerly. If recording fails (a student kernel that syncs, say), the engine says so once and
 runs eagerly.
 """
@@ -33,6 +34,7 @@ import torch
 from yaie.model.paged import StaticDecodeStep
 
 SCRATCH_SEQ = "__yaie_cuda_graph_scratch__"   # the cache "sequence" that owns the padding rows' block
+MIN_BOUND = 1024   # smallest context bound: below 2 * 512 tokens lesson 04 does not split anyway
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -44,17 +46,14 @@ def buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-class _Graph:
-    """One bucket's graph and the fixed buffers it reads and writes."""
+class _Buffers:
+    """The fixed inputs of one batch bucket's graphs (each context bound of that bucket reads the same ones)."""
 
     def __init__(self, batch: int, max_blocks: int, scratch_slot: int, device: torch.device):
-        self.batch = batch
         self.ids = torch.zeros(2, batch, dtype=torch.int64, device=device)          # token ids, positions
         self.slots = torch.full((batch,), scratch_slot, dtype=torch.int64, device=device)
         self.tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
         self.lens = torch.zeros(batch, dtype=torch.int32, device=device)
-        self.logits: torch.Tensor | None = None
-        self.graph: torch.cuda.CUDAGraph | None = None
 
 
 class DecodeGraphs:
@@ -62,21 +61,29 @@ class DecodeGraphs:
 
     Args:
         model: the :class:`yaie.model.llama.LlamaModel`.
-        manager: the lesson 03 ``KVCacheManager`` of this ``generate`` call. One of its blocks is taken for
-            the padding rows (give the scheduler one block fewer: ``reserved_blocks=1``); :meth:`close`
-            gives it back.
+        manager: the lesson 03 ``KVCacheManager``. One of its blocks is taken for the padding rows (give the
+            scheduler one block fewer: ``reserved_blocks=1``); :meth:`close` gives it back.
         max_batch: the largest step (the engine's ``max_num_seqs``).
-        capture: False runs the same fixed-buffer step eagerly instead of recording it (tests on the CPU).
+        capture: False runs the same fixed-buffer steps eagerly instead of recording them (CPU tests).
+
+    A graph is recorded per (batch bucket, context bound): the bound is the longest context of the step
+    rounded up to a power of two (at least ``MIN_BOUND``, at most the block table's length), so lesson 04
+    sizes its splits about as it would for the step itself: a 2k context in a model that allows 128k is
+    not cut into 4k-token splits that leave all but one empty. Contexts grow through a handful of
+    bounds, so a run records a handful of graphs. They share one memory pool: replays never overlap, and
+    each replay's logits are read before the next replay.
     """
 
     def __init__(self, model, manager, max_batch: int, capture: bool = True):
         self.model, self.manager, self.capture = model, manager, capture
         self.buckets = buckets(max_batch)
-        block_size = manager.block_size
-        self.max_blocks = -(-model.config.max_position_embeddings // block_size)
+        self.max_blocks = -(-model.config.max_position_embeddings // manager.block_size)
+        self.capacity = self.max_blocks * manager.block_size
         self.scratch_slot = int(manager.allocate(SCRATCH_SEQ, 1)[0])
-        self.graphs: dict[int, _Graph] = {}   # each with its own memory pool: a few MB of activations
-        self.failed: str | None = None       # why recording failed; then every step runs eagerly
+        self.buffers: dict[int, _Buffers] = {}
+        self.graphs: dict[tuple[int, int], tuple] = {}    # (bucket, bound) -> (CUDAGraph or None, logits)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.failed: str | None = None       # why recording failed (or "closed"); then steps run eagerly
 
     @staticmethod
     def supported(model, device: torch.device) -> bool:
@@ -86,62 +93,79 @@ class DecodeGraphs:
     def fits(self, num_decodes: int) -> bool:
         return self.failed is None and 1 <= num_decodes <= self.buckets[-1]
 
+    def bound(self, longest: int) -> int:
+        """The context bound of a step whose longest context is ``longest`` tokens."""
+        bound = MIN_BOUND
+        while bound < longest:
+            bound *= 2
+        return min(bound, self.capacity)
+
     def close(self) -> None:
-        """Drop the graphs and give the scratch block back (the cache is about to be dropped too)."""
+        """Drop the graphs, give the scratch block back, and refuse further steps."""
         self.graphs.clear()
+        self.buffers.clear()
+        self.failed = "closed"
         if self.manager.has_seq(SCRATCH_SEQ):
             self.manager.free(SCRATCH_SEQ)
 
     # ------------------------------------------------------------------ one step
-    def run(self, seq_ids: list, token_ids: list[int], positions: list[int], slots: torch.Tensor) -> torch.Tensor:
+    def run(self, seq_ids: list, token_ids: list[int], positions: list[int], slots: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[len(seq_ids), vocab]`` (float32) of one decode step; None if recording failed."""
         n = len(seq_ids)
         bucket = next(b for b in self.buckets if b >= n)
-        graph = self.graphs.get(bucket) or self._record(bucket)
-        if graph is None:
+        bound = self.bound(max(positions) + 1)         # a decode's context ends at its new token
+        entry = self.graphs.get((bucket, bound)) or self._record(bucket, bound)
+        if entry is None:
             return None
-        pad = bucket - n
-        graph.ids.copy_(torch.tensor([token_ids + [0] * pad, positions + [0] * pad], dtype=torch.int64),
-                        non_blocking=True)
-        graph.slots[:n].copy_(slots)
-        graph.slots[n:].fill_(self.scratch_slot)
+        buf, pad = self.buffers[bucket], bucket - n
+        buf.ids.copy_(torch.tensor([token_ids + [0] * pad, positions + [0] * pad], dtype=torch.int64),
+                      non_blocking=True)
+        buf.slots[:n].copy_(slots)
+        buf.slots[n:].fill_(self.scratch_slot)
         table = self.manager.block_table(seq_ids)
-        graph.tables[:n, :table.shape[1]].copy_(table)     # columns past a row's length are never followed
-        graph.lens[:n].copy_(self.manager.context_lens(seq_ids))
-        graph.lens[n:].zero_()
-        if self.capture:
-            graph.graph.replay()
+        buf.tables[:n, :table.shape[1]].copy_(table)       # columns past a row's length are never followed
+        buf.lens[:n].copy_(self.manager.context_lens(seq_ids))
+        buf.lens[n:].zero_()
+        graph, logits = entry
+        if graph is None:                                  # capture=False: the same step, eagerly
+            logits = self._forward(buf, bound)
         else:
-            graph.logits = self._forward(graph)
-        return graph.logits[:n]
+            graph.replay()
+        return logits[:n]
 
-    def _forward(self, graph: _Graph) -> torch.Tensor:
-        step = StaticDecodeStep(self.manager, graph.tables, graph.lens, graph.slots)
-        return self.model.logits(self.model.forward(graph.ids[0], graph.ids[1], step))
+    def _forward(self, buf: _Buffers, bound: int) -> torch.Tensor:
+        step = StaticDecodeStep(self.manager, buf.tables, buf.lens, buf.slots, bound)
+        return self.model.logits(self.model.forward(buf.ids[0], buf.ids[1], step))
 
-    def _record(self, bucket: int) -> _Graph | None:
-        graph = _Graph(bucket, self.max_blocks, self.scratch_slot, self.manager.device)
+    def _record(self, bucket: int, bound: int) -> tuple | None:
+        device = self.manager.device
+        buf = self.buffers.get(bucket)
+        if buf is None:
+            buf = self.buffers[bucket] = _Buffers(bucket, self.max_blocks, self.scratch_slot, device)
+        # Until the first replay every row is padding (context 0, the scratch slot): the warm-up and the
+        # recording change nothing a sequence owns.
+        buf.slots.fill_(self.scratch_slot)
+        buf.lens.zero_()
         if not self.capture:
-            self.graphs[bucket] = graph
-            return graph
+            self.graphs[(bucket, bound)] = (None, None)
+            return self.graphs[(bucket, bound)]
         try:
             # Warm up on the stream the graph is recorded on: Triton compiles its kernels and lesson 04
-            # allocates its per-stream split counters here, not inside the recording. Every row is
-            # padding (context 0, scratch slot), so the warm-up changes nothing a sequence owns.
-            stream = torch.cuda.Stream(self.manager.device)
-            stream.wait_stream(torch.cuda.current_stream(self.manager.device))
+            # allocates its per-stream split counters here, not inside the recording.
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(graph)
-            torch.cuda.current_stream(self.manager.device).wait_stream(stream)
-            graph.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph.graph, stream=stream):
-                graph.logits = self._forward(graph)
+                    self._forward(buf, bound)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                logits = self._forward(buf, bound)
         except Exception as err:  # noqa: BLE001 - any failure: say so once, run eagerly from now on
             self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             print(f"yaie: recording a CUDA graph of the decode step failed ({self.failed}); decoding without "
                   "graphs from now on", file=sys.stderr, flush=True)
-            torch.cuda.synchronize(self.manager.device)
+            torch.cuda.synchronize(device)
             return None
-        self.graphs[bucket] = graph
-        return graph
+        self.graphs[(bucket, bound)] = (graph, logits)
+        return self.graphs[(bucket, bound)]

@@ -13,13 +13,14 @@ CUDA graphs (:mod:`yaie.engine.cuda_graphs`).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
-from yaie import ops
+from yaie import ops, switch
 from yaie.device import default_device
 from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
 from yaie.engine.sampling import SamplingParams, sample
@@ -163,7 +164,7 @@ class LLM:
         self.cuda_graphs = supported if cuda_graphs is None else bool(cuda_graphs)
         self.last_scheduler: Scheduler | None = None   # the last run's scheduler (stats, manager), for tests
         self.last_graphs: DecodeGraphs | None = None   # the last run's CUDA-graph runner, for tests
-        self._kept: tuple | None = None    # (cache, graph runner, cuda_graphs flag) of the last clean run
+        self._kept: _RunCache | None = None    # the KV cache (and graphs) kept for the next run
 
     def _block_bytes(self) -> int:
         cfg = self.config
@@ -285,11 +286,12 @@ class LLM:
         """Generator over events ``(request, text piece, its _Text)``: one per request per step, the last
         one with ``request.state == "finished"``."""
         previous = torch.get_num_threads()
-        graphs = None
+        cache = None
         if self.device.type == "cpu" and self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         try:
-            manager, graphs = self._cache_for_run()
+            cache = self._cache_for_run()
+            manager, graphs = cache.manager, cache.graphs
             reserved = 1 if graphs is not None else 0
             scheduler = Scheduler(manager, self.preemption, self.max_num_seqs, self.max_num_batched_tokens,
                                   reserved_blocks=reserved)
@@ -313,28 +315,40 @@ class LLM:
                         scheduler.finish(request)
                     yield request, piece, text
         finally:
+            if cache is not None:
+                cache.in_use = False
+                if cache.temporary and cache.graphs is not None:
+                    cache.graphs.close()
             torch.set_num_threads(previous)
 
-    def _cache_for_run(self):
-        """The KV cache (and CUDA-graph runner) of a run: the last run's when it ended cleanly, every
-        request's blocks given back, so the graphs recorded then replay again (they hold the cache's
-        addresses); else a new cache, the old one dropped first."""
-        if self._kept is not None:
-            manager, graphs, flag = self._kept
-            try:
-                clean = set(manager.seq_ids()) <= {SCRATCH_SEQ} and \
-                    manager.num_free_cpu_blocks == self.num_cpu_blocks
-            except NotImplementedError:     # a student's cache without seq_ids yet: always start afresh
-                clean = False
-            if clean and flag == self.cuda_graphs:
-                return manager, graphs
-            if graphs is not None:
-                graphs.close()
-        self._kept = self.last_scheduler = self.last_graphs = None   # let the old cache go first
+    def _cache_for_run(self) -> "_RunCache":
+        """The KV cache (and CUDA-graph runner) of a run.
+
+        The last run's, when it ended cleanly (every request's blocks given back) under the same settings
+        (graphs on or off, the same lesson switch: recorded graphs replay the kernels they recorded), so
+        its graphs replay again: they hold the cache's addresses. Else a new one, the old one dropped
+        first (it may hold half the GPU's memory). While another run still holds the kept cache (an
+        unfinished ``stream``), this run gets a cache of its own, dropped when it ends.
+        """
+        key = (self.cuda_graphs, os.environ.get(switch.ENV_VAR), frozenset(ops._auto_reference))
+        if self._kept is not None and not self._kept.in_use:
+            if self._kept.key == key and _ended_cleanly(self._kept.manager, self.num_cpu_blocks):
+                self._kept.in_use = True
+                return self._kept
+            self._drop_kept()
+        temporary = self._kept is not None
         manager = self.new_kv_cache(1 if self.cuda_graphs else 0)
-        graphs = self._graph_runner(manager) if self.cuda_graphs else None
-        self._kept = (manager, graphs, self.cuda_graphs)
-        return manager, graphs
+        cache = _RunCache(manager, self._graph_runner(manager) if self.cuda_graphs else None, key,
+                          in_use=True, temporary=temporary)
+        if not temporary:
+            self._kept = cache
+        return cache
+
+    def _drop_kept(self) -> None:
+        kept, self._kept = self._kept, None
+        self.last_scheduler = self.last_graphs = None
+        if kept.graphs is not None:
+            kept.graphs.close()
 
     def _graph_runner(self, manager) -> DecodeGraphs:
         """The CUDA-graph runner of one run (tests replace this to run its fixed-buffer steps eagerly)."""
@@ -359,6 +373,24 @@ class LLM:
         rows = torch.tensor(step.last_token_rows, device=self.device)
         logits = self.model.logits(hidden[rows])
         return _sample_rows(logits, texts)
+
+
+@dataclass
+class _RunCache:
+    """A KV cache, its CUDA-graph runner (or None) and the settings they were made under."""
+    manager: object
+    graphs: DecodeGraphs | None
+    key: tuple
+    in_use: bool = False
+    temporary: bool = False     # made because another run held the kept cache: dropped after the run
+
+
+def _ended_cleanly(manager, num_cpu_blocks: int) -> bool:
+    """No sequence left in the cache but the graphs' scratch one, every host block free."""
+    try:
+        return set(manager.seq_ids()) <= {SCRATCH_SEQ} and manager.num_free_cpu_blocks == num_cpu_blocks
+    except NotImplementedError:          # a student's cache without seq_ids yet: always start afresh
+        return False
 
 
 def _sample_rows(logits: torch.Tensor, texts: list[_Text]) -> list[int]:

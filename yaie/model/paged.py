@@ -125,16 +125,18 @@ class StaticDecodeStep(PagedStep):
     numbers. So everything that changes from step to step lives in tensors that are overwritten before each
     replay (``block_tables``, ``context_lens``, ``slot_mapping``), and everything the kernels are given as a
     number is fixed for the graph's life: ``batch`` rows (real sequences first, padding after: context
-    length 0, a scratch slot to write to) and a context length bound of the whole block table
-    (``capacity`` tokens), which is what lesson 04 sizes its splits by.
+    length 0, a scratch slot to write to) and ``bound``, an upper bound of every context length the graph
+    will see, which lesson 04 sizes its splits by.
 
     Args:
         manager: the lesson 03 cache the graph reads and writes.
         block_tables: int32 ``[batch, max_blocks]``, context_lens: int32 ``[batch]``, slot_mapping: int64
             ``[batch]``, all on the cache's device.
+        bound: tokens, at most ``max_blocks * block_size``.
     """
 
-    def __init__(self, manager, block_tables: torch.Tensor, context_lens: torch.Tensor, slot_mapping: torch.Tensor):
+    def __init__(self, manager, block_tables: torch.Tensor, context_lens: torch.Tensor, slot_mapping: torch.Tensor,
+                 bound: int):
         batch = block_tables.shape[0]
         self.manager = manager
         self.seq_ids = [None] * batch
@@ -143,8 +145,10 @@ class StaticDecodeStep(PagedStep):
         self.slot_mapping = slot_mapping
         self.device = manager.device
         self.use_kernels = True
-        # ops.paged_attention passes max(context_lens_list) to the kernel as its bound: the whole table.
-        self.context_lens_list = [block_tables.shape[1] * manager.block_size] * batch
+        if not 1 <= bound <= block_tables.shape[1] * manager.block_size:
+            raise ValueError(f"bound {bound} must lie in 1..{block_tables.shape[1] * manager.block_size}")
+        # ops.paged_attention passes max(context_lens_list) to lesson 04 as its context bound.
+        self.context_lens_list = [bound] * batch
         self._slots = {}
         self.query_starts = list(range(batch + 1))
         self.__dict__["block_tables"] = block_tables      # the cached_property values, fixed
