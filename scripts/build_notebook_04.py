@@ -333,6 +333,12 @@ depth by waves: about 2 programs per multiprocessor, with 3 stages when they all
    without that look-ahead (`triton.compile` with a `GPUTarget("cuda", 90, 32)` works without a GPU) and compare
    `metadata.shared` at `num_stages` 2, 3 and 4: how many K/V buffers does the software pipeliner keep in each
    case, and why does a load whose address comes from another load of the same iteration stop it?
+8. On CUDA the engine replays its decode steps from CUDA graphs (`yaie/engine/cuda_graphs.py`, `docs/engine.md`):
+   a graph replays the kernels it recorded with the *same* Python numbers. `max_context_len` is a Python int
+   that decides your split ranges. What goes wrong if a graph recorded at context 300 is replayed at context
+   3000 with `max_context_len` still 300? How does the engine avoid it, and what does the context "bound" it
+   passes instead cost when it is much larger than the real contexts? (Why must `paged_attention_forward`
+   never call `.item()` or `int(tensor)` when `validate=False`?)
 
 ## Grade
 """)
