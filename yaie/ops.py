@@ -116,6 +116,12 @@ def call(lesson: int, name: str, *args, **kwargs):
         return getattr(reference, name)(*args, **kwargs)
 
 
+def selection() -> tuple:
+    """What decides which module each lesson runs right now: the switch's setting and auto mode's
+    fallbacks so far. Equal values mean the same kernels (the engine's CUDA graphs are keyed by it)."""
+    return os.environ.get(switch.ENV_VAR), frozenset(_auto_reference)
+
+
 def describe() -> str:
     """One line saying which lessons run the reference now (auto-mode fallbacks included)."""
     if not _auto_mode():

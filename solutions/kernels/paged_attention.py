@@ -395,7 +395,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     multiprocessor than fits in a wave costs up to 20%.
     """
     if num_sms is None:
-        num_sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 8
+        num_sms = _num_sms(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     programs = max(1, batch * num_kv_heads)
     wanted = max(1, PROGRAMS_PER_SM * num_sms // programs)
     longest = max(1, max_context_len // min_tokens_per_split)

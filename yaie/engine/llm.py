@@ -13,14 +13,13 @@ CUDA graphs (:mod:`yaie.engine.cuda_graphs`).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
-from yaie import ops, switch
+from yaie import ops
 from yaie.device import default_device
 from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
 from yaie.engine.sampling import SamplingParams, sample
@@ -330,7 +329,7 @@ class LLM:
         first (it may hold half the GPU's memory). While another run still holds the kept cache (an
         unfinished ``stream``), this run gets a cache of its own, dropped when it ends.
         """
-        key = (self.cuda_graphs, os.environ.get(switch.ENV_VAR), frozenset(ops._auto_reference))
+        key = (self.cuda_graphs, ops.selection())
         if self._kept is not None and not self._kept.in_use:
             if self._kept.key == key and _ended_cleanly(self._kept.manager, self.num_cpu_blocks):
                 self._kept.in_use = True
