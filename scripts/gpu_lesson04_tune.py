@@ -2,7 +2,7 @@
 against SDPA's default (cuDNN) kernel? Companion of ``yaie bench lesson04``; results go to
 ``$OUT/lesson04_tune_<gpu>.json`` and are summarised in bench/README.md.
 
-Sections (``TUNE_SECTIONS``, comma separated, default all):
+Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placement,sweep,large``):
 
 * ``host``: microseconds of host time per call on a tiny shape (the GPU waits on the host there): the
   input checks, the launcher with and without the fused merge, a 3-argument Triton kernel, SDPA;
@@ -17,9 +17,21 @@ Sections (``TUNE_SECTIONS``, comma separated, default all):
   token-major (nhd) and head-major (hnd) blocks;
 * ``sweep``: launch settings (TILE_N, num_warps, num_stages) x split counts (x nhd/hnd with ``TUNE_HND=1``),
   GPU time from CUDA graph replays;
-* ``large``: a cache of more than 2**31 elements (64-bit offsets), checked against float64.
+* ``large``: a cache of more than 2**31 elements (64-bit offsets), checked against float64;
+* ``balance``: does the last, partly empty wave cost? Batch 32 gives 256 programs for 264 slots (2 per
+  multiprocessor of the H200), batch 33 fills them (264 (sequence, KV head) pairs at GQA 4:1; 132 pairs x 2
+  splits at 8:1): GB/s of the kernel beside SDPA's default at both, blocks shuffled and in order;
+* ``probe``: where the last microseconds go: deep pipelines without splits, K/V loads marked
+  ``evict_first``, and a timeline of every program (``globaltimer`` at its start and end, written by a
+  copy of the kernel made at run time) beside the kernel's time (``TUNE_DEEP=0`` skips the pipelines);
+* ``tail``: longest pieces first. Programs start in grid order; the main splits come first and the
+  context's last tiles follow as small extra splits that fill multiprocessors as they free up, so the
+  programs that run slow do not set the kernel's end alone (a copy of the kernel made at run time), with
+  3 and 4 pipeline stages (``TUNE_TAIL_STAGES``) and a timeline of each; ``TUNE_TAIL_SHAPES=N``: the first N
+  shapes only.
 
     OUT=out python scripts/gpu_lesson04_tune.py
+    TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
 """
 
 from __future__ import annotations
@@ -73,6 +85,25 @@ def graph_ms(fn, warmup=5, rep=25):
 def sdpa_fn(q, k, v):
     q4 = q.unsqueeze(2)
     return lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
+
+
+def recorder(rows, label, moved, ref, pct):
+    """``record(name, fn, **extra)``: check ``fn`` against ``ref``, time it, keep a row and print it."""
+    def record(name, fn, **extra):
+        err = rel_err(fn(), ref)
+        ms = graph_ms(fn)
+        rows.append({"shape": label, "impl": name, "ms": ms, "pct_copy": pct(moved, ms), "rel_err_vs_sdpa": err, **extra})
+        print(f"  {label} {name}: {ms * 1e3:.1f}us ({pct(moved, ms):.1f}%) err {err:.1e}", flush=True)
+    return record
+
+
+def blocks_in_order(k_cache, v_cache, tables):
+    """The same sequences in a cache whose blocks lie in order (sequence 0's blocks first, ...)."""
+    in_order = torch.arange(tables.numel(), device="cuda", dtype=torch.int32).view_as(tables)
+    k_ordered, v_ordered = torch.empty_like(k_cache), torch.empty_like(v_cache)
+    k_ordered[in_order.long().flatten()] = k_cache[tables.long().flatten()]
+    v_ordered[in_order.long().flatten()] = v_cache[tables.long().flatten()]
+    return k_ordered, v_ordered, in_order
 
 
 def section_host(report, gen):
@@ -214,6 +245,203 @@ def section_sweep(report, gen, pct, began, deadline_s):
         torch.cuda.empty_cache()
 
 
+def section_balance(report, gen, pct):
+    rows = report.setdefault("balance", [])
+    for kv, ctx, batches in ((8, 4096, (32, 33)), (8, 32768, (32, 33)), (4, 4096, (32, 33)), (4, 16384, (32, 33)),
+                             (8, 1024, (32, 33)), (4, 1024, (32, 33))):
+        for batch in batches:
+            label = shape_label(batch, kv, ctx)
+            q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv, ctx, gen)
+            moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
+            splits = pa.choose_num_splits(batch, kv, ctx)
+            k_ordered, v_ordered, in_order = blocks_in_order(k_cache, v_cache, tables)
+            ref = sdpa_fn(q, k, v)()
+            record = recorder(rows, label, moved, ref, pct)
+            programs = batch * kv * splits
+            record("torch SDPA (default)", sdpa_fn(q, k, v), programs=programs)
+            record("yaie, shuffled blocks", lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE,
+                                                                      splits), programs=programs)
+            record("yaie, blocks in order", lambda: pa._launch_decode(q, k_ordered, v_ordered, in_order, lens, ctx,
+                                                                      SCALE, splits), programs=programs)
+            del q, k, v, k_cache, v_cache, tables, lens, k_ordered, v_ordered
+            torch.cuda.empty_cache()
+
+
+def kernel_variant(name, edits):
+    """A copy of the solution's kernel module with source ``edits`` ((old, new) pairs), imported from a
+    temporary file (Triton reads a kernel's source from its file)."""
+    import importlib.util
+    import tempfile
+
+    source = Path(pa.__file__).read_text()
+    for old, new in edits:
+        assert old in source, f"variant {name}: {old!r} not found"
+        source = source.replace(old, new)
+    path = Path(tempfile.mkdtemp()) / f"paged_attention_{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"paged_attention_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TIMELINE_EDITS = [
+    ("COUNTERS,\n    stride_qb", "COUNTERS, TIMES,\n    stride_qb"),
+    ("    split = tl.program_id(2)\n", "    split = tl.program_id(2)\n    t_begin = tl.extra.cuda.globaltimer()\n"),
+    ("    else:\n        tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=out_mask)\n",
+     "    else:\n        tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=out_mask)\n"
+     "    me = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split\n"
+     "    tl.store(TIMES + 3 * me, t_begin)\n"
+     "    tl.store(TIMES + 3 * me + 1, tl.extra.cuda.globaltimer())\n"
+     "    tl.store(TIMES + 3 * me + 2, tl.extra.cuda.smid().to(tl.int64))\n"),
+    ("out, part_out, part_lse, counters,\n", "out, part_out, part_lse, counters, TIMES_BUFFER,\n"),
+]
+
+
+def section_probe(report, gen, pct):
+    rows = report.setdefault("probe", [])
+    evict = kernel_variant("evict", [("offs_d[None, :], mask=kv_mask, other=0.0)",
+                                      "offs_d[None, :], mask=kv_mask, other=0.0, eviction_policy='evict_first')")])
+    timeline = kernel_variant("timeline", TIMELINE_EDITS)
+    deep = [(64, 4, 3), (64, 4, 4), (64, 4, 5), (64, 4, 6), (64, 8, 4), (64, 8, 5), (128, 8, 4), (32, 4, 8)] \
+        if os.environ.get("TUNE_DEEP", "1") == "1" else []
+    for batch, kv, ctx in ((32, 4, 1024), (32, 4, 4096), (32, 4, 16384), (32, 8, 4096), (32, 8, 32768)):
+        label = shape_label(batch, kv, ctx)
+        q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv, ctx, gen)
+        moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
+        splits = pa.choose_num_splits(batch, kv, ctx)
+        ref = sdpa_fn(q, k, v)()
+
+        record = recorder(rows, label, moved, ref, pct)
+
+        record("torch SDPA (default)", sdpa_fn(q, k, v))
+        record(f"yaie default (splits {splits})", lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx,
+                                                                            SCALE, splits))
+        record("yaie evict_first K/V", lambda: evict._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE,
+                                                                     splits))
+        if kv == 4:
+            for tile, warps, stages in deep:
+                config = dict(TILE_N=tile, num_warps=warps, num_stages=stages)
+                try:
+                    record(f"splits 1, tile {tile} w{warps} s{stages}", lambda c=config: pa._launch_decode(
+                        q, k_cache, v_cache, tables, lens, ctx, SCALE, 1, c))
+                except Exception as exc:  # noqa: BLE001 - too much shared memory, say
+                    print(f"  {label} tile {tile} w{warps} s{stages}: {type(exc).__name__}", flush=True)
+        programs = batch * kv * splits
+        k_ordered, v_ordered, in_order = blocks_in_order(k_cache, v_cache, tables)
+        for placement, (kc, vc, tb) in (("shuffled", (k_cache, v_cache, tables)),
+                                        ("in order", (k_ordered, v_ordered, in_order))):
+            run = lambda kc=kc, vc=vc, tb=tb: timeline._launch_decode(q, kc, vc, tb, lens, ctx, SCALE,  # noqa: E731
+                                                                      splits)
+            entry = {"shape": label, "impl": f"timeline, {placement} blocks", "programs": programs,
+                     **program_timeline(timeline, run, batch * kv, splits)}
+            rows.append(entry)
+            print(f"  {label} {entry}", flush=True)
+        del k_ordered, v_ordered
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+
+
+TAIL_EDITS = [
+    ("scale_log2, tokens_per_split, max_context_len,\n    GROUP",
+     "scale_log2, tokens_per_split, max_context_len, main_splits, tail_tokens,\n    GROUP"),
+    ("    start = split * tokens_per_split\n",
+     "    is_main = split < main_splits\n"
+     "    start = tl.where(is_main, split * tokens_per_split,\n"
+     "                     main_splits * tokens_per_split + (split - main_splits) * tail_tokens)\n"),
+    ("    end = tl.minimum(start + tokens_per_split, context_len)",
+     "    end = tl.minimum(start + tl.where(is_main, tokens_per_split, tail_tokens), context_len)"),
+    ("    per_split = (max_context_len + num_splits - 1) // num_splits\n",
+     "    main_splits, tail_tiles = TAIL if TAIL else (num_splits, 0)\n"
+     "    tail_tokens = tail_tiles * tile_n\n"
+     "    main_part = max(tile_n, max_context_len - (num_splits - main_splits) * tail_tokens)\n"
+     "    per_split = (main_part + main_splits - 1) // main_splits\n"),
+    ("        scale * LOG2E, tokens_per_split, max_context_len,\n",
+     "        scale * LOG2E, tokens_per_split, max_context_len, main_splits, tail_tokens,\n"),
+]
+
+
+def program_timeline(module, run, pairs, splits):
+    """Start and end of every program of one call of ``run`` (a kernel copy with ``TIMELINE_EDITS``), after
+    warm-up calls, the L2 cleared before each (as when timed). Per split: quantiles in us from the first
+    start, the mean end, the mean end of the programs that had a multiprocessor to themselves, and the most
+    programs of that split that ran on one multiprocessor during the call."""
+    times = torch.zeros(pairs * splits * 3, device="cuda", dtype=torch.int64)
+    module.TIMES_BUFFER = times
+    flush = torch.empty(256 * 2**20, device="cuda", dtype=torch.int8)   # allocated once: no TLB churn
+    spans = []
+    for _ in range(6):
+        flush.zero_()
+        run()
+        torch.cuda.synchronize()
+        t = times.view(pairs, splits, 3).cpu()         # [(sequence, KV head), split, (start, end, SM)]
+        spans.append(round(float(t[..., 1].max() - t[..., 0].min()) / 1e3, 2))
+    t0 = t[..., 0].min()
+
+    def quant(x):
+        q = torch.quantile(x.double(), torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64))
+        return [round(float(v) / 1e3, 2) for v in q]
+
+    result = {"span_us_per_call": spans}
+    for s in range(splits):
+        begin, end, sm = t[:, s, 0] - t0, t[:, s, 1] - t0, t[:, s, 2].long()
+        per_sm = torch.bincount(sm)
+        alone = per_sm[sm] == 1
+        result[f"split {s}"] = {
+            "start_q0_10_50_90_100": quant(begin), "end_q0_10_50_90_100": quant(end),
+            "mean_end": round(float(end.double().mean()) / 1e3, 2),
+            "programs_alone_on_sm": int(alone.sum()),
+            "mean_end_alone_on_sm": round(float(end[alone].double().mean()) / 1e3, 2) if alone.any() else None,
+            "most_on_one_sm": int(per_sm.max()), "sms": int(sm.unique().numel())}
+    return result
+
+
+def section_tail(report, gen, pct):
+    rows = report.setdefault("tail", [])
+    variant = kernel_variant("tail", TAIL_EDITS)
+    timed = kernel_variant("tail_timeline", TAIL_EDITS + TIMELINE_EDITS)
+    sms = pa._num_sms(torch.device("cuda"))
+    shapes = ((32, 8, 4096), (32, 8, 32768), (32, 4, 4096), (32, 4, 16384), (32, 4, 1024), (64, 4, 8192),
+              (128, 8, 4096), (32, 8, 1024))
+    # 3 stages (the default): about 70 KB of shared memory, so 3 programs fit on a multiprocessor once the grid
+    # is larger than 2 per SM; 4 stages: about 100 KB, at most 2 per SM.
+    stage_list = [int(x) for x in os.environ.get("TUNE_TAIL_STAGES", "3,4").split(",")]
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_TAIL_SHAPES", len(shapes)))]:
+        label = shape_label(batch, kv, ctx)
+        q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv, ctx, gen)
+        moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
+        main = pa.choose_num_splits(batch, kv, ctx)
+        ref = sdpa_fn(q, k, v)()
+
+        record = recorder(rows, label, moved, ref, pct)
+
+        record("torch SDPA (default)", sdpa_fn(q, k, v))
+        record(f"yaie default (splits {main})", lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx,
+                                                                          SCALE, main))
+        for stages in stage_list:
+            config = {**pa._decode_config(128, 2, batch * kv * main, sms), "num_stages": stages}
+
+            def launch(module, splits, tail_tiles, c=config):
+                module.TAIL = (main, tail_tiles) if splits > main else None
+                return module._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE, splits, c)
+
+            record(f"s{stages}: {main} splits, no tail (control)", lambda: launch(variant, main, 0), stages=stages)
+            for tail_tiles, tails in ((1, 2), (1, 4), (2, 2), (2, 4), (4, 4)):
+                if tail_tiles * tails * 64 * 4 > ctx:     # the tail at most a quarter of the context
+                    continue
+                record(f"s{stages}: {main} main splits + {tails} tail splits of {tail_tiles} tiles",
+                       lambda t=tail_tiles, n=tails: launch(variant, main + n, t), stages=stages, main_splits=main,
+                       tail_splits=tails, tail_tiles=tail_tiles)
+            for tails in (0, 2):
+                entry = {"shape": label, "impl": f"timeline, s{stages}, {main} main splits + {tails} tails of 1 tile",
+                         **program_timeline(timed, lambda n=tails: launch(timed, main + n, 1), batch * kv,
+                                            main + tails)}
+                rows.append(entry)
+                print("  ", entry, flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+
+
 def section_large(report):
     """A cache past 2**31 elements (sequences use its last blocks), against float64 on the used blocks."""
     num_blocks = 2**31 // (16 * 8 * 128) + 64
@@ -270,6 +498,12 @@ def main() -> None:
         section_sweep(report, gen, pct, began, deadline_s)
     if "large" in sections:
         section_large(report)
+    if "balance" in sections:
+        section_balance(report, gen, pct)
+    if "probe" in sections:
+        section_probe(report, gen, pct)
+    if "tail" in sections:
+        section_tail(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
