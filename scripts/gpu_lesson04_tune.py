@@ -364,8 +364,9 @@ TAIL_EDITS = [
 def program_timeline(module, run, pairs, splits):
     """Start and end of every program of one call of ``run`` (a kernel copy with ``TIMELINE_EDITS``), after
     warm-up calls, the L2 cleared before each (as when timed). Per split: quantiles in us from the first
-    start, the mean end, the mean end of the programs that had a multiprocessor to themselves, and the most
-    programs of that split that ran on one multiprocessor during the call."""
+    start, the mean end, the mean end of the programs that had a multiprocessor to themselves (no other
+    program of the call ran there), and the most programs of that split that ran on one multiprocessor
+    during the call."""
     times = torch.zeros(pairs * splits * 3, device="cuda", dtype=torch.int64)
     module.TIMES_BUFFER = times
     flush = torch.empty(256 * 2**20, device="cuda", dtype=torch.int8)   # allocated once: no TLB churn
@@ -383,10 +384,11 @@ def program_timeline(module, run, pairs, splits):
         return [round(float(v) / 1e3, 2) for v in q]
 
     result = {"span_us_per_call": spans}
+    all_per_sm = torch.bincount(t[..., 2].long().flatten())      # programs of every split on each SM
     for s in range(splits):
         begin, end, sm = t[:, s, 0] - t0, t[:, s, 1] - t0, t[:, s, 2].long()
         per_sm = torch.bincount(sm)
-        alone = per_sm[sm] == 1
+        alone = all_per_sm[sm] == 1              # the only program of the call on its multiprocessor
         result[f"split {s}"] = {
             "start_q0_10_50_90_100": quant(begin), "end_q0_10_50_90_100": quant(end),
             "mean_end": round(float(end.double().mean()) / 1e3, 2),
