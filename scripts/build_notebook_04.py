@@ -312,6 +312,14 @@ unrolling that merge so every split's partial result is requested at once, and c
 depth by waves: about 2 programs per multiprocessor, with 3 stages when they all fit at once (up to 10% at a
 1k context).
 
+The last percent is about the END of the call. A copy of the kernel that stamps each program's start and end
+(`tl.extra.cuda.globaltimer()`) shows 256 programs with identical work starting within 0.3 us yet finishing
+over a window of about 10% of the call (b32 GQA 4:1 ctx4k: first 119.8 us, median 127.8, last 132.2): the
+call ends 2-5% after the average program. Handing the context's last tiles out as small extra splits, to be
+picked up by whichever multiprocessor frees first, did not pay: with 70 KB programs the block scheduler then
+packed 3 main programs onto some multiprocessors (12% slower), and with 100 KB programs the small pieces were
+eaten early by the idle slots. `bench/README.md` ("Session 4") has the numbers; exercise 9 asks you to look.
+
 ## Exercises
 
 1. Implement tasks 1-3. Run `pytest grader/lesson04 -k task2` while you work on the kernel.
@@ -339,6 +347,12 @@ depth by waves: about 2 programs per multiprocessor, with 3 stages when they all
    3000 with `max_context_len` still 300? How does the engine avoid it, and what does the context "bound" it
    passes instead cost when it is much larger than the real contexts? (Why must `paged_attention_forward`
    never call `.item()` or `int(tensor)` when `validate=False`?)
+9. (GPU) When does each program finish? Copy your kernel, read `tl.extra.cuda.globaltimer()` at its start and
+   store it, the time at its end and `tl.extra.cuda.smid()` per program into an int64 buffer (the
+   `TIMELINE_EDITS` of `scripts/gpu_lesson04_tune.py` do this to the reference by text edits). Sort the end
+   times of one call and plot them. Programs with the same work: why do they not end together, which ones end
+   first (count programs per multiprocessor), and how much faster would the call be if every program ended at
+   the average time?
 
 ## Grade
 """)

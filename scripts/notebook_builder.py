@@ -15,10 +15,14 @@ class NotebookBuilder:
         self.cells = []
 
     def md(self, text: str) -> None:
-        self.cells.append(new_markdown_cell(text.strip()))
+        self._add(new_markdown_cell(text.strip()))
 
     def code(self, text: str) -> None:
-        self.cells.append(new_code_cell(text.strip()))
+        self._add(new_code_cell(text.strip()))
+
+    def _add(self, cell) -> None:
+        cell.id = f"cell-{len(self.cells):03d}"    # fixed ids: a rebuild changes only what was edited
+        self.cells.append(cell)
 
     def write(self, relative_path: str) -> Path:
         """Write the notebook (no outputs) to ``ROOT / relative_path`` and say so."""
