@@ -97,6 +97,20 @@ def recorder(rows, label, moved, ref, pct):
     return record
 
 
+def baselines(rows, pct, gen, batch, kv, ctx):
+    """Inputs of one shape, its heuristic split count and a ``record`` for it, after recording SDPA's default
+    and the kernel's default (the two rows every experiment is read against)."""
+    label = shape_label(batch, kv, ctx)
+    inputs = make_inputs(batch, kv, ctx, gen)
+    q, k, v, k_cache, v_cache, tables, lens = inputs
+    splits = pa.choose_num_splits(batch, kv, ctx)
+    record = recorder(rows, label, kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2, sdpa_fn(q, k, v)(), pct)
+    record("torch SDPA (default)", sdpa_fn(q, k, v))
+    record(f"yaie default (splits {splits})", lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx,
+                                                                        SCALE, splits))
+    return label, inputs, splits, record
+
+
 def blocks_in_order(k_cache, v_cache, tables):
     """The same sequences in a cache whose blocks lie in order (sequence 0's blocks first, ...)."""
     in_order = torch.arange(tables.numel(), device="cuda", dtype=torch.int32).view_as(tables)
@@ -306,17 +320,7 @@ def section_probe(report, gen, pct):
     deep = [(64, 4, 3), (64, 4, 4), (64, 4, 5), (64, 4, 6), (64, 8, 4), (64, 8, 5), (128, 8, 4), (32, 4, 8)] \
         if os.environ.get("TUNE_DEEP", "1") == "1" else []
     for batch, kv, ctx in ((32, 4, 1024), (32, 4, 4096), (32, 4, 16384), (32, 8, 4096), (32, 8, 32768)):
-        label = shape_label(batch, kv, ctx)
-        q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv, ctx, gen)
-        moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
-        splits = pa.choose_num_splits(batch, kv, ctx)
-        ref = sdpa_fn(q, k, v)()
-
-        record = recorder(rows, label, moved, ref, pct)
-
-        record("torch SDPA (default)", sdpa_fn(q, k, v))
-        record(f"yaie default (splits {splits})", lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx,
-                                                                            SCALE, splits))
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
         record("yaie evict_first K/V", lambda: evict._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE,
                                                                      splits))
         if kv == 4:
@@ -409,17 +413,7 @@ def section_tail(report, gen, pct):
     # is larger than 2 per SM; 4 stages: about 100 KB, at most 2 per SM.
     stage_list = [int(x) for x in os.environ.get("TUNE_TAIL_STAGES", "3,4").split(",")]
     for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_TAIL_SHAPES", len(shapes)))]:
-        label = shape_label(batch, kv, ctx)
-        q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv, ctx, gen)
-        moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
-        main = pa.choose_num_splits(batch, kv, ctx)
-        ref = sdpa_fn(q, k, v)()
-
-        record = recorder(rows, label, moved, ref, pct)
-
-        record("torch SDPA (default)", sdpa_fn(q, k, v))
-        record(f"yaie default (splits {main})", lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx,
-                                                                          SCALE, main))
+        label, (q, k, v, k_cache, v_cache, tables, lens), main, record = baselines(rows, pct, gen, batch, kv, ctx)
         for stages in stage_list:
             config = {**pa._decode_config(128, 2, batch * kv * main, sms), "num_stages": stages}
 
