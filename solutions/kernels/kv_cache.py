@@ -342,6 +342,15 @@ class KVCacheManager:
         if seq_id in self._swapped:
             raise ValueError(f"sequence {seq_id!r} is swapped out to host memory: swap_in first")
 
+    def _resident_list(self, seq_ids, what: str) -> list:
+        """``seq_ids`` as a list, checked: not empty, every one known and on the device."""
+        seq_ids = list(seq_ids)
+        if not seq_ids:
+            raise ValueError(f"{what} needs at least one sequence id")
+        for seq_id in seq_ids:
+            self._check_resident(seq_id)
+        return seq_ids
+
     def _take_blocks(self, count: int) -> list[int]:
         """Pop ``count`` free device blocks and set their reference count to 1 (caller checked room)."""
         ids = [self._free.pop() for _ in range(count)]
@@ -462,11 +471,7 @@ class KVCacheManager:
         Raises:
             ValueError: empty list; unknown or swapped-out sequence.
         """
-        seq_ids = list(seq_ids)
-        if not seq_ids:
-            raise ValueError("block_table needs at least one sequence id")
-        for seq_id in seq_ids:
-            self._check_resident(seq_id)
+        seq_ids = self._resident_list(seq_ids, "block_table")
         width = max(1, max(len(self._tables[s]) for s in seq_ids))
         rows = [self._tables[s] + [0] * (width - len(self._tables[s])) for s in seq_ids]
         return torch.tensor(rows, dtype=torch.int32).to(self.device)
@@ -478,11 +483,7 @@ class KVCacheManager:
         Raises:
             ValueError: empty list; unknown or swapped-out sequence.
         """
-        seq_ids = list(seq_ids)
-        if not seq_ids:
-            raise ValueError("context_lens needs at least one sequence id")
-        for seq_id in seq_ids:
-            self._check_resident(seq_id)
+        seq_ids = self._resident_list(seq_ids, "context_lens")
         return torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32).to(self.device)
 
     # ------------------------------------------------------------------ task 3: data, copies, fork

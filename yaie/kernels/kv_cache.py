@@ -297,6 +297,15 @@ class KVCacheManager:
         if seq_id in self._swapped:
             raise ValueError(f"sequence {seq_id!r} is swapped out to host memory: swap_in first")
 
+    def _resident_list(self, seq_ids, what: str) -> list:
+        """``seq_ids`` as a list, checked: not empty, every one known and on the device."""
+        seq_ids = list(seq_ids)
+        if not seq_ids:
+            raise ValueError(f"{what} needs at least one sequence id")
+        for seq_id in seq_ids:
+            self._check_resident(seq_id)
+        return seq_ids
+
     def _take_blocks(self, count: int) -> list[int]:
         """Pop ``count`` free device blocks and set their reference count to 1 (caller checked room)."""
         ids = [self._free.pop() for _ in range(count)]
