@@ -28,10 +28,16 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
   context's last tiles follow as small extra splits that fill multiprocessors as they free up, so the
   programs that run slow do not set the kernel's end alone (a copy of the kernel made at run time), with
   3 and 4 pipeline stages (``TUNE_TAIL_STAGES``) and a timeline of each; ``TUNE_TAIL_SHAPES=N``: the first N
-  shapes only.
+  shapes only;
+* ``kernels``: name, grid, block, registers and shared memory of every GPU kernel SDPA's default and our
+  kernel run (torch profiler);
+* ``queue``: guided self-scheduling (``scripts/paged_decode_queue.py``): a persistent grid taking work items
+  from a counter, the tail of each split in units of halving size, at tail fractions ``TUNE_QUEUE_FRACTIONS``
+  (default ``0,0.0625,0.125,0.25``), with a timeline of the best setting; ``TUNE_QUEUE_SHAPES=N``: the first N.
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
+    TUNE_SECTIONS=kernels,queue OUT=out python scripts/gpu_lesson04_tune.py         # session 5's
 """
 
 from __future__ import annotations
@@ -438,6 +444,87 @@ def section_tail(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+def section_queue(report, gen, pct):
+    """Guided self-scheduling (``scripts/paged_decode_queue.py``): a persistent grid whose programs take
+    work items from a counter, the tail of every split cut into units of halving size."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import paged_decode_queue as pq
+
+    rows = report.setdefault("queue", [])
+    fractions = [float(x) for x in os.environ.get("TUNE_QUEUE_FRACTIONS", "0,0.0625,0.125,0.25").split(",")]
+    shapes = ((32, 8, 4096), (32, 8, 32768), (32, 4, 4096), (32, 4, 16384), (32, 4, 1024), (128, 8, 4096),
+              (128, 4, 1024), (32, 8, 1024))
+    sms = pa._num_sms(torch.device("cuda"))
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_QUEUE_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        variants = [(splits, f) for f in fractions]
+        if splits > 1:   # one split per pair, the rest of the balance left to the queue
+            variants += [(1, 0.5)]
+        for s, f in variants:
+            record(f"queue: {s} splits, tail {f}", lambda s=s, f=f: pq.queue_decode(
+                q, k_cache, v_cache, tables, lens, ctx, SCALE, s, f), splits=s, tail_fraction=f)
+        best = min((r for r in rows if r["shape"] == label and r["impl"].startswith("queue")), key=lambda r: r["ms"])
+        s, f = best["splits"], best["tail_fraction"]
+        times = torch.zeros(pa.PROGRAMS_PER_SM * sms * 4, device="cuda", dtype=torch.int64)
+        spans = []
+        for _ in range(4):
+            times.zero_()
+            pq.queue_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE, s, f, times=times)
+            torch.cuda.synchronize()
+            t = times.view(-1, 4).cpu()
+            t = t[t[:, 1] > 0]
+            spans.append(round(float(t[:, 1].max() - t[:, 0].min()) / 1e3, 2))
+        ends = (t[:, 1] - t[:, 0].min()).double() / 1e3
+        entry = {"shape": label, "impl": f"timeline of the best queue setting ({s} splits, tail {f})",
+                 "span_us_per_call": spans, "programs": int(t.shape[0]),
+                 "end_q0_10_50_90_100": [round(float(x), 2) for x in torch.quantile(
+                     ends, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64))],
+                 "mean_end": round(float(ends.mean()), 2),
+                 "items_min_max": [int(t[:, 3].min()), int(t[:, 3].max())],
+                 "most_on_one_sm": int(torch.bincount(t[:, 2].long()).max())}
+        rows.append(entry)
+        print("  ", entry, flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+
+
+def section_kernels(report, gen):
+    """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
+    and time of every GPU kernel of one call (torch profiler trace)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = report.setdefault("kernels", [])
+    for batch, kv, ctx in ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (128, 8, 1024)):
+        label = shape_label(batch, kv, ctx)
+        q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv, ctx, gen)
+        splits = pa.choose_num_splits(batch, kv, ctx)
+        for name, fn in (("torch SDPA (default)", sdpa_fn(q, k, v)),
+                         ("yaie default", lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE,
+                                                                    splits))):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            path = Path(tempfile.mkdtemp()) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            events = json.loads(path.read_text()).get("traceEvents", [])
+            for e in events:
+                if e.get("cat") == "kernel":
+                    args = e.get("args", {})
+                    entry = {"shape": label, "impl": name, "kernel": e.get("name", "")[:160], "us": e.get("dur"),
+                             **{key: args.get(key) for key in ("grid", "block", "registers per thread",
+                                                               "shared memory", "blocks per SM", "warps per SM",
+                                                               "est. achieved occupancy %")}}
+                    rows.append(entry)
+                    print("  ", entry, flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+
+
 def section_large(report):
     """A cache past 2**31 elements (sequences use its last blocks), against float64 on the used blocks."""
     num_blocks = 2**31 // (16 * 8 * 128) + 64
@@ -500,6 +587,10 @@ def main() -> None:
         section_probe(report, gen, pct)
     if "tail" in sections:
         section_tail(report, gen, pct)
+    if "kernels" in sections:
+        section_kernels(report, gen)
+    if "queue" in sections:
+        section_queue(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
