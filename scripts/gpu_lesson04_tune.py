@@ -488,6 +488,61 @@ def section_queue(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+PREFETCH_EDITS = [
+    # a constexpr: how many tiles ahead the L2 prefetches run (0: none)
+    ("FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,\n):\n    \"\"\"One program",
+     "FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, PF: tl.constexpr,\n):\n    \"\"\"One program"),
+    ("    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)\n",
+     "    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)\n"
+     "    pf_block = tl.load(table + tl.maximum(tl.minimum(first + PF * TILE_N, end - 1), 0) // BLOCK_SIZE)\n"),
+    ("        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)\n",
+     "        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)\n"
+     "        if PF > 0:\n"
+     "            pf_tok = tl.maximum(tl.minimum(offs_n + PF * TILE_N, end - 1), 0)\n"
+     "            pf_row = pf_block.to(tl.int64) * stride_kb + (pf_tok % BLOCK_SIZE) * stride_kt + kv_head * stride_kh\n"
+     "            _prefetch_l2(K_CACHE + pf_row)\n"
+     "            _prefetch_l2(V_CACHE + pf_row)\n"
+     "            pf_next = tl.maximum(tl.minimum(offs_n + (PF + 1) * TILE_N, end - 1), 0)\n"
+     "            pf_block = tl.load(table + pf_next // BLOCK_SIZE)\n"),
+    ("# yaie: solution-only\n@triton.jit\ndef _merge_rows(",
+     "@triton.jit\ndef _prefetch_l2(ptrs):\n"
+     "    tl.inline_asm_elementwise('cp.async.bulk.prefetch.L2.global [$1], 256;\\n mov.u32 $0, 0;', '=r,l', [ptrs],\n"
+     "                              dtype=tl.int32, is_pure=False, pack=1)\n\n\n"
+     "# yaie: solution-only\n@triton.jit\ndef _merge_rows("),
+    ("                PRECISION=\"ieee\" if q.dtype == torch.float32 else \"tf32\", **settings)",
+     "                PRECISION=\"ieee\" if q.dtype == torch.float32 else \"tf32\", PF=PREFETCH, **settings)"),
+]
+
+
+def section_prefetch(report, gen, pct):
+    """K/V rows prefetched into L2 ``PF`` tiles ahead of the pipelined loads (``cp.async.bulk.prefetch.L2``, one
+    256-byte row per thread; a copy of the kernel made at run time; head_dim 128 bf16 only)."""
+    variant = kernel_variant("prefetch", PREFETCH_EDITS)
+    rows = report.setdefault("prefetch", [])
+    depths = [int(x) for x in os.environ.get("TUNE_PF", "0,1,2,4").split(",")]
+    shapes = ((32, 8, 4096), (32, 8, 32768), (32, 4, 4096), (32, 4, 16384), (32, 4, 1024), (128, 8, 4096),
+              (128, 4, 1024), (32, 8, 1024), (64, 4, 8192), (128, 8, 1024))
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_PF_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        k_ordered, v_ordered, in_order = blocks_in_order(k_cache, v_cache, tables)
+        whole_k, whole_v = k.transpose(1, 2), v.transpose(1, 2)
+        one_block = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None]
+        for pf in depths:
+            def launch(pf=pf, s=splits, kc=k_cache, vc=v_cache, tb=tables, config=None):
+                variant.PREFETCH = pf
+                return variant._launch_decode(q, kc, vc, tb, lens, ctx, SCALE, s, config)
+            record(f"prefetch {pf} tiles ahead", launch, prefetch=pf)
+            if pf and splits > 1:
+                record(f"prefetch {pf}, no split", lambda pf=pf: launch(pf, 1), prefetch=pf, splits=1)
+            if pf in (0, max(depths)):
+                record(f"prefetch {pf}, blocks in order", lambda pf=pf: launch(pf, kc=k_ordered, vc=v_ordered,
+                                                                               tb=in_order), prefetch=pf)
+                record(f"prefetch {pf}, SDPA's contiguous K/V", lambda pf=pf: launch(pf, kc=whole_k, vc=whole_v,
+                                                                                    tb=one_block), prefetch=pf)
+        del q, k, v, k_cache, v_cache, tables, lens, k_ordered, v_ordered, whole_k, whole_v
+        torch.cuda.empty_cache()
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -591,6 +646,8 @@ def main() -> None:
         section_kernels(report, gen)
     if "queue" in sections:
         section_queue(report, gen, pct)
+    if "prefetch" in sections:
+        section_prefetch(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
