@@ -543,6 +543,71 @@ def section_prefetch(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+# Block ids read TWO tiles ahead (a pair of carried id vectors): the id load of a tile is first needed two
+# iterations later, so no K/V address waits on a load issued in the iteration before.
+LOOKAHEAD2_EDITS = [
+    ("    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)\n",
+     "    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)\n"
+     "    second = first + TILE_N\n"
+     "    after_next = tl.load(table + second // BLOCK_SIZE, mask=second < max_context_len, other=0)\n"),
+    ("        ahead = offs_n + TILE_N\n        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)\n",
+     "        ahead = offs_n + 2 * TILE_N\n        next_block = after_next\n"
+     "        after_next = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)\n"),
+]
+
+# The L2 prefetch with a PURE asm statement (one 256-byte row of K and of V per thread, on a fresh 1-D
+# token vector, so each row is prefetched by few threads) whose zero result is folded into the running sum:
+# the pipeliner sees no side effect, so it can still pipeline the loop.
+PURE_PREFETCH_EDITS = [
+    ("FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,\n):\n    \"\"\"One program",
+     "FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, PF: tl.constexpr,\n):\n    \"\"\"One program"),
+    ("    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)\n",
+     "    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)\n"
+     "    pf_first = tl.maximum(tl.minimum(start + PF * TILE_N + tl.arange(0, TILE_N), end - 1), 0)\n"
+     "    pf_block = tl.load(table + pf_first // BLOCK_SIZE)\n"),
+    ("        l = l * alpha + tl.sum(p, 1)\n",
+     "        pf_tok = tl.maximum(tl.minimum(tile_start + PF * TILE_N + tl.arange(0, TILE_N), end - 1), 0)\n"
+     "        pf_row = pf_block.to(tl.int64) * stride_kb + (pf_tok % BLOCK_SIZE) * stride_kt + kv_head * stride_kh\n"
+     "        zero = tl.max(_prefetch_l2_pure(K_CACHE + pf_row, V_CACHE + pf_row), 0)\n"
+     "        pf_next = tl.maximum(tl.minimum(tile_start + (PF + 1) * TILE_N + tl.arange(0, TILE_N), end - 1), 0)\n"
+     "        pf_block = tl.load(table + pf_next // BLOCK_SIZE)\n"
+     "        l = l * alpha + tl.sum(p, 1) + zero.to(tl.float32)\n"),
+    ("# yaie: solution-only\n@triton.jit\ndef _merge_rows(",
+     "@triton.jit\ndef _prefetch_l2_pure(k_ptrs, v_ptrs):\n"
+     "    return tl.inline_asm_elementwise('cp.async.bulk.prefetch.L2.global [$1], 256;\\n"
+     "cp.async.bulk.prefetch.L2.global [$2], 256;\\n mov.u32 $0, 0;', '=r,l,l', [k_ptrs, v_ptrs],\n"
+     "                                     dtype=tl.int32, is_pure=True, pack=1)\n\n\n"
+     "# yaie: solution-only\n@triton.jit\ndef _merge_rows("),
+    ("                PRECISION=\"ieee\" if q.dtype == torch.float32 else \"tf32\", **settings)",
+     "                PRECISION=\"ieee\" if q.dtype == torch.float32 else \"tf32\", PF=PREFETCH, **settings)"),
+]
+
+
+def section_ahead(report, gen, pct):
+    """Block ids two tiles ahead, and a pipelined L2 prefetch, each with the default split and with one program
+    per (sequence, KV head) (as cuDNN launches: ``kernels``)."""
+    two = kernel_variant("ahead2", LOOKAHEAD2_EDITS)
+    pure = kernel_variant("pure_prefetch", PURE_PREFETCH_EDITS)
+    rows = report.setdefault("ahead", [])
+    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (128, 8, 4096),
+              (128, 4, 1024), (32, 8, 1024))
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_AHEAD_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        for s in sorted({splits, 1}, reverse=True):
+            if s != splits:
+                record(f"yaie, {s} split", lambda s=s: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE,
+                                                                         s), splits=s)
+            record(f"ids 2 tiles ahead, {s} split(s)", lambda s=s: two._launch_decode(
+                q, k_cache, v_cache, tables, lens, ctx, SCALE, s), splits=s)
+            for pf in (2, 4):
+                def launch(pf=pf, s=s):
+                    pure.PREFETCH = pf
+                    return pure._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE, s)
+                record(f"pure prefetch {pf} tiles ahead, {s} split(s)", launch, splits=s, prefetch=pf)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -648,6 +713,8 @@ def main() -> None:
         section_queue(report, gen, pct)
     if "prefetch" in sections:
         section_prefetch(report, gen, pct)
+    if "ahead" in sections:
+        section_ahead(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
