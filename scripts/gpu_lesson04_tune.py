@@ -608,6 +608,29 @@ def section_ahead(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+def section_asm(report, gen, out_dir):
+    """PTX and SASS of the kernel as launched at b32 h32/8 ctx4k (3 stages, 1 split) and b32 h32/4 ctx4k (2
+    splits), written to ``out_dir``: where the pipeline's waits and copies sit in the loop."""
+    for batch, kv, ctx in ((32, 8, 4096), (32, 4, 4096)):
+        q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv, ctx, gen)
+        splits = pa.choose_num_splits(batch, kv, ctx)
+        pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE, splits)
+        torch.cuda.synchronize()
+        del q, k, v, k_cache, v_cache, tables, lens
+    cache = pa._paged_decode_kernel.device_caches[torch.cuda.current_device()][0]
+    summary = []
+    for i, compiled in enumerate(cache.values()):
+        for kind in ("ptx", "sass"):
+            text = compiled.asm.get(kind)
+            if text:
+                (out_dir / f"decode_{i}.{kind}").write_text(text if isinstance(text, str) else text.decode())
+        summary.append({"index": i, "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
+                        "num_stages": compiled.metadata.num_stages, "n_regs": getattr(compiled, "n_regs", None),
+                        "n_spills": getattr(compiled, "n_spills", None)})
+    report["asm"] = summary
+    print("asm:", summary, flush=True)
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -715,6 +738,8 @@ def main() -> None:
         section_prefetch(report, gen, pct)
     if "ahead" in sections:
         section_ahead(report, gen, pct)
+    if "asm" in sections:
+        section_asm(report, gen, out_dir)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
