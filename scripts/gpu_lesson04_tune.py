@@ -631,6 +631,61 @@ def section_asm(report, gen, out_dir):
     print("asm:", summary, flush=True)
 
 
+class _CaptureLaunch:
+    """Stands in for a Triton kernel and keeps the compiled kernel of its last launch (``.last``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.last = kernel, None
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.last = self.kernel[grid](*args, **kwargs)
+            return self.last
+        return launch
+
+
+def section_l2hint(report, gen, pct, out_dir):
+    """The kernel's own PTX with an L2 prefetch size on every ``cp.async`` (``.L2::128B`` / ``.L2::256B``: the
+    hint CUTLASS-style kernels give, which Triton does not emit), compiled through Triton's ``ir_override``
+    option, beside the kernel as Triton builds it and SDPA's default."""
+    import tempfile
+
+    rows = report.setdefault("l2hint", [])
+    capture = _CaptureLaunch(pa._paged_decode_kernel)
+    pa._paged_decode_kernel = capture
+    work = Path(tempfile.mkdtemp())
+    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
+              (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
+              (64, 8, 8192), (128, 4, 4096))
+    try:
+        for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_HINT_SHAPES", len(shapes)))]:
+            label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv,
+                                                                                        ctx)
+            ptx = capture.last.asm["ptx"]
+            k_ordered, v_ordered, in_order = blocks_in_order(k_cache, v_cache, tables)
+            for hint in ("L2::128B", "L2::256B"):
+                path = work / f"{label.replace(' ', '_').replace('/', '_')}_{hint[4:]}.ptx"
+                hinted = ptx.replace("cp.async.cg.shared.global [", f"cp.async.cg.shared.global.{hint} [")
+                path.write_text(hinted)
+                config = {**pa._decode_config(128, 2, batch * kv * splits, pa._num_sms(q.device)),
+                          "ir_override": str(path)}
+                run = lambda c=config, kc=k_cache, vc=v_cache, tb=tables: pa._launch_decode(  # noqa: E731
+                    q, kc, vc, tb, lens, ctx, SCALE, splits, c)
+                run()
+                got = capture.last.asm["ptx"].count(f".{hint} [")
+                record(f"yaie + .{hint} on cp.async", run, hinted_copies=got)
+                if hint == "L2::256B" and batch == 32:
+                    record(f"yaie + .{hint}, blocks in order", lambda c=config: pa._launch_decode(
+                        q, k_ordered, v_ordered, in_order, lens, ctx, SCALE, splits, c))
+            if batch == 32:
+                record("yaie, blocks in order", lambda: pa._launch_decode(q, k_ordered, v_ordered, in_order, lens,
+                                                                           ctx, SCALE, splits))
+            del q, k, v, k_cache, v_cache, tables, lens, k_ordered, v_ordered
+            torch.cuda.empty_cache()
+    finally:
+        pa._paged_decode_kernel = capture.kernel
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -740,6 +795,8 @@ def main() -> None:
         section_ahead(report, gen, pct)
     if "asm" in sections:
         section_asm(report, gen, out_dir)
+    if "l2hint" in sections:
+        section_l2hint(report, gen, pct, out_dir)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
