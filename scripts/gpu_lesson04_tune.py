@@ -16,7 +16,7 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
 * ``placement``: the paged cache with its blocks shuffled / in order / round-robin, block sizes 16-128,
   token-major (nhd) and head-major (hnd) blocks;
 * ``sweep``: launch settings (TILE_N, num_warps, num_stages) x split counts (x nhd/hnd with ``TUNE_HND=1``),
-  GPU time from CUDA graph replays;
+  GPU time from CUDA graph replays (``TUNE_CONFIGS=128x4x2,64x4x3``: other settings, and SDPA's time beside);
 * ``large``: a cache of more than 2**31 elements (64-bit offsets), checked against float64;
 * ``balance``: does the last, partly empty wave cost? Batch 32 gives 256 programs for 264 slots (2 per
   multiprocessor of the H200), batch 33 fills them (264 (sequence, KV head) pairs at GQA 4:1; 132 pairs x 2
@@ -245,8 +245,10 @@ def section_sweep(report, gen, pct, began, deadline_s):
         moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
         best = {}
         layouts = (("nhd", (k_nhd, v_nhd)), ("hnd", (k_hnd, v_hnd)))[:2 if os.environ.get("TUNE_HND") else 1]
+        configs = [tuple(int(x) for x in c.split("x")) for c in os.environ["TUNE_CONFIGS"].split(",")] \
+            if os.environ.get("TUNE_CONFIGS") else CONFIGS
         for layout, (kc, vc) in layouts:
-            for tile, warps, stages in CONFIGS:
+            for tile, warps, stages in configs:
                 for splits in SPLITS:
                     if ctx // splits < 256 or time.monotonic() - began > deadline_s:
                         continue
@@ -258,7 +260,9 @@ def section_sweep(report, gen, pct, began, deadline_s):
                     rows.append(entry)
                     if layout not in best or ms < best[layout]["ms"]:
                         best[layout] = entry
+        sdpa_ms = graph_ms(sdpa_fn(*make_inputs(batch, kv, ctx, gen)[:3])) if os.environ.get("TUNE_CONFIGS") else None
         for layout, e in best.items():
+            e["sdpa_ms_same_run"] = sdpa_ms
             print(f"  {label} {layout} best: tile {e['tile']} w{e['warps']} s{e['stages']} splits {e['splits']} "
                   f"{e['ms'] * 1e3:.1f}us ({e['pct_copy']:.1f}%)", flush=True)
         del q, k_nhd, v_nhd, k_hnd, v_hnd, tables, lens
