@@ -320,6 +320,17 @@ picked up by whichever multiprocessor frees first, did not pay: with 70 KB progr
 packed 3 main programs onto some multiprocessors (12% slower), and with 100 KB programs the small pieces were
 eaten early by the idle slots. `bench/README.md` ("Session 4") has the numbers; exercise 9 asks you to look.
 
+What does cuDNN do that we do not? A `torch.profiler` trace of SDPA's call names its kernel: an sm80 kernel
+(no Hopper-only instructions) with ONE block of 128 threads per (sequence, KV head), no split, 128 keys per
+tile: the same grid as ours. With the same grid its blocks simply stream faster (kernel time 122.0 against
+125.4 us at b32 GQA 4:1 ctx4k; one cuDNN block per multiprocessor does what takes two of our programs at GQA
+8:1). Our loop, read in the PTX Triton makes, waits for a tile's K and V together, and runs 9 barriers per
+64-key tile (the cross-warp softmax reductions and the change of layout of `p` between the two products). Four
+more levers were measured and did not pay: a persistent grid taking work from an atomic queue (guided
+self-scheduling, `scripts/paged_decode_queue.py`), L2 prefetches of K/V ahead of the pipeline (they stop the
+software pipeliner), L2 prefetch-size hints on the copies (within 2%), and other tile/warp/stage settings.
+What is left is the shape of the loop itself (`bench/README.md`, "Session 5"; exercise 10).
+
 ## Exercises
 
 1. Implement tasks 1-3. Run `pytest grader/lesson04 -k task2` while you work on the kernel.
@@ -353,6 +364,11 @@ eaten early by the idle slots. `bench/README.md` ("Session 4") has the numbers; 
    times of one call and plot them. Programs with the same work: why do they not end together, which ones end
    first (count programs per multiprocessor), and how much faster would the call be if every program ended at
    the average time?
+10. (GPU) Profile SDPA on a decode shape (`torch.profiler.profile(activities=[ProfilerActivity.CUDA])`, then
+    `export_chrome_trace`): which kernel runs, with which grid, block, registers and shared memory (the `args`
+    of the kernel events)? Do the same for your kernel. Then read your kernel's PTX (a Triton launch returns
+    the compiled kernel; its `asm["ptx"]`): find the loop, count its `bar.sync`, `cp.async` and `mma`
+    instructions, and say which line of your Triton code each barrier comes from.
 
 ## Grade
 """)

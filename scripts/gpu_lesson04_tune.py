@@ -33,11 +33,18 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
   kernel run (torch profiler);
 * ``queue``: guided self-scheduling (``scripts/paged_decode_queue.py``): a persistent grid taking work items
   from a counter, the tail of each split in units of halving size, at tail fractions ``TUNE_QUEUE_FRACTIONS``
-  (default ``0,0.0625,0.125,0.25``), with a timeline of the best setting; ``TUNE_QUEUE_SHAPES=N``: the first N.
+  (default ``0,0.0625,0.125,0.25``), with a timeline of the best setting; ``TUNE_QUEUE_SHAPES=N``: the first N;
+* ``prefetch``: K/V rows prefetched into L2 some tiles ahead (``cp.async.bulk.prefetch.L2`` through a
+  side-effecting inline asm statement; ``TUNE_PF`` depths), with the blocks in order and on contiguous K/V;
+* ``ahead``: the block ids read two tiles ahead, and the L2 prefetch as a pure statement folded into the sums;
+* ``asm``: PTX (and SASS where Triton gives it) of the kernel as launched, written to ``$OUT``;
+* ``l2hint``: the kernel's own PTX with ``.L2::128B`` / ``.L2::256B`` on every ``cp.async``, compiled through
+  Triton's ``ir_override`` launch option.
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
-    TUNE_SECTIONS=kernels,queue OUT=out python scripts/gpu_lesson04_tune.py         # session 5's
+    TUNE_SECTIONS=kernels,queue OUT=out python scripts/gpu_lesson04_tune.py         # session 5's (and
+    TUNE_SECTIONS=prefetch / ahead / asm / l2hint, one call each)
 """
 
 from __future__ import annotations

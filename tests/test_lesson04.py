@@ -88,3 +88,27 @@ def test_fused_merge_matches_the_merge_kernel_and_leaves_its_counters_at_zero():
             torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(fused.double(), expected, atol=2e-5, rtol=1e-5)
             assert int(ref._split_counters(q.device, q.shape[0] * kc.shape[2]).abs().sum()) == 0
+
+
+
+def test_queue_scheduled_decode_experiment_matches_and_resets_its_counters():
+    """The session-5 experiment (``scripts/paged_decode_queue.py``: work items from an atomic queue, tails in
+    halving units, merged by the item that completes a (sequence, KV head)) gives the float64 answer on
+    empty, short and uneven contexts, call after call: its queue and merge counters must be 0 after a call."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import paged_decode_queue as pq
+
+    case = ([0, 1, 37, 130, 64], 4, 2, 16, 8)
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, "cpu", seed=5)
+    expected = ref_decode(q, ks, vs)
+    assert pq.plan(130, 1, 16, 0.5) == dict(split_tokens=144, main_tokens=80, TAIL_TILES=4, UNITS=3)
+    queue, counters = pq._zeros(q.device, 1, 2), pq._zeros(q.device, 0, 1024)   # what a CPU call uses
+    for splits, fraction in ((1, 0.0), (1, 0.5), (2, 0.25), (3, 0.5)):
+        for _ in range(2):
+            got = pq.queue_decode(q, kc, vc, bt, cl, 130, num_splits=splits, tail_fraction=fraction,
+                                  programs_per_sm=1)
+            torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
+            assert int(queue.abs().sum()) == 0 and int(counters.abs().sum()) == 0, (splits, fraction)
