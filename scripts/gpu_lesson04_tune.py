@@ -246,7 +246,7 @@ def section_sweep(report, gen, pct, began, deadline_s):
     rows = report.setdefault("sweep", [])
     for batch, kv, ctx in SHAPES:
         label = shape_label(batch, kv, ctx)
-        q, _, _, k_nhd, v_nhd, tables, lens = make_inputs(batch, kv, ctx, gen)
+        q, k, v, k_nhd, v_nhd, tables, lens = make_inputs(batch, kv, ctx, gen)
         k_hnd = k_nhd.transpose(1, 2).contiguous().transpose(1, 2)
         v_hnd = v_nhd.transpose(1, 2).contiguous().transpose(1, 2)
         moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
@@ -267,12 +267,12 @@ def section_sweep(report, gen, pct, began, deadline_s):
                     rows.append(entry)
                     if layout not in best or ms < best[layout]["ms"]:
                         best[layout] = entry
-        sdpa_ms = graph_ms(sdpa_fn(*make_inputs(batch, kv, ctx, gen)[:3])) if os.environ.get("TUNE_CONFIGS") else None
+        sdpa_ms = graph_ms(sdpa_fn(q, k, v)) if os.environ.get("TUNE_CONFIGS") else None
         for layout, e in best.items():
             e["sdpa_ms_same_run"] = sdpa_ms
             print(f"  {label} {layout} best: tile {e['tile']} w{e['warps']} s{e['stages']} splits {e['splits']} "
                   f"{e['ms'] * 1e3:.1f}us ({e['pct_copy']:.1f}%)", flush=True)
-        del q, k_nhd, v_nhd, k_hnd, v_hnd, tables, lens
+        del q, k, v, k_nhd, v_nhd, k_hnd, v_hnd, tables, lens
         torch.cuda.empty_cache()
 
 

@@ -192,7 +192,9 @@ def plan(max_context_len: int, num_splits: int, tile_n: int, tail_fraction: floa
 
 
 @functools.lru_cache(maxsize=None)
-def _zeros(device: torch.device, stream: int, size: int) -> torch.Tensor:
+def _zeros(device: torch.device, stream: int, size: int, role: str) -> torch.Tensor:
+    """Zeroed int32 counters kept between calls (every call leaves them at zero), one set per device, stream and
+    role (``pairs``: one per (sequence, KV head); ``queue``: the next ticket and the programs that left)."""
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
@@ -225,8 +227,8 @@ def queue_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_le
     else:
         part_out = part_lse = out
     stream = torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else 0
-    counters = _zeros(q.device, stream, max(1024, triton.next_power_of_2(pairs)))
-    queue = _zeros(q.device, stream + 1, 2)
+    counters = _zeros(q.device, stream, max(1024, triton.next_power_of_2(pairs)), "pairs")
+    queue = _zeros(q.device, stream, 2, "queue")
     _queue_decode_kernel[(grid,)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters, queue,
         times if times is not None else counters,

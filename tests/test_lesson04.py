@@ -105,7 +105,7 @@ def test_queue_scheduled_decode_experiment_matches_and_resets_its_counters():
     q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, "cpu", seed=5)
     expected = ref_decode(q, ks, vs)
     assert pq.plan(130, 1, 16, 0.5) == dict(split_tokens=144, main_tokens=80, TAIL_TILES=4, UNITS=3)
-    queue, counters = pq._zeros(q.device, 1, 2), pq._zeros(q.device, 0, 1024)   # what a CPU call uses
+    queue, counters = pq._zeros(q.device, 0, 2, "queue"), pq._zeros(q.device, 0, 1024, "pairs")   # a CPU call's
     for splits, fraction in ((1, 0.0), (1, 0.5), (2, 0.25), (3, 0.5)):
         for _ in range(2):
             got = pq.queue_decode(q, kc, vc, bt, cl, 130, num_splits=splits, tail_fraction=fraction,
