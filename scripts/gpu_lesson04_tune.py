@@ -499,10 +499,15 @@ def section_queue(report, gen, pct):
         torch.cuda.empty_cache()
 
 
-PREFETCH_EDITS = [
-    # a constexpr: how many tiles ahead the L2 prefetches run (0: none)
+# A constexpr PF (how many tiles ahead the L2 prefetches run; 0: none), set from the module's PREFETCH.
+PF_EDITS = [
     ("FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,\n):\n    \"\"\"One program",
      "FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, PF: tl.constexpr,\n):\n    \"\"\"One program"),
+    ("                PRECISION=\"ieee\" if q.dtype == torch.float32 else \"tf32\", **settings)",
+     "                PRECISION=\"ieee\" if q.dtype == torch.float32 else \"tf32\", PF=PREFETCH, **settings)"),
+]
+
+PREFETCH_EDITS = PF_EDITS + [
     ("    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)\n",
      "    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)\n"
      "    pf_block = tl.load(table + tl.maximum(tl.minimum(first + PF * TILE_N, end - 1), 0) // BLOCK_SIZE)\n"),
@@ -520,8 +525,6 @@ PREFETCH_EDITS = [
      "    tl.inline_asm_elementwise('cp.async.bulk.prefetch.L2.global [$1], 256;\\n mov.u32 $0, 0;', '=r,l', [ptrs],\n"
      "                              dtype=tl.int32, is_pure=False, pack=1)\n\n\n"
      "# yaie: solution-only\n@triton.jit\ndef _merge_rows("),
-    ("                PRECISION=\"ieee\" if q.dtype == torch.float32 else \"tf32\", **settings)",
-     "                PRECISION=\"ieee\" if q.dtype == torch.float32 else \"tf32\", PF=PREFETCH, **settings)"),
 ]
 
 
@@ -569,9 +572,7 @@ LOOKAHEAD2_EDITS = [
 # The L2 prefetch with a PURE asm statement (one 256-byte row of K and of V per thread, on a fresh 1-D
 # token vector, so each row is prefetched by few threads) whose zero result is folded into the running sum:
 # the pipeliner sees no side effect, so it can still pipeline the loop.
-PURE_PREFETCH_EDITS = [
-    ("FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,\n):\n    \"\"\"One program",
-     "FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, PF: tl.constexpr,\n):\n    \"\"\"One program"),
+PURE_PREFETCH_EDITS = PF_EDITS + [
     ("    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)\n",
      "    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)\n"
      "    pf_first = tl.maximum(tl.minimum(start + PF * TILE_N + tl.arange(0, TILE_N), end - 1), 0)\n"
@@ -589,8 +590,6 @@ PURE_PREFETCH_EDITS = [
      "cp.async.bulk.prefetch.L2.global [$2], 256;\\n mov.u32 $0, 0;', '=r,l,l', [k_ptrs, v_ptrs],\n"
      "                                     dtype=tl.int32, is_pure=True, pack=1)\n\n\n"
      "# yaie: solution-only\n@triton.jit\ndef _merge_rows("),
-    ("                PRECISION=\"ieee\" if q.dtype == torch.float32 else \"tf32\", **settings)",
-     "                PRECISION=\"ieee\" if q.dtype == torch.float32 else \"tf32\", PF=PREFETCH, **settings)"),
 ]
 
 
