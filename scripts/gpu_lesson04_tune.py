@@ -39,12 +39,15 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
 * ``ahead``: the block ids read two tiles ahead, and the L2 prefetch as a pure statement folded into the sums;
 * ``asm``: PTX (and SASS where Triton gives it) of the kernel as launched, written to ``$OUT``;
 * ``l2hint``: the kernel's own PTX with ``.L2::128B`` / ``.L2::256B`` on every ``cp.async``, compiled through
-  Triton's ``ir_override`` launch option.
+  Triton's ``ir_override`` launch option;
+* ``lanes``: every warp of a program on its own slice of keys (``scripts/paged_decode_lanes.py``: batched
+  ``tl.dot``, one online softmax per warp, merged after the loop), settings ``TUNE_LANES``.
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
     TUNE_SECTIONS=kernels,queue OUT=out python scripts/gpu_lesson04_tune.py         # session 5's (and
     TUNE_SECTIONS=prefetch / ahead / asm / l2hint, one call each)
+    TUNE_SECTIONS=lanes OUT=out python scripts/gpu_lesson04_tune.py                  # session 6's
 """
 
 from __future__ import annotations
@@ -696,6 +699,52 @@ def section_l2hint(report, gen, pct, out_dir):
         pa._paged_decode_kernel = capture.kernel
 
 
+LANE_CONFIGS = ((4, 16, 3, 4), (4, 16, 4, 4), (4, 32, 2, 4), (4, 32, 3, 4), (8, 16, 3, 8), (8, 16, 2, 8))
+
+
+def section_lanes(report, gen, pct):
+    """Session 6: the decode loop with every warp on its own keys (``scripts/paged_decode_lanes.py``: batched
+    ``tl.dot`` over ``LANES`` slices of the tile, one online softmax per warp, merged after the loop) beside
+    the solution kernel and SDPA's default, at the heuristic's split count. ``TUNE_LANES`` picks settings
+    (``lanes x lane_n x stages x warps``, comma separated)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import paged_decode_lanes as pl
+
+    configs = [tuple(int(x) for x in c.split("x")) for c in os.environ["TUNE_LANES"].split(",")] \
+        if os.environ.get("TUNE_LANES") else LANE_CONFIGS
+    rows = report.setdefault("lanes", [])
+    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
+              (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
+              (64, 8, 8192), (128, 4, 4096))
+    compiled = {}
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_LANES_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        for lanes, lane_n, stages, warps in configs:
+            def run(lanes=lanes, lane_n=lane_n, stages=stages, warps=warps, s=splits):
+                return pl.lanes_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE, s, lanes, lane_n, stages, warps)
+            try:
+                record(f"lanes {lanes}x{lane_n} s{stages} w{warps}", run, splits=splits)
+            except Exception as err:  # noqa: BLE001 - a setting that does not compile is a result too
+                rows.append({"shape": label, "impl": f"lanes {lanes}x{lane_n} s{stages} w{warps}",
+                             "error": f"{type(err).__name__}: {str(err)[:200]}"})
+                print("  failed:", rows[-1], flush=True)
+                continue
+            kernel = pl.LAST["kernel"]
+            key = f"{lanes}x{lane_n} s{stages} w{warps} splits {splits}"
+            if key not in compiled:
+                ptx = kernel.asm["ptx"]
+                loop = ptx[ptx.find("cp.async.wait_group"):]
+                compiled[key] = {"shared": kernel.metadata.shared, "n_regs": getattr(kernel, "n_regs", None),
+                                 "n_spills": getattr(kernel, "n_spills", None),
+                                 "cp_async": ptx.count("cp.async.cg"), "bar_sync": ptx.count("bar.sync"),
+                                 "bar_sync_after_first_wait": loop.count("bar.sync"),
+                                 "mma": ptx.count("mma.sync"), "shfl": ptx.count("shfl.sync")}
+                print("  compiled", key, compiled[key], flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+    report["lanes_compiled"] = compiled
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -807,6 +856,8 @@ def main() -> None:
         section_asm(report, gen, out_dir)
     if "l2hint" in sections:
         section_l2hint(report, gen, pct, out_dir)
+    if "lanes" in sections:
+        section_lanes(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
