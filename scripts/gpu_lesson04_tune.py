@@ -41,13 +41,15 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
 * ``l2hint``: the kernel's own PTX with ``.L2::128B`` / ``.L2::256B`` on every ``cp.async``, compiled through
   Triton's ``ir_override`` launch option;
 * ``lanes``: every warp of a program on its own slice of keys (``scripts/paged_decode_lanes.py``: batched
-  ``tl.dot``, one online softmax per warp, merged after the loop), settings ``TUNE_LANES``.
+  ``tl.dot``, one online softmax per warp, merged after the loop), settings ``TUNE_LANES``;
+* ``rows``: the query rows padded to 64 instead of 16, so that Triton builds both products as Hopper
+  warpgroup MMAs (wgmma), over launch settings ``TUNE_ROWS``.
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
     TUNE_SECTIONS=kernels,queue OUT=out python scripts/gpu_lesson04_tune.py         # session 5's (and
     TUNE_SECTIONS=prefetch / ahead / asm / l2hint, one call each)
-    TUNE_SECTIONS=lanes OUT=out python scripts/gpu_lesson04_tune.py                  # session 6's
+    TUNE_SECTIONS=lanes OUT=out python scripts/gpu_lesson04_tune.py                  # session 6's (and rows)
 """
 
 from __future__ import annotations
@@ -745,6 +747,61 @@ def section_lanes(report, gen, pct):
     report["lanes_compiled"] = compiled
 
 
+# The query rows padded to ROWS_PAD (module global of the copy) instead of 16: from 64 rows on, Triton builds both
+# products as Hopper warpgroup MMAs (wgmma: K and V read straight from shared memory, p fed from registers,
+# row reductions inside each warp), at the price of computing on 64 rows of which GROUP are real.
+ROWS_EDITS = [
+    ("PROGRAMS_PER_SM = 2 ", "ROWS_PAD = 64\nPROGRAMS_PER_SM = 2 "),
+    ("GROUP_PAD=max(16, triton.next_power_of_2(group))", "GROUP_PAD=max(ROWS_PAD, triton.next_power_of_2(group))"),
+]
+ROWS_CONFIGS = ((64, 4, 3), (64, 4, 4), (64, 4, 2), (128, 4, 2), (128, 4, 3), (32, 4, 4))
+
+
+def section_rows(report, gen, pct):
+    """Session 6: the solution kernel with its query rows padded to 64 (``ROWS_EDITS``: wgmma for both products)
+    beside the kernel as it is and SDPA's default, at the heuristic's split count, over launch settings
+    ``TUNE_ROWS`` (``tile x warps x stages``, comma separated) and row paddings ``TUNE_ROWS_PAD`` (default 64)."""
+    wide = kernel_variant("rows", ROWS_EDITS)
+    configs = [tuple(int(x) for x in c.split("x")) for c in os.environ["TUNE_ROWS"].split(",")] \
+        if os.environ.get("TUNE_ROWS") else ROWS_CONFIGS
+    pads = [int(x) for x in os.environ.get("TUNE_ROWS_PAD", "64").split(",")]
+    capture = _CaptureLaunch(wide._paged_decode_kernel)
+    wide._paged_decode_kernel = capture
+    rows = report.setdefault("rows", [])
+    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
+              (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
+              (64, 8, 8192), (128, 4, 4096))
+    compiled = report.setdefault("rows_compiled", {})
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_ROWS_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        for pad in pads:
+            for tile, warps, stages in configs:
+                config = dict(TILE_N=tile, num_warps=warps, num_stages=stages)
+
+                def run(config=config, pad=pad):
+                    wide.ROWS_PAD = pad
+                    return wide._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE, splits, config)
+                name = f"rows {pad}, tile {tile} w{warps} s{stages}"
+                try:
+                    record(name, run, splits=splits, rows_pad=pad, tile=tile, warps=warps, stages=stages)
+                except Exception as err:  # noqa: BLE001 - a setting that does not compile is a result too
+                    rows.append({"shape": label, "impl": name, "error": f"{type(err).__name__}: {str(err)[:200]}"})
+                    print("  failed:", rows[-1], flush=True)
+                    continue
+                key = f"{name} splits {splits}"
+                if key not in compiled:
+                    run()
+                    ptx = capture.last.asm["ptx"]
+                    compiled[key] = {"shared": capture.last.metadata.shared, "n_regs": getattr(capture.last, "n_regs", None),
+                                     "n_spills": getattr(capture.last, "n_spills", None),
+                                     "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+                                     "cp_async": ptx.count("cp.async.cg"), "bar_sync": ptx.count("bar.sync"),
+                                     "shfl": ptx.count("shfl.sync")}
+                    print("  compiled", key, compiled[key], flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -858,6 +915,8 @@ def main() -> None:
         section_l2hint(report, gen, pct, out_dir)
     if "lanes" in sections:
         section_lanes(report, gen, pct)
+    if "rows" in sections:
+        section_rows(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
