@@ -43,7 +43,9 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
 * ``lanes``: every warp of a program on its own slice of keys (``scripts/paged_decode_lanes.py``: batched
   ``tl.dot``, one online softmax per warp, merged after the loop), settings ``TUNE_LANES``;
 * ``rows``: the query rows padded to 64 instead of 16, so that Triton builds both products as Hopper
-  warpgroup MMAs (wgmma), over launch settings ``TUNE_ROWS``.
+  warpgroup MMAs (wgmma), over launch settings ``TUNE_ROWS``;
+* ``regprefetch``: the next tile's K and V loaded into registers while this tile is multiplied (no
+  pipeliner: num_stages=1), settings ``TUNE_REGPF``.
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
@@ -802,6 +804,82 @@ def section_rows(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+# The loop with the NEXT tile's K and V loaded into registers before this tile's arithmetic (the pre-cp.async
+# way to hide latency; launched with num_stages=1, so Triton's pipeliner stays out): one tile in flight per
+# program while the previous one is multiplied, as an FA2-style kernel with single K/V buffers has.
+REGISTER_PREFETCH_LOOP = """    first = start + tl.arange(0, TILE_N)
+    first_ok = first < end
+    block = tl.load(table + first // BLOCK_SIZE, mask=first_ok, other=0).to(tl.int64)
+    kv_mask = first_ok[:, None] & d_ok[None, :]
+    k = tl.load(K_CACHE + block[:, None] * stride_kb + (first % BLOCK_SIZE)[:, None] * stride_kt + kv_head * stride_kh
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V_CACHE + block[:, None] * stride_vb + (first % BLOCK_SIZE)[:, None] * stride_vt + kv_head * stride_vh
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    second = first + TILE_N
+    next_block = tl.load(table + second // BLOCK_SIZE, mask=second < end, other=0)
+    for tile_start in range(start, end, TILE_N):
+        offs_n = tile_start + tl.arange(0, TILE_N)
+        n_ok = offs_n < end
+        nxt = offs_n + TILE_N
+        nxt_mask = (nxt < end)[:, None] & d_ok[None, :]
+        nb = next_block.to(tl.int64)
+        k_next = tl.load(K_CACHE + nb[:, None] * stride_kb + (nxt % BLOCK_SIZE)[:, None] * stride_kt
+                         + kv_head * stride_kh + offs_d[None, :], mask=nxt_mask, other=0.0)
+        v_next = tl.load(V_CACHE + nb[:, None] * stride_vb + (nxt % BLOCK_SIZE)[:, None] * stride_vt
+                         + kv_head * stride_vh + offs_d[None, :], mask=nxt_mask, other=0.0)
+        after = nxt + TILE_N
+        next_block = tl.load(table + after // BLOCK_SIZE, mask=after < end, other=0)
+        if FP32_DOT:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.where(n_ok[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+        k = k_next
+        v = v_next
+"""
+
+
+def loop_variant(name, loop):
+    """A copy of the solution's kernel module whose tile loop (from ``first = ...`` to ``m = m_new``) is ``loop``."""
+    source = Path(pa.__file__).read_text()
+    begin = source.index("    first = start + tl.arange(0, TILE_N)\n")
+    end = source.index("        m = m_new\n", begin) + len("        m = m_new\n")
+    return kernel_variant(name, [(source[begin:end], loop)])
+
+
+def section_regprefetch(report, gen, pct):
+    """Session 6: the next tile loaded into registers during this tile's arithmetic (``REGISTER_PREFETCH_LOOP``,
+    num_stages=1) beside the kernel as it is and SDPA's default, settings ``TUNE_REGPF`` (``tile x warps``)."""
+    variant = loop_variant("regprefetch", REGISTER_PREFETCH_LOOP)
+    configs = [tuple(int(x) for x in c.split("x")) for c in os.environ.get("TUNE_REGPF", "64x4,64x8,32x4,128x8").split(",")]
+    rows = report.setdefault("regprefetch", [])
+    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
+              (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
+              (64, 8, 8192), (128, 4, 4096))
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_REGPF_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        for tile, warps in configs:
+            config = dict(TILE_N=tile, num_warps=warps, num_stages=1)
+            name = f"registers, tile {tile} w{warps}"
+            try:
+                record(name, lambda c=config: variant._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE,
+                                                                     splits, c), splits=splits, tile=tile, warps=warps)
+            except Exception as err:  # noqa: BLE001 - a setting that does not compile is a result too
+                rows.append({"shape": label, "impl": name, "error": f"{type(err).__name__}: {str(err)[:200]}"})
+                print("  failed:", rows[-1], flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -917,6 +995,8 @@ def main() -> None:
         section_lanes(report, gen, pct)
     if "rows" in sections:
         section_rows(report, gen, pct)
+    if "regprefetch" in sections:
+        section_regprefetch(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
