@@ -331,6 +331,15 @@ self-scheduling, `scripts/paged_decode_queue.py`), L2 prefetches of K/V ahead of
 software pipeliner), L2 prefetch-size hints on the copies (within 2%), and other tile/warp/stage settings.
 What is left is the shape of the loop itself (`bench/README.md`, "Session 5"; exercise 10).
 
+Three other loops were then built and timed (`bench/README.md`, "Session 6"), each the standard cure for one
+suspect, and each came out slower. Giving every warp its own slice of keys (a *batched* `tl.dot`: for a 3-D
+dot Triton puts the warps on the batch axis, so the softmax reductions stay inside a warp) costs 4x the
+accumulator registers and was 0.4-17% slower. Padding the query rows to 64 switches Triton to Hopper's
+warpgroup MMA (`wgmma`, K and V read by the tensor cores straight from shared memory): 0-6% slower at its best
+setting. Loading the next tile into registers by
+hand, without the pipeliner, was 6-19% slower. Triton picks the hardware path from the shapes you give
+`tl.dot`; exercise 11 lets you watch it do so.
+
 ## Exercises
 
 1. Implement tasks 1-3. Run `pytest grader/lesson04 -k task2` while you work on the kernel.
@@ -369,6 +378,14 @@ What is left is the shape of the loop itself (`bench/README.md`, "Session 5"; ex
     of the kernel events)? Do the same for your kernel. Then read your kernel's PTX (a Triton launch returns
     the compiled kernel; its `asm["ptx"]`): find the loop, count its `bar.sync`, `cp.async` and `mma`
     instructions, and say which line of your Triton code each barrier comes from.
+11. Which tensor-core instruction does `tl.dot` become? Compile your kernel for sm_90 on the CPU
+    (`triton.compile` with `GPUTarget("cuda", 90, 32)`, as in exercise 7) with the group padded to 16 rows and
+    to 64 rows, and count `mma.sync` and `wgmma` in the PTX. Then write a batched version of the score
+    product, `[LANES, 16, D] x [LANES, D, LANE_N]`, and find in its layout (`asm["ttgir"]`, the
+    `warpsPerCTA` of the `#mma` encoding) where the 4 warps went. For each version, which softmax
+    reductions cross warps, and why does that decide how many `bar.sync` the loop needs?
+    (`scripts/paged_decode_lanes.py` and `ROWS_EDITS` in `scripts/gpu_lesson04_tune.py` are the reference's
+    versions; `bench/README.md`, "Session 6", has their times.)
 
 ## Grade
 """)

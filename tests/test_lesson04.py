@@ -112,3 +112,42 @@ def test_queue_scheduled_decode_experiment_matches_and_resets_its_counters():
                                   programs_per_sm=1)
             torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
             assert int(queue.abs().sum()) == 0 and int(counters.abs().sum()) == 0, (splits, fraction)
+
+
+def _tune_script():
+    """``scripts/gpu_lesson04_tune.py`` as a module (its kernel variants are text edits of the solution)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    sys.path.insert(0, str(scripts))
+    spec = importlib.util.spec_from_file_location("gpu_lesson04_tune", scripts / "gpu_lesson04_tune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_session6_loop_experiments_match_float64():
+    """The three loops timed in session 6 (bench/README.md): per-warp lanes (``scripts/paged_decode_lanes.py``),
+    query rows padded to 64 (``ROWS_EDITS``) and the register prefetch (``REGISTER_PREFETCH_LOOP``) give the
+    float64 answer on empty, short and uneven contexts with 1-3 splits (the fused merge included), so that
+    their GPU times are times of correct kernels; the text edits must still apply to the solution."""
+    from pathlib import Path
+
+    tune = _tune_script()
+    import paged_decode_lanes as pl
+
+    rows = tune.kernel_variant("rows", tune.ROWS_EDITS)
+    registers = tune.loop_variant("regprefetch", tune.REGISTER_PREFETCH_LOOP)
+    case = ([0, 1, 37, 130, 64], 4, 2, 16, 8)
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, "cpu", seed=6)
+    expected = ref_decode(q, ks, vs)
+    scale = q.shape[-1] ** -0.5
+    for splits in (1, 2, 3):
+        runs = {"lanes": pl.lanes_decode(q, kc, vc, bt, cl, 130, scale, splits, lanes=2, lane_n=16),
+                "rows": rows._launch_decode(q, kc, vc, bt, cl, 130, scale, splits),
+                "registers": registers._launch_decode(q, kc, vc, bt, cl, 130, scale, splits)}
+        for name, got in runs.items():
+            torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert rows.ROWS_PAD == 64 and "k_next" in Path(registers.__file__).read_text()
