@@ -2,8 +2,8 @@
 
 Runs SDPA's default (cuDNN on the H200) and the solution's paged decode on the same data, at the shapes in
 ``NCU_SHAPES`` (``batch x kv_heads x context``, comma separated; default two), three calls each after a
-warm-up, between NVTX ranges named after the shape and the kernel. Run alone it only prints the shapes
-(nothing to profile without ncu around it).
+warm-up, with the profiler switched on (``cudaProfilerStart``) for the timed calls only, so that ncu run with
+``--profile-from-start off`` sees nothing of the set-up. Run alone it only prints the shapes.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ def main() -> None:
         for name, fn in calls.items():
             fn()
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push(f"{name} {batch}x{kv}x{ctx}")
+            print(" ", name, flush=True)
+            torch.cuda.profiler.start()
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_pop()
+            torch.cuda.profiler.stop()
         del q, k, v, k_cache, v_cache, tables, lens
         torch.cuda.empty_cache()
 

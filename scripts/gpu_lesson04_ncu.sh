@@ -13,8 +13,8 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 echo "ncu: $NCU ($("$NCU" --version | tail -1))" | tee "$OUT/ncu.log"
 python3 -c "import torch, triton; print('gpu', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/ncu.log"
 echo "commit ${YAIE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/ncu.log"
-# Only the timed calls (inside the NVTX ranges), only the attention kernels (not the inputs' set-up).
-FILTER=(--nvtx --nvtx-include "regex:^(sdpa|yaie)" -k "regex:sdpa|paged_decode")
+# Only the timed calls (the workload switches the profiler on around them), only the attention kernels.
+FILTER=(--profile-from-start off -k "regex:sdpa|paged_decode")
 SECTIONS=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
           --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats)
 timeout 400 "$NCU" --clock-control none "${FILTER[@]}" "${SECTIONS[@]}" \
