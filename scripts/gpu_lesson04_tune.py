@@ -45,7 +45,9 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
 * ``rows``: the query rows padded to 64 instead of 16, so that Triton builds both products as Hopper
   warpgroup MMAs (wgmma), over launch settings ``TUNE_ROWS``;
 * ``regprefetch``: the next tile's K and V loaded into registers while this tile is multiplied (no
-  pipeliner: num_stages=1), settings ``TUNE_REGPF``.
+  pipeliner: num_stages=1), settings ``TUNE_REGPF``;
+* ``unmasked``: whole tiles without masks (no predicates on the copies, no -inf on the scores), the last
+  partial tile masked once, on the paged cache and on SDPA's contiguous tensors, settings ``TUNE_UNMASKED``.
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
@@ -848,12 +850,98 @@ REGISTER_PREFETCH_LOOP = """    first = start + tl.arange(0, TILE_N)
 """
 
 
-def loop_variant(name, loop):
-    """A copy of the solution's kernel module whose tile loop (from ``first = ...`` to ``m = m_new``) is ``loop``."""
+def loop_variant(name, loop, edits=()):
+    """A copy of the solution's kernel module whose tile loop (from ``first = ...`` to ``m = m_new``) is ``loop``
+    (and further source ``edits``)."""
     source = Path(pa.__file__).read_text()
     begin = source.index("    first = start + tl.arange(0, TILE_N)\n")
     end = source.index("        m = m_new\n", begin) + len("        m = m_new\n")
-    return kernel_variant(name, [(source[begin:end], loop)])
+    return kernel_variant(name, [(source[begin:end], loop), *edits])
+
+
+# The loop over WHOLE tiles without any mask (no predicate on the K/V copies, no -inf on the scores; the head
+# dim is masked only when it is padded), then the context's last, partial tile with the masks, once.
+UNMASKED_LOOP = """    first = start + tl.arange(0, TILE_N)
+    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)
+    whole_end = start + tl.maximum(end - start, 0) // TILE_N * TILE_N
+    for tile_start in range(start, whole_end, TILE_N):
+        offs_n = tile_start + tl.arange(0, TILE_N)
+        block = next_block.to(tl.int64)
+        ahead = offs_n + TILE_N
+        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
+        k_rows = K_CACHE + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt + kv_head * stride_kh
+        v_rows = V_CACHE + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt + kv_head * stride_vh
+        if HEAD_DIM == BLOCK_D:
+            k = tl.load(k_rows + offs_d[None, :])
+            v = tl.load(v_rows + offs_d[None, :])
+        else:
+            k = tl.load(k_rows + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_rows + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        m, l, acc = _tile_update(q, k, v, offs_n < end, m, l, acc, scale_log2, False, FP32_DOT, PRECISION)
+    if whole_end < end:
+        offs_n = whole_end + tl.arange(0, TILE_N)
+        n_ok = offs_n < end
+        block = next_block.to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_CACHE + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V_CACHE + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        m, l, acc = _tile_update(q, k, v, n_ok, m, l, acc, scale_log2, True, FP32_DOT, PRECISION)
+"""
+
+TILE_UPDATE = """@triton.jit
+def _tile_update(q, k, v, n_ok, m, l, acc, scale_log2, MASK_KEYS: tl.constexpr, FP32_DOT: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    if FP32_DOT:
+        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+    else:
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    scores = scores * scale_log2
+    if MASK_KEYS:
+        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if FP32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+"""
+UNMASKED_EDITS = [("# yaie: solution-only\n@triton.jit\ndef _merge_rows(",
+                   TILE_UPDATE + "# yaie: solution-only\n@triton.jit\ndef _merge_rows(")]
+
+
+def section_unmasked(report, gen, pct):
+    """Session 6: whole tiles without masks, the last partial tile masked once (``UNMASKED_LOOP``), with the
+    default launch and with ``TUNE_UNMASKED`` settings (``tile x warps x stages``), beside the kernel as it is
+    and SDPA's default; on the paged cache and on SDPA's own contiguous tensors."""
+    variant = loop_variant("unmasked", UNMASKED_LOOP, UNMASKED_EDITS)
+    configs = [tuple(int(x) for x in c.split("x")) for c in os.environ.get("TUNE_UNMASKED", "64x4x4,128x4x2").split(",")]
+    rows = report.setdefault("unmasked", [])
+    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
+              (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
+              (64, 8, 8192), (128, 4, 4096))
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_UNMASKED_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        record("unmasked whole tiles", lambda: variant._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE,
+                                                                      splits), splits=splits)
+        one_block = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None]
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+        record("yaie on SDPA's contiguous K/V", lambda: pa._launch_decode(q, kt, vt, one_block, lens, ctx, SCALE, splits),
+               splits=splits)
+        record("unmasked on SDPA's contiguous K/V", lambda: variant._launch_decode(q, kt, vt, one_block, lens, ctx,
+                                                                                   SCALE, splits), splits=splits)
+        for tile, warps, stages in configs:
+            config = dict(TILE_N=tile, num_warps=warps, num_stages=stages)
+            record(f"unmasked, tile {tile} w{warps} s{stages}", lambda c=config: variant._launch_decode(
+                q, k_cache, v_cache, tables, lens, ctx, SCALE, splits, c), splits=splits)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
 
 
 def section_regprefetch(report, gen, pct):
@@ -997,6 +1085,8 @@ def main() -> None:
         section_rows(report, gen, pct)
     if "regprefetch" in sections:
         section_regprefetch(report, gen, pct)
+    if "unmasked" in sections:
+        section_unmasked(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
