@@ -129,8 +129,9 @@ def _tune_script():
 
 
 def test_session6_loop_experiments_match_float64():
-    """The three loops timed in session 6 (bench/README.md): per-warp lanes (``scripts/paged_decode_lanes.py``),
-    query rows padded to 64 (``ROWS_EDITS``) and the register prefetch (``REGISTER_PREFETCH_LOOP``) give the
+    """The four loops timed in session 6 (bench/README.md): per-warp lanes (``scripts/paged_decode_lanes.py``),
+    query rows padded to 64 (``ROWS_EDITS``), the register prefetch (``REGISTER_PREFETCH_LOOP``) and whole
+    tiles without masks (``UNMASKED_LOOP``, contexts that end inside and at the end of a tile) give the
     float64 answer on empty, short and uneven contexts with 1-3 splits (the fused merge included), so that
     their GPU times are times of correct kernels; the text edits must still apply to the solution."""
     from pathlib import Path
@@ -140,14 +141,16 @@ def test_session6_loop_experiments_match_float64():
 
     rows = tune.kernel_variant("rows", tune.ROWS_EDITS)
     registers = tune.loop_variant("regprefetch", tune.REGISTER_PREFETCH_LOOP)
-    case = ([0, 1, 37, 130, 64], 4, 2, 16, 8)
+    unmasked = tune.loop_variant("unmasked", tune.UNMASKED_LOOP, tune.UNMASKED_EDITS)
+    case = ([0, 1, 37, 130, 64, 32], 4, 2, 16, 8)
     q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, "cpu", seed=6)
     expected = ref_decode(q, ks, vs)
     scale = q.shape[-1] ** -0.5
     for splits in (1, 2, 3):
         runs = {"lanes": pl.lanes_decode(q, kc, vc, bt, cl, 130, scale, splits, lanes=2, lane_n=16),
                 "rows": rows._launch_decode(q, kc, vc, bt, cl, 130, scale, splits),
-                "registers": registers._launch_decode(q, kc, vc, bt, cl, 130, scale, splits)}
+                "registers": registers._launch_decode(q, kc, vc, bt, cl, 130, scale, splits),
+                "unmasked": unmasked._launch_decode(q, kc, vc, bt, cl, 130, scale, splits)}
         for name, got in runs.items():
             torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     assert rows.ROWS_PAD == 64 and "k_next" in Path(registers.__file__).read_text()
