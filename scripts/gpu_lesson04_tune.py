@@ -806,9 +806,37 @@ def section_rows(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+# One online-softmax step over a tile (the solution's loop body), as a helper the loop variants below share.
+TILE_UPDATE = """@triton.jit
+def _tile_update(q, k, v, n_ok, m, l, acc, scale_log2, MASK_KEYS: tl.constexpr, FP32_DOT: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    if FP32_DOT:
+        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+    else:
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    scores = scores * scale_log2
+    if MASK_KEYS:
+        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if FP32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+"""
+TILE_UPDATE_EDITS = [("# yaie: solution-only\n@triton.jit\ndef _merge_rows(",
+                   TILE_UPDATE + "# yaie: solution-only\n@triton.jit\ndef _merge_rows(")]
+
+
 # The loop with the NEXT tile's K and V loaded into registers before this tile's arithmetic (the pre-cp.async
 # way to hide latency; launched with num_stages=1, so Triton's pipeliner stays out): one tile in flight per
-# program while the previous one is multiplied, as an FA2-style kernel with single K/V buffers has.
+# program while the previous one is multiplied, as an FA2-style kernel with single K/V buffers has. (Timed at
+# commit a14eff1 with the step written out in the loop; here it calls the same step as a helper.)
 REGISTER_PREFETCH_LOOP = """    first = start + tl.arange(0, TILE_N)
     first_ok = first < end
     block = tl.load(table + first // BLOCK_SIZE, mask=first_ok, other=0).to(tl.int64)
@@ -831,20 +859,7 @@ REGISTER_PREFETCH_LOOP = """    first = start + tl.arange(0, TILE_N)
                          + kv_head * stride_vh + offs_d[None, :], mask=nxt_mask, other=0.0)
         after = nxt + TILE_N
         next_block = tl.load(table + after // BLOCK_SIZE, mask=after < end, other=0)
-        if FP32_DOT:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
-        else:
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        scores = tl.where(n_ok[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _tile_update(q, k, v, n_ok, m, l, acc, scale_log2, True, FP32_DOT, PRECISION)
         k = k_next
         v = v_next
 """
@@ -890,37 +905,13 @@ UNMASKED_LOOP = """    first = start + tl.arange(0, TILE_N)
         m, l, acc = _tile_update(q, k, v, n_ok, m, l, acc, scale_log2, True, FP32_DOT, PRECISION)
 """
 
-TILE_UPDATE = """@triton.jit
-def _tile_update(q, k, v, n_ok, m, l, acc, scale_log2, MASK_KEYS: tl.constexpr, FP32_DOT: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    if FP32_DOT:
-        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
-    else:
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    scores = scores * scale_log2
-    if MASK_KEYS:
-        scores = tl.where(n_ok[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    if FP32_DOT:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l, acc
-
-
-"""
-UNMASKED_EDITS = [("# yaie: solution-only\n@triton.jit\ndef _merge_rows(",
-                   TILE_UPDATE + "# yaie: solution-only\n@triton.jit\ndef _merge_rows(")]
 
 
 def section_unmasked(report, gen, pct):
     """Session 6: whole tiles without masks, the last partial tile masked once (``UNMASKED_LOOP``), with the
     default launch and with ``TUNE_UNMASKED`` settings (``tile x warps x stages``), beside the kernel as it is
     and SDPA's default; on the paged cache and on SDPA's own contiguous tensors."""
-    variant = loop_variant("unmasked", UNMASKED_LOOP, UNMASKED_EDITS)
+    variant = loop_variant("unmasked", UNMASKED_LOOP, TILE_UPDATE_EDITS)
     configs = [tuple(int(x) for x in c.split("x")) for c in os.environ.get("TUNE_UNMASKED", "64x4x4,128x4x2").split(",")]
     rows = report.setdefault("unmasked", [])
     shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
@@ -947,7 +938,7 @@ def section_unmasked(report, gen, pct):
 def section_regprefetch(report, gen, pct):
     """Session 6: the next tile loaded into registers during this tile's arithmetic (``REGISTER_PREFETCH_LOOP``,
     num_stages=1) beside the kernel as it is and SDPA's default, settings ``TUNE_REGPF`` (``tile x warps``)."""
-    variant = loop_variant("regprefetch", REGISTER_PREFETCH_LOOP)
+    variant = loop_variant("regprefetch", REGISTER_PREFETCH_LOOP, TILE_UPDATE_EDITS)
     configs = [tuple(int(x) for x in c.split("x")) for c in os.environ.get("TUNE_REGPF", "64x4,64x8,32x4,128x8").split(",")]
     rows = report.setdefault("regprefetch", [])
     shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),

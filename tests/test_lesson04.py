@@ -140,8 +140,8 @@ def test_session6_loop_experiments_match_float64():
     import paged_decode_lanes as pl
 
     rows = tune.kernel_variant("rows", tune.ROWS_EDITS)
-    registers = tune.loop_variant("regprefetch", tune.REGISTER_PREFETCH_LOOP)
-    unmasked = tune.loop_variant("unmasked", tune.UNMASKED_LOOP, tune.UNMASKED_EDITS)
+    registers = tune.loop_variant("regprefetch", tune.REGISTER_PREFETCH_LOOP, tune.TILE_UPDATE_EDITS)
+    unmasked = tune.loop_variant("unmasked", tune.UNMASKED_LOOP, tune.TILE_UPDATE_EDITS)
     case = ([0, 1, 37, 130, 64, 32], 4, 2, 16, 8)
     q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, "cpu", seed=6)
     expected = ref_decode(q, ks, vs)
