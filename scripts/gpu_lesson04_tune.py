@@ -830,7 +830,7 @@ def _tile_update(q, k, v, n_ok, m, l, acc, scale_log2, MASK_KEYS: tl.constexpr, 
 
 """
 TILE_UPDATE_EDITS = [("# yaie: solution-only\n@triton.jit\ndef _merge_rows(",
-                   TILE_UPDATE + "# yaie: solution-only\n@triton.jit\ndef _merge_rows(")]
+                      TILE_UPDATE + "# yaie: solution-only\n@triton.jit\ndef _merge_rows(")]
 
 
 # The loop with the NEXT tile's K and V loaded into registers before this tile's arithmetic (the pre-cp.async
