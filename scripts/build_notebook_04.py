@@ -336,13 +336,13 @@ suspect, and none came out faster. Giving every warp its own slice of keys (a *b
 dot Triton puts the warps on the batch axis, so the softmax reductions stay inside a warp) costs 4x the
 accumulator registers and was 0.4-17% slower. Padding the query rows to 64 switches Triton to Hopper's
 warpgroup MMA (`wgmma`, K and V read by the tensor cores straight from shared memory): 0-6% slower at its best
-setting. Loading the next tile into registers by
-hand, without the pipeliner, was 6-19% slower. A loop over whole tiles without masks, the last tile masked
-once, moved the time by -1% to +0.4%. Nsight Compute (`scripts/gpu_lesson04_ncu.sh`) shows that both kernels
-read exactly the same bytes from DRAM and that ours executes about twice cuDNN's instructions while its
-schedulers still sit idle two thirds of the time. Our reading: the last few percent are in how steadily each block keeps
-the memory system busy, and Triton decides most of that for you. Triton picks the hardware path from the
-shapes you give `tl.dot`; exercise 11 lets you watch it do so.
+setting. Loading the next tile into registers by hand, without the pipeliner, was 6-19% slower. A loop over
+whole tiles without masks, the last tile masked once, moved the time by -1% to +0.4%. Nsight Compute
+(`scripts/gpu_lesson04_ncu.sh`) shows that both kernels read exactly the same bytes from DRAM and that ours
+executes about twice cuDNN's instructions while its schedulers still sit idle two thirds of the time. Our
+reading: the last few percent are in how steadily each block keeps the memory system busy, and Triton decides
+most of that for you. Triton picks the hardware path from the shapes you give `tl.dot`; exercise 11 lets you
+watch it do so.
 
 ## Exercises
 
