@@ -80,6 +80,10 @@ SHAPES = [(32, 4, 4096), (32, 8, 4096), (32, 4, 1024), (32, 8, 1024), (32, 4, 16
 CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 4, 4), (32, 2, 4), (32, 2, 6), (128, 4, 3),
            (128, 8, 3)]
 SPLITS = (1, 2, 3, 4, 8)
+# The 14 shapes of ``yaie bench lesson04`` in the order the later sections time them (``TUNE_*_SHAPES=N``: the first N).
+BENCH_SHAPES = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
+                (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
+                (64, 8, 8192), (128, 4, 4096))
 SCALE = 128 ** -0.5
 
 
@@ -673,9 +677,7 @@ def section_l2hint(report, gen, pct, out_dir):
     capture = _CaptureLaunch(pa._paged_decode_kernel)
     pa._paged_decode_kernel = capture
     work = Path(tempfile.mkdtemp())
-    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
-              (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
-              (64, 8, 8192), (128, 4, 4096))
+    shapes = BENCH_SHAPES
     try:
         for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_HINT_SHAPES", len(shapes)))]:
             label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv,
@@ -719,9 +721,7 @@ def section_lanes(report, gen, pct):
     configs = [tuple(int(x) for x in c.split("x")) for c in os.environ["TUNE_LANES"].split(",")] \
         if os.environ.get("TUNE_LANES") else LANE_CONFIGS
     rows = report.setdefault("lanes", [])
-    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
-              (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
-              (64, 8, 8192), (128, 4, 4096))
+    shapes = BENCH_SHAPES
     compiled = {}
     for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_LANES_SHAPES", len(shapes)))]:
         label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
@@ -772,9 +772,7 @@ def section_rows(report, gen, pct):
     capture = _CaptureLaunch(wide._paged_decode_kernel)
     wide._paged_decode_kernel = capture
     rows = report.setdefault("rows", [])
-    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
-              (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
-              (64, 8, 8192), (128, 4, 4096))
+    shapes = BENCH_SHAPES
     compiled = report.setdefault("rows_compiled", {})
     for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_ROWS_SHAPES", len(shapes)))]:
         label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
@@ -914,9 +912,7 @@ def section_unmasked(report, gen, pct):
     variant = loop_variant("unmasked", UNMASKED_LOOP, TILE_UPDATE_EDITS)
     configs = [tuple(int(x) for x in c.split("x")) for c in os.environ.get("TUNE_UNMASKED", "64x4x4,128x4x2").split(",")]
     rows = report.setdefault("unmasked", [])
-    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
-              (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
-              (64, 8, 8192), (128, 4, 4096))
+    shapes = BENCH_SHAPES
     for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_UNMASKED_SHAPES", len(shapes)))]:
         label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
         record("unmasked whole tiles", lambda: variant._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE,
@@ -941,9 +937,7 @@ def section_regprefetch(report, gen, pct):
     variant = loop_variant("regprefetch", REGISTER_PREFETCH_LOOP, TILE_UPDATE_EDITS)
     configs = [tuple(int(x) for x in c.split("x")) for c in os.environ.get("TUNE_REGPF", "64x4,64x8,32x4,128x8").split(",")]
     rows = report.setdefault("regprefetch", [])
-    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (32, 4, 16384), (32, 4, 1024), (32, 8, 1024),
-              (128, 8, 4096), (128, 4, 1024), (64, 4, 8192), (128, 8, 1024), (32, 8, 16384), (32, 4, 32768),
-              (64, 8, 8192), (128, 4, 4096))
+    shapes = BENCH_SHAPES
     for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_REGPF_SHAPES", len(shapes)))]:
         label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
         for tile, warps in configs:
