@@ -47,13 +47,16 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
 * ``regprefetch``: the next tile's K and V loaded into registers while this tile is multiplied (no
   pipeliner: num_stages=1), settings ``TUNE_REGPF``;
 * ``unmasked``: whole tiles without masks (no predicates on the copies, no -inf on the scores), the last
-  partial tile masked once, on the paged cache and on SDPA's contiguous tensors, settings ``TUNE_UNMASKED``.
+  partial tile masked once, on the paged cache and on SDPA's contiguous tensors, settings ``TUNE_UNMASKED``;
+* ``ceiling``: what the loads alone cost: the loop without the online softmax (both products kept) and with
+  nothing but an elementwise max of the K/V tiles, paged and contiguous.
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
     TUNE_SECTIONS=kernels,queue OUT=out python scripts/gpu_lesson04_tune.py         # session 5's (and
     TUNE_SECTIONS=prefetch / ahead / asm / l2hint, one call each)
     TUNE_SECTIONS=lanes OUT=out python scripts/gpu_lesson04_tune.py                  # session 6's (and rows)
+    TUNE_SECTIONS=ceiling OUT=out python scripts/gpu_lesson04_tune.py                # session 7's
 """
 
 from __future__ import annotations
@@ -953,6 +956,83 @@ def section_regprefetch(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+# Session 7: what the loads alone cost. Two loops with the solution's block-table walk, masks, tiles and launch
+# settings (so the same cp.async pipeline), but less arithmetic: NO_SOFTMAX_LOOP keeps both tensor-core products
+# and drops the online softmax (the scores go straight into P @ V); LOADS_ONLY_LOOP keeps only an elementwise max
+# of the K and V tiles (one bf16x2 instruction per two numbers). Their times bound what any arithmetic in this
+# loop could reach; neither computes attention.
+NO_SOFTMAX_LOOP = """    first = start + tl.arange(0, TILE_N)
+    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)
+    for tile_start in range(start, end, TILE_N):
+        offs_n = tile_start + tl.arange(0, TILE_N)
+        n_ok = offs_n < end
+        block = next_block.to(tl.int64)
+        ahead = offs_n + TILE_N
+        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
+        within = offs_n % BLOCK_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_CACHE + block[:, None] * stride_kb + within[:, None] * stride_kt + kv_head * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V_CACHE + block[:, None] * stride_vb + within[:, None] * stride_vt + kv_head * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+            acc += tl.dot(scores, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            acc += tl.dot(scores.to(v.dtype), v, input_precision=PRECISION)
+    l += 1.0
+    m = tl.zeros_like(m)
+"""
+LOADS_ONLY_LOOP = """    first = start + tl.arange(0, TILE_N)
+    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)
+    top = tl.full([TILE_N, BLOCK_D], float("-inf"), K_CACHE.dtype.element_ty)
+    for tile_start in range(start, end, TILE_N):
+        offs_n = tile_start + tl.arange(0, TILE_N)
+        n_ok = offs_n < end
+        block = next_block.to(tl.int64)
+        ahead = offs_n + TILE_N
+        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
+        within = offs_n % BLOCK_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_CACHE + block[:, None] * stride_kb + within[:, None] * stride_kt + kv_head * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=float("-inf"))
+        v = tl.load(V_CACHE + block[:, None] * stride_vb + within[:, None] * stride_vt + kv_head * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=float("-inf"))
+        top = tl.maximum(top, tl.maximum(k, v)).to(top.dtype)   # (Triton may compute a bf16 max in fp32)
+    acc += tl.max(top.to(tl.float32), 0)[None, :]
+    l += 1.0
+    m = tl.zeros_like(m)
+"""
+
+
+def section_ceiling(report, gen, pct):
+    """Session 7: the solution's loop without the softmax (``NO_SOFTMAX_LOOP``) and without any arithmetic but a max
+    (``LOADS_ONLY_LOOP``), on the paged cache and on SDPA's contiguous tensors, beside the kernel and SDPA's default,
+    at the heuristic's split count and default launch settings. Only times: these probes do not compute attention
+    (``tests/test_lesson04.py`` checks what they do compute)."""
+    probes = {"no softmax": loop_variant("nosoftmax", NO_SOFTMAX_LOOP), "loads only": loop_variant("loadsonly",
+                                                                                                   LOADS_ONLY_LOOP)}
+    rows = report.setdefault("ceiling", [])
+    shapes = BENCH_SHAPES
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_CEILING_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
+        one_block = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None]
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+        record("yaie on SDPA's contiguous K/V", lambda: pa._launch_decode(q, kt, vt, one_block, lens, ctx, SCALE,
+                                                                          splits), splits=splits)
+        for name, probe in probes.items():
+            for where, (kc, vc, tb) in (("paged", (k_cache, v_cache, tables)), ("contiguous", (kt, vt, one_block))):
+                ms = graph_ms(lambda p=probe, kc=kc, vc=vc, tb=tb: p._launch_decode(q, kc, vc, tb, lens, ctx, SCALE,
+                                                                                    splits))
+                rows.append({"shape": label, "impl": f"{name} ({where})", "ms": ms, "pct_copy": pct(moved, ms),
+                             "splits": splits})
+                print(f"  {label} {name} ({where}): {ms * 1e3:.1f}us ({pct(moved, ms):.1f}%)", flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -1072,6 +1152,8 @@ def main() -> None:
         section_regprefetch(report, gen, pct)
     if "unmasked" in sections:
         section_unmasked(report, gen, pct)
+    if "ceiling" in sections:
+        section_ceiling(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)

@@ -154,3 +154,23 @@ def test_session6_loop_experiments_match_float64():
         for name, got in runs.items():
             torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     assert rows.ROWS_PAD == 64 and "k_next" in Path(registers.__file__).read_text()
+
+
+def test_session7_ceiling_probes_compute_what_they_claim():
+    """The two probes timed in session 7 (``NO_SOFTMAX_LOOP``, ``LOADS_ONLY_LOOP``) are not attention, but they must
+    read every key of every sequence (and nothing else) through the block table, or their times bound nothing:
+    without softmax one split returns ``sum_t (q . k_t) v_t``, the loads-only probe ``max_t max(k_t, v_t)`` per
+    head dim, on short, tile-aligned and uneven contexts."""
+    tune = _tune_script()
+    no_softmax = tune.loop_variant("nosoftmax", tune.NO_SOFTMAX_LOOP)
+    loads_only = tune.loop_variant("loadsonly", tune.LOADS_ONLY_LOOP)
+    case = ([1, 37, 130, 64, 32], 4, 2, 16, 8)
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, "cpu", seed=7)
+    got_sums = no_softmax._launch_decode(q, kc, vc, bt, cl, 130, 1.0, 1).double()
+    got_tops = loads_only._launch_decode(q, kc, vc, bt, cl, 130, 1.0, 1).double()
+    for b, (k, v) in enumerate(zip(ks, vs)):
+        k, v = k.double().repeat_interleave(2, dim=1), v.double().repeat_interleave(2, dim=1)   # [n, heads, d]
+        sums = torch.einsum("hd,nhd,nhe->he", q[b].double(), k, v)
+        tops = torch.maximum(k, v).amax(dim=0)
+        torch.testing.assert_close(got_sums[b], sums, atol=1e-3, rtol=1e-5, msg=lambda m: f"no softmax, seq {b}: {m}")
+        torch.testing.assert_close(got_tops[b], tops, atol=0, rtol=0, msg=lambda m: f"loads only, seq {b}: {m}")
