@@ -49,14 +49,15 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
 * ``unmasked``: whole tiles without masks (no predicates on the copies, no -inf on the scores), the last
   partial tile masked once, on the paged cache and on SDPA's contiguous tensors, settings ``TUNE_UNMASKED``;
 * ``ceiling``: what the loads alone cost: the loop without the online softmax (both products kept) and with
-  nothing but an elementwise max of the K/V tiles, paged and contiguous.
+  nothing but an elementwise max of the K/V tiles, paged and contiguous;
+* ``readpeak``: the same K/V bytes read by a plain streaming kernel (several settings) and by PyTorch's ``amax``.
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
     TUNE_SECTIONS=kernels,queue OUT=out python scripts/gpu_lesson04_tune.py         # session 5's (and
     TUNE_SECTIONS=prefetch / ahead / asm / l2hint, one call each)
     TUNE_SECTIONS=lanes OUT=out python scripts/gpu_lesson04_tune.py                  # session 6's (and rows)
-    TUNE_SECTIONS=ceiling OUT=out python scripts/gpu_lesson04_tune.py                # session 7's
+    TUNE_SECTIONS=ceiling,readpeak OUT=out python scripts/gpu_lesson04_tune.py       # session 7's
 """
 
 from __future__ import annotations
@@ -1033,6 +1034,53 @@ def section_ceiling(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+@triton.jit
+def _read_max_kernel(X, Y, OUT, n, BLOCK: tl.constexpr):
+    """Read ``X[:n]`` and ``Y[:n]`` once, grid-strided in ``BLOCK``-element pieces; store each program's max. The
+    least arithmetic a full read needs (a bf16 max per two numbers)."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    for begin in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        at = begin + offs          # n < 2**31 at every shape timed here
+        ok = at < n
+        x = tl.load(X + at, mask=ok, other=float("-inf"), eviction_policy="evict_first")
+        y = tl.load(Y + at, mask=ok, other=float("-inf"), eviction_policy="evict_first")
+        top = tl.maximum(top, tl.maximum(x, y).to(tl.float32))
+    tl.store(OUT + pid, tl.max(top, 0))
+
+
+READ_CONFIGS = ((4096, 4, 2), (4096, 4, 4), (4096, 8, 4), (8192, 8, 2), (8192, 8, 4), (2048, 4, 8), (16384, 8, 2))
+
+
+def section_readpeak(report, gen, pct):
+    """Session 7: how fast can these K/V bytes be read at all? A plain streaming read of SDPA's contiguous K and V
+    (``_read_max_kernel``, settings ``READ_CONFIGS``: elements per piece x warps x programs per multiprocessor) and
+    PyTorch's ``amax`` of both, beside SDPA's default and the decode kernel, same bytes, same timing."""
+    rows = report.setdefault("readpeak", [])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (128, 8, 4096), (32, 4, 32768))
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_READ_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
+        truth = float(torch.maximum(k.amax(), v.amax()))
+        timed = {"torch amax(k), amax(v)": lambda: torch.maximum(k.amax(), v.amax())}
+        for block, warps, per_sm in READ_CONFIGS:
+            grid = sms * per_sm
+            tops = torch.empty(grid, device="cuda", dtype=torch.float32)
+            def read(tops=tops, block=block, warps=warps, grid=grid):
+                _read_max_kernel[(grid,)](k, v, tops, k.numel(), BLOCK=block, num_warps=warps)
+                return tops.max()
+            timed[f"triton read, {block} x w{warps} x {per_sm}/SM"] = read
+        for name, fn in timed.items():
+            assert float(fn()) == truth, name
+            ms = graph_ms(fn)
+            rows.append({"shape": label, "impl": name, "ms": ms, "pct_copy": pct(moved, ms)})
+            print(f"  {label} {name}: {ms * 1e3:.1f}us ({pct(moved, ms):.1f}%)", flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -1154,6 +1202,8 @@ def main() -> None:
         section_unmasked(report, gen, pct)
     if "ceiling" in sections:
         section_ceiling(report, gen, pct)
+    if "readpeak" in sections:
+        section_readpeak(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
