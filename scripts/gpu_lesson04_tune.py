@@ -50,14 +50,16 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
   partial tile masked once, on the paged cache and on SDPA's contiguous tensors, settings ``TUNE_UNMASKED``;
 * ``ceiling``: what the loads alone cost: the loop without the online softmax (both products kept) and with
   nothing but an elementwise max of the K/V tiles, paged and contiguous;
-* ``readpeak``: the same K/V bytes read by a plain streaming kernel (several settings) and by PyTorch's ``amax``.
+* ``readpeak``: the same K/V bytes read by a plain streaming kernel (several settings) and by PyTorch's ``amax``;
+* ``gluon``: a warp-specialised kernel in Gluon (``scripts/paged_decode_gluon.py``: a one-warp TMA or cp.async
+  loader and four compute warps around a ring of shared-memory buffers), checked against float64, then timed.
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
     TUNE_SECTIONS=kernels,queue OUT=out python scripts/gpu_lesson04_tune.py         # session 5's (and
     TUNE_SECTIONS=prefetch / ahead / asm / l2hint, one call each)
     TUNE_SECTIONS=lanes OUT=out python scripts/gpu_lesson04_tune.py                  # session 6's (and rows)
-    TUNE_SECTIONS=ceiling,readpeak OUT=out python scripts/gpu_lesson04_tune.py       # session 7's
+    TUNE_SECTIONS=ceiling,readpeak OUT=out python scripts/gpu_lesson04_tune.py       # session 7's (and gluon)
 """
 
 from __future__ import annotations
@@ -1081,6 +1083,41 @@ def section_readpeak(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+def section_gluon(report, gen, pct):
+    """Session 7: the warp-specialised Gluon kernel (``scripts/paged_decode_gluon.py``: a one-warp loader filling a
+    ring of shared-memory buffers by TMA or cp.async, four compute warps) checked against float64, then timed
+    beside SDPA's default and the solution at the benchmark shapes where the solution uses one split (the probe
+    has no split), with ``TUNE_GLUON_STAGES`` ring depths (default 3,2)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import paged_decode_gluon as pg
+
+    checks = pg.check_against_float64()
+    report["gluon_check"] = checks
+    for row in checks:
+        print("  check", row, flush=True)
+    good = {(r["loader"], r["swizzled"]) for r in checks}
+    good -= {(r["loader"], r["swizzled"]) for r in checks if not (r["finite"] and r["max_abs_err"] < 2e-2)}
+    stages_list = [int(x) for x in os.environ.get("TUNE_GLUON_STAGES", "3,2").split(",")]
+    rows = report.setdefault("gluon", [])
+    shapes = [shape for shape in BENCH_SHAPES if pa.choose_num_splits(*shape) == 1]
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_GLUON_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        for loader, swizzled in pg.VARIANTS:
+            if (loader, swizzled) not in good:
+                continue
+            descriptors = pg.make_descriptors(k_cache, v_cache, swizzled)
+            for stages in stages_list:
+                name = f"gluon {loader}{'' if swizzled else ' unswizzled'} s{stages}"
+                try:
+                    record(name, lambda l=loader, w=swizzled, st=stages, d=descriptors: pg.ws_decode(
+                        q, k_cache, v_cache, tables, lens, SCALE, l, st, w, d))
+                except Exception as err:  # noqa: BLE001 - a setting that does not compile is a result too
+                    rows.append({"shape": label, "impl": name, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+                    print("  failed:", rows[-1], flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens
+        torch.cuda.empty_cache()
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -1204,6 +1241,8 @@ def main() -> None:
         section_ceiling(report, gen, pct)
     if "readpeak" in sections:
         section_readpeak(report, gen, pct)
+    if "gluon" in sections:
+        section_gluon(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
