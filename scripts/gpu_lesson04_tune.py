@@ -52,7 +52,9 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
   nothing but an elementwise max of the K/V tiles, paged and contiguous;
 * ``readpeak``: the same K/V bytes read by a plain streaming kernel (several settings) and by PyTorch's ``amax``;
 * ``gluon``: a warp-specialised kernel in Gluon (``scripts/paged_decode_gluon.py``: a one-warp TMA or cp.async
-  loader and four compute warps around a ring of shared-memory buffers), checked against float64, then timed.
+  loader and four compute warps around a ring of shared-memory buffers), checked against float64, then timed;
+* ``clocks``: SM clock, memory clock, power and throttle reasons (``nvidia-smi``, every 20 ms) while each of
+  SDPA, the solution, the no-softmax probe and the Gluon kernel runs back to back for a few seconds.
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
@@ -1118,6 +1120,80 @@ def section_gluon(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+def _sample_gpu(seconds, fn):
+    """Run ``fn`` back to back for ``seconds`` while ``nvidia-smi`` samples the SM clock, memory clock and power
+    every 20 ms; returns (milliseconds per call from CUDA events, the samples taken while it ran)."""
+    import subprocess
+
+    query = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active"
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "20"],
+                           stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)                                  # let the sampler start before the load does
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls, began = 0, time.monotonic()
+    start.record()
+    while time.monotonic() - began < seconds:
+        for _ in range(50):
+            fn()
+        calls += 50
+        torch.cuda.synchronize()
+    end.record()
+    end.synchronize()
+    smi.terminate()
+    lines = smi.communicate()[0].strip().splitlines()
+    samples = []
+    for line in lines[len(lines) // 4:-2]:           # drop the ramp-up and the last, partly idle samples
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            samples.append({"sm_mhz": float(fields[0]), "mem_mhz": float(fields[1]), "watts": float(fields[2]),
+                            "celsius": float(fields[3]), "reasons": fields[4]})
+        except (ValueError, IndexError):
+            continue
+    return start.elapsed_time(end) / calls, samples
+
+
+def section_clocks(report, gen, pct):
+    """Session 7: is the gap to cuDNN the clock? Each kernel replayed back to back for ``TUNE_CLOCK_S`` seconds
+    (default 3) while ``nvidia-smi`` samples SM clock, memory clock, power and throttle reasons; two rounds,
+    interleaved, at b32 h32/8 ctx32k and ctx4k."""
+    import statistics
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import paged_decode_gluon as pg
+
+    seconds = float(os.environ.get("TUNE_CLOCK_S", "3"))
+    no_softmax = loop_variant("nosoftmax", NO_SOFTMAX_LOOP)
+    rows = report.setdefault("clocks", [])
+    for batch, kv, ctx in ((32, 8, 32768), (32, 8, 4096)):
+        label = shape_label(batch, kv, ctx)
+        q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv, ctx, gen)
+        moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
+        descriptors = pg.make_descriptors(k_cache, v_cache, True)
+        impls = {"torch SDPA (default)": sdpa_fn(q, k, v),
+                 "yaie default": lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE, 1),
+                 "no softmax probe": lambda: no_softmax._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE, 1),
+                 "gluon tma s2": lambda: pg.ws_decode(q, k_cache, v_cache, tables, lens, SCALE, "tma", 2, True,
+                                                      descriptors)}
+        replays = {name: graphed(fn) for name, fn in impls.items()}
+        for round_ in (1, 2):
+            for name, replay in replays.items():
+                ms, samples = _sample_gpu(seconds, replay)
+                row = {"shape": label, "impl": name, "round": round_, "ms": ms, "pct_copy": pct(moved, ms),
+                       "samples": len(samples)}
+                for key in ("sm_mhz", "mem_mhz", "watts", "celsius"):
+                    values = [x[key] for x in samples]
+                    if values:
+                        row[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+                row["reasons"] = sorted({x["reasons"] for x in samples})
+                rows.append(row)
+                print(f"  {label} {name} round {round_}: {ms * 1e3:.1f}us, "
+                      + ", ".join(f"{key} {row[key]['median']:.0f} ({row[key]['min']:.0f}-{row[key]['max']:.0f})"
+                                  for key in ("sm_mhz", "mem_mhz", "watts", "celsius") if key in row)
+                      + f", reasons {row['reasons']}", flush=True)
+        del q, k, v, k_cache, v_cache, tables, lens, replays
+        torch.cuda.empty_cache()
+
+
 def section_kernels(report, gen):
     """What SDPA's default runs and how our kernel is launched: name, grid, block, registers, shared memory
     and time of every GPU kernel of one call (torch profiler trace)."""
@@ -1243,6 +1319,8 @@ def main() -> None:
         section_readpeak(report, gen, pct)
     if "gluon" in sections:
         section_gluon(report, gen, pct)
+    if "clocks" in sections:
+        section_clocks(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
