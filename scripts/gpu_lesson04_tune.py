@@ -53,6 +53,8 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
 * ``readpeak``: the same K/V bytes read by a plain streaming kernel (several settings) and by PyTorch's ``amax``;
 * ``gluon``: a warp-specialised kernel in Gluon (``scripts/paged_decode_gluon.py``: a one-warp TMA or cp.async
   loader and four compute warps around a ring of shared-memory buffers), checked against float64, then timed;
+* ``gluonplace``: the Gluon TMA kernel on the same numbers in shuffled / in-order / head-major 16-token blocks,
+  64-token blocks and SDPA's contiguous tensors;
 * ``clocks``: SM clock, memory clock, power and throttle reasons (``nvidia-smi``, every 20 ms) while each of
   SDPA, the solution, the no-softmax probe and the Gluon kernel runs back to back for a few seconds.
 
@@ -1120,6 +1122,48 @@ def section_gluon(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+def section_gluonplace(report, gen, pct):
+    """Session 7: the Gluon TMA kernel (2-stage ring) on the same numbers stored five ways: the benchmark's shuffled
+    16-token blocks, the same blocks in order, head-major 16-token blocks, shuffled 64-token blocks, and SDPA's own
+    contiguous tensors as one block per sequence (with the solution on those too, and a 3-stage ring), beside
+    SDPA's default, at the shapes where the solution uses one split."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import paged_decode_gluon as pg
+
+    rows = report.setdefault("gluonplace", [])
+    shapes = [shape for shape in BENCH_SHAPES if pa.choose_num_splits(*shape) == 1]
+    for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_GLUON_SHAPES", len(shapes)))]:
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+
+        def gluon(name, kc, vc, table, stages=2):
+            descriptors = pg.make_descriptors(kc, vc, True)
+            record(name, lambda: pg.ws_decode(q, kc, vc, table, lens, SCALE, "tma", stages, True, descriptors))
+
+        gluon("gluon tma s2, shuffled 16-token blocks", k_cache, v_cache, tables)
+        k_ordered, v_ordered, in_order = blocks_in_order(k_cache, v_cache, tables)
+        gluon("gluon tma s2, 16-token blocks in order", k_ordered, v_ordered, in_order)
+        del k_ordered, v_ordered
+        k_hnd = k_cache.transpose(1, 2).contiguous().transpose(1, 2)      # head-major storage, the same view
+        v_hnd = v_cache.transpose(1, 2).contiguous().transpose(1, 2)
+        gluon("gluon tma s2, shuffled head-major 16-token blocks", k_hnd, v_hnd, tables)
+        del k_hnd, v_hnd
+        blocks64 = batch * ctx // 64
+        tables64 = torch.randperm(blocks64, device="cuda", generator=gen).view(batch, ctx // 64).to(torch.int32)
+        k64 = torch.empty(blocks64, 64, kv, 128, device="cuda", dtype=k.dtype)
+        v64 = torch.empty_like(k64)
+        k64[tables64.long().flatten()] = k.permute(0, 2, 1, 3).reshape(blocks64, 64, kv, 128)
+        v64[tables64.long().flatten()] = v.permute(0, 2, 1, 3).reshape(blocks64, 64, kv, 128)
+        gluon("gluon tma s2, shuffled 64-token blocks", k64, v64, tables64)
+        del k64, v64
+        one_block = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None]
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+        record("yaie on SDPA's contiguous K/V", lambda: pa._launch_decode(q, kt, vt, one_block, lens, ctx, SCALE, 1))
+        gluon("gluon tma s2 on SDPA's contiguous K/V", kt, vt, one_block)
+        gluon("gluon tma s3 on SDPA's contiguous K/V", kt, vt, one_block, stages=3)
+        del q, k, v, k_cache, v_cache, tables, lens, kt, vt
+        torch.cuda.empty_cache()
+
+
 def _sample_gpu(seconds, fn):
     """Run ``fn`` back to back for ``seconds`` while ``nvidia-smi`` samples the SM clock, memory clock and power
     every 20 ms; returns (milliseconds per call from CUDA events, the samples taken while it ran)."""
@@ -1319,6 +1363,8 @@ def main() -> None:
         section_readpeak(report, gen, pct)
     if "gluon" in sections:
         section_gluon(report, gen, pct)
+    if "gluonplace" in sections:
+        section_gluonplace(report, gen, pct)
     if "clocks" in sections:
         section_clocks(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"

@@ -14,7 +14,8 @@ what is left against cuDNN is how the K/V bytes are fetched, not the arithmetic.
 
 The loader never waits for arithmetic and the compute warps never issue a copy, so the ring stays full as long
 as memory keeps up. One program per (sequence, KV head); no split (the probe is timed at the shapes where the
-solution uses none). bf16/fp16, head_dim 64 or 128, any block size that divides 64; no CPU path (the Triton
+solution uses none). bf16/fp16, head_dim 64 or 128, block sizes that divide 64 or (TMA) are multiples of it, so
+SDPA's own contiguous tensors can be read as one block per sequence; no CPU path (the Triton
 interpreter does not run Gluon), so ``section_gluon`` of ``gpu_lesson04_tune.py`` checks it against float64 on
 the GPU before it is timed.
 """
@@ -36,34 +37,35 @@ ROWS = gl.constexpr(16)          # query rows per program (the group, padded for
 @gluon.jit
 def _load_tiles_tma(k_desc, v_desc, table, seq_len, n_tiles, k_ring, v_ring, ready, empty, kv_head,
                     BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr):
-    """The loader warp, TMA flavour: per tile, one box of ``[1, BLOCK_SIZE, 1, BOX_W]`` per block and box column.
+    """The loader warp, TMA flavour: per tile, one box of ``[1, BOX_ROWS, 1, BOX_W]`` per run of rows and box column.
 
-    With a 128-byte swizzled buffer a ``[TILE, HEAD_DIM]`` tile lies in memory as ``HEAD_DIM / 64`` column halves
-    of ``[TILE, 64]``, so a box is 64 wide and lands at (half c, block j) = ``c * BLOCKS + j`` of the buffer
-    seen as boxes. Unswizzled (``SWIZZLED=False``) a box is a whole row (``HEAD_DIM`` wide) and block j is simply
-    rows ``j * BLOCK_SIZE`` on."""
+    A box holds ``BOX_ROWS = min(BLOCK_SIZE, TILE)`` tokens of one block (a whole block of 16 or 32, or 64 tokens
+    of a bigger one). With a 128-byte swizzled buffer a ``[TILE, HEAD_DIM]`` tile lies in memory as
+    ``HEAD_DIM / 64`` column halves of ``[TILE, 64]``, so a box is 64 wide and box (half c, run j) lands at
+    ``c * RUNS + j`` of the buffer seen as boxes. Unswizzled (``SWIZZLED=False``) a box is a whole row."""
+    BOX_ROWS: gl.constexpr = k_desc.block_shape[1]
     BOX_W: gl.constexpr = k_desc.block_shape[3]
     HALVES: gl.constexpr = HEAD_DIM // BOX_W
-    BLOCKS: gl.constexpr = TILE // BLOCK_SIZE
-    BOXES: gl.constexpr = BLOCKS * HALVES
-    k_boxes = k_ring._reinterpret(k_desc.dtype, [STAGES * BOXES, 1, BLOCK_SIZE, 1, BOX_W], k_desc.layout)
-    v_boxes = v_ring._reinterpret(v_desc.dtype, [STAGES * BOXES, 1, BLOCK_SIZE, 1, BOX_W], v_desc.layout)
+    RUNS: gl.constexpr = TILE // BOX_ROWS
+    BOXES: gl.constexpr = RUNS * HALVES
+    k_boxes = k_ring._reinterpret(k_desc.dtype, [STAGES * BOXES, 1, BOX_ROWS, 1, BOX_W], k_desc.layout)
+    v_boxes = v_ring._reinterpret(v_desc.dtype, [STAGES * BOXES, 1, BOX_ROWS, 1, BOX_W], v_desc.layout)
     used_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
     for i in range(n_tiles):
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)   # 1st lap: a fresh barrier passes parity 1
         mbarrier.expect(ready.index(stage), 2 * TILE * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
-        for j in gl.static_range(BLOCKS):
-            logical = i * BLOCKS + j
+        for j in gl.static_range(RUNS):
+            token = i * TILE + j * BOX_ROWS
+            logical = token // BLOCK_SIZE
             # Past the sequence's last block the table may hold anything: point those boxes at block 0 (any
             # real block will do; the compute warps zero those rows).
             block = gl.load(table + logical, mask=logical < used_blocks, other=0)
             for c in gl.static_range(HALVES):
-                box = stage * BOXES + c * BLOCKS + j
-                tma.async_copy_global_to_shared(k_desc, [block, 0, kv_head, c * BOX_W], ready.index(stage),
-                                                k_boxes.index(box))
-                tma.async_copy_global_to_shared(v_desc, [block, 0, kv_head, c * BOX_W], ready.index(stage),
-                                                v_boxes.index(box))
+                box = stage * BOXES + c * RUNS + j
+                at = [block, token % BLOCK_SIZE, kv_head, c * BOX_W]
+                tma.async_copy_global_to_shared(k_desc, at, ready.index(stage), k_boxes.index(box))
+                tma.async_copy_global_to_shared(v_desc, at, ready.index(stage), v_boxes.index(box))
 
 
 @gluon.jit
@@ -193,9 +195,10 @@ def _paged_decode_ws_kernel(q_ptr, out_ptr, k_cache, v_cache, k_desc, v_desc, ta
 
 def _box_layout(dtype: torch.dtype, swizzled: bool, head_dim: int, block_size: int):
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    rows = min(block_size, TILE.value)
     if swizzled:
-        return [1, block_size, 1, 64], gl.NVMMASharedLayout.get_default_for([1, block_size, 1, 64], gl_dtype)
-    return [1, block_size, 1, head_dim], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4)
+        return [1, rows, 1, 64], gl.NVMMASharedLayout.get_default_for([1, rows, 1, 64], gl_dtype)
+    return [1, rows, 1, head_dim], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4)
 
 
 def ws_decode(q, k_cache, v_cache, block_tables, context_lens, scale=None, loader="tma", stages=3, swizzled=True,
@@ -206,8 +209,10 @@ def ws_decode(q, k_cache, v_cache, block_tables, context_lens, scale=None, loade
     costs host time; an engine would keep them with its cache)."""
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    if q.dtype not in (torch.float16, torch.bfloat16) or head_dim not in (64, 128) or TILE % block_size:
-        raise ValueError("the Gluon probe takes fp16/bf16, head_dim 64 or 128, block sizes dividing 64")
+    if q.dtype not in (torch.float16, torch.bfloat16) or head_dim not in (64, 128) or \
+            (TILE.value % block_size and block_size % TILE.value) or (loader != "tma" and TILE.value % block_size):
+        raise ValueError("the Gluon probe takes fp16/bf16, head_dim 64 or 128, block sizes that divide 64 or that "
+                         "64 divides (TMA only)")
     group = num_heads // num_kv_heads
     if group > ROWS:
         raise ValueError(f"at most {ROWS} query heads per KV head")
@@ -233,17 +238,19 @@ def make_descriptors(k_cache, v_cache, swizzled=True):
     return TensorDescriptor.from_tensor(k_cache, box, layout), TensorDescriptor.from_tensor(v_cache, box, layout)
 
 
-VARIANTS = (("tma", True), ("tma", False), ("cpasync", True))   # (loader, swizzled ring)
+# (loader, swizzled ring). The unswizzled TMA ring gave NaN on the H200 (session 7, first run) and was dropped:
+# the box-to-buffer mapping of a 256-byte-wide box is not the one the compute warps read.
+VARIANTS = (("tma", True), ("cpasync", True))
 
 
 def check_against_float64(device="cuda"):
     """Every variant against float64 on small caches whose unused rows and blocks hold NaN (contexts 0, 1, 63,
-    64, 65, 300, 1000; GQA 4:1 and 8:1; blocks of 16 and 32). Returns one row per (case, variant)."""
+    64, 65, 300, 1000; GQA 4:1 and 8:1; blocks of 16 and 32, and 64 and 128 for TMA). One row per (case, variant)."""
     from solutions.kernels.paged_attention import paged_attention_reference
 
     gen = torch.Generator().manual_seed(7)
     rows = []
-    for kv, group, block_size in ((8, 4, 16), (4, 8, 16), (2, 4, 32)):
+    for kv, group, block_size in ((8, 4, 16), (4, 8, 16), (2, 4, 32), (4, 4, 64), (2, 8, 128)):
         lens = [0, 1, 63, 64, 65, 300, 1000]
         per_seq = [(n + block_size - 1) // block_size for n in lens]
         num_blocks = sum(per_seq) + 5
@@ -262,6 +269,8 @@ def check_against_float64(device="cuda"):
         ref = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), tables, ctx)
         on_device = [t.to(device) for t in (q, k_cache, v_cache, tables, ctx)]
         for loader, swizzled in VARIANTS:
+            if loader != "tma" and TILE.value % block_size:
+                continue
             got = ws_decode(*on_device, loader=loader, swizzled=swizzled).double().cpu()
             rows.append({"case": f"kv {kv} group {group} block {block_size}", "loader": loader, "swizzled": swizzled,
                          "max_abs_err": float((got - ref).abs().max()), "finite": bool(got.isfinite().all())})
