@@ -344,6 +344,21 @@ idle two thirds of the time. Our reading: the last few percent are in how steadi
 system busy, and Triton decides most of that for you. Triton picks the hardware path from the shapes you give
 `tl.dot`; exercise 11 lets you watch it do so.
 
+Session 7 took the loop apart instead (`bench/README.md`, "Session 7"). With the online softmax removed (the
+scores go straight into `P @ V`), the loop takes the *same* time: the arithmetic was never the gap. A kernel
+written in Gluon, Triton's lower-level language (`scripts/paged_decode_gluon.py`), rebuilt the load path by
+hand: one *loader warp* walks the block table and fills a ring of shared-memory buffers with the TMA engine,
+four *compute warps* wait on an mbarrier per buffer, and neither ever waits for the other's instructions
+(warp specialisation, the structure of FlashAttention-3). It is correct and lands within about a percent of
+our Triton kernel, still 1-3% behind cuDNN. Two measurements explain why. First, at full memory bandwidth
+the H200 runs at its 700 W power cap: every kernel here draws 695 W, the memory clock holds, and the SM clock
+drops by how much energy the kernel spends per byte (back to back: 1935 MHz under cuDNN and under the Gluon
+kernel, 1740-1770 MHz under our Triton kernel, which issues about twice the instructions). Second, on SDPA's
+own contiguous tensors both our kernels are level with cuDNN to within about a percent either way; on the
+paged cache with shuffled 16-token blocks the same bytes read 1-3% slower. A memory-bound kernel near the
+roofline is judged by energy and by the memory's access pattern, not by its FLOPs; exercises 12 and 13
+let you see both.
+
 ## Exercises
 
 1. Implement tasks 1-3. Run `pytest grader/lesson04 -k task2` while you work on the kernel.
@@ -390,6 +405,18 @@ system busy, and Triton decides most of that for you. Triton picks the hardware 
     reductions cross warps, and why does that decide how many `bar.sync` the loop needs?
     (`scripts/paged_decode_lanes.py` and `ROWS_EDITS` in `scripts/gpu_lesson04_tune.py` are the reference's
     versions; `bench/README.md`, "Session 6", has their times.)
+12. (GPU) Power and clocks. Replay your kernel from a CUDA graph back to back for a few seconds while
+    `nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,clocks_event_reasons.active --format=csv -lms 20`
+    runs beside it (`_sample_gpu` in `scripts/gpu_lesson04_tune.py` does this), then do the same for SDPA.
+    Which clock moves, which one does not, and which bit of the clock-event reasons is set? Why can a kernel
+    that issues more instructions per byte end up slower on a *memory-bound* problem? Then time both with the
+    L2 flushed between calls (`triton.testing.do_bench`): does the gap change, and why might it?
+13. (GPU, advanced) Read `scripts/paged_decode_gluon.py`. Draw the ring: which barrier does the loader wait on
+    before it overwrites a buffer, which one do the compute warps wait on, and what phase does each wait
+    for on the first and the second pass through the ring? Why does the loader's first wait on a freshly
+    initialised "empty" barrier return at once? Why must the compute warps zero the V rows past the context
+    (`gl.where` on `v`) even though their scores are already `-inf`? Change the ring from 2 to 4 buffers
+    and explain the time you measure (hint: shared memory per program, programs per multiprocessor).
 
 ## Grade
 """)

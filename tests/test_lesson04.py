@@ -174,3 +174,20 @@ def test_session7_ceiling_probes_compute_what_they_claim():
         tops = torch.maximum(k, v).amax(dim=0)
         torch.testing.assert_close(got_sums[b], sums, atol=1e-3, rtol=1e-5, msg=lambda m: f"no softmax, seq {b}: {m}")
         torch.testing.assert_close(got_tops[b], tops, atol=0, rtol=0, msg=lambda m: f"loads only, seq {b}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="the Gluon kernel needs a Hopper GPU (the Triton interpreter does not run Gluon)")
+def test_session7_gluon_kernel_matches_float64():  # pragma: no cover - CI has no GPU
+    """The warp-specialised Gluon experiment (``scripts/paged_decode_gluon.py``), every loader, against float64 on
+    caches whose unused rows and padding blocks hold NaN (contexts 0-1000, GQA 4:1 and 8:1, blocks 16-128)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import paged_decode_gluon as pg
+
+    rows = pg.check_against_float64()
+    assert len(rows) == 9, rows
+    bad = [r for r in rows if not (r["finite"] and r["max_abs_err"] < 1e-2)]
+    assert not bad, f"expected every case within 1e-2 of float64, got {bad}"
