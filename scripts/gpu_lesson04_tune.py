@@ -963,26 +963,20 @@ def section_regprefetch(report, gen, pct):
         torch.cuda.empty_cache()
 
 
+def _solution_loop_head():
+    """The solution's tile loop up to its arithmetic (block-table walk, masks, K/V loads), as text, so that the
+    probes below load exactly what the solution loads."""
+    source = Path(pa.__file__).read_text()
+    begin = source.index("    first = start + tl.arange(0, TILE_N)\n")
+    return source[begin:source.index("        if FP32_DOT:", begin)]
+
+
 # Session 7: what the loads alone cost. Two loops with the solution's block-table walk, masks, tiles and launch
-# settings (so the same cp.async pipeline), but less arithmetic: NO_SOFTMAX_LOOP keeps both tensor-core products
+# settings, but less arithmetic: NO_SOFTMAX_LOOP keeps both tensor-core products (so the same cp.async pipeline)
 # and drops the online softmax (the scores go straight into P @ V); LOADS_ONLY_LOOP keeps only an elementwise max
-# of the K and V tiles (one bf16x2 instruction per two numbers). Their times bound what any arithmetic in this
-# loop could reach; neither computes attention.
-NO_SOFTMAX_LOOP = """    first = start + tl.arange(0, TILE_N)
-    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)
-    for tile_start in range(start, end, TILE_N):
-        offs_n = tile_start + tl.arange(0, TILE_N)
-        n_ok = offs_n < end
-        block = next_block.to(tl.int64)
-        ahead = offs_n + TILE_N
-        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
-        within = offs_n % BLOCK_SIZE
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_CACHE + block[:, None] * stride_kb + within[:, None] * stride_kt + kv_head * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V_CACHE + block[:, None] * stride_vb + within[:, None] * stride_vt + kv_head * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        if FP32_DOT:
+# of the K and V tiles (one bf16x2 instruction per two numbers; measured, Triton then streams the tiles with plain
+# register loads, as it pipelines through shared memory only loads that feed a tl.dot). Neither computes attention.
+NO_SOFTMAX_LOOP = _solution_loop_head() + """        if FP32_DOT:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
             acc += tl.dot(scores, v.to(tl.float32), input_precision=PRECISION)
         else:
@@ -991,22 +985,11 @@ NO_SOFTMAX_LOOP = """    first = start + tl.arange(0, TILE_N)
     l += 1.0
     m = tl.zeros_like(m)
 """
-LOADS_ONLY_LOOP = """    first = start + tl.arange(0, TILE_N)
-    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)
-    top = tl.full([TILE_N, BLOCK_D], float("-inf"), K_CACHE.dtype.element_ty)
-    for tile_start in range(start, end, TILE_N):
-        offs_n = tile_start + tl.arange(0, TILE_N)
-        n_ok = offs_n < end
-        block = next_block.to(tl.int64)
-        ahead = offs_n + TILE_N
-        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
-        within = offs_n % BLOCK_SIZE
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_CACHE + block[:, None] * stride_kb + within[:, None] * stride_kt + kv_head * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=float("-inf"))
-        v = tl.load(V_CACHE + block[:, None] * stride_vb + within[:, None] * stride_vt + kv_head * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=float("-inf"))
-        top = tl.maximum(top, tl.maximum(k, v)).to(top.dtype)   # (Triton may compute a bf16 max in fp32)
+# Masked-off keys load as -inf here (the max must ignore them), and the running max is set up before the loop.
+LOADS_ONLY_LOOP = _solution_loop_head().replace("mask=kv_mask, other=0.0)", 'mask=kv_mask, other=float("-inf"))').replace(
+    "    for tile_start in range(start, end, TILE_N):\n",
+    '    top = tl.full([TILE_N, BLOCK_D], float("-inf"), K_CACHE.dtype.element_ty)\n'
+    "    for tile_start in range(start, end, TILE_N):\n") + """        top = tl.maximum(top, tl.maximum(k, v)).to(top.dtype)   # (Triton may compute a bf16 max in fp32)
     acc += tl.max(top.to(tl.float32), 0)[None, :]
     l += 1.0
     m = tl.zeros_like(m)
