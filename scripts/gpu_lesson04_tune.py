@@ -1082,22 +1082,21 @@ def section_gluon(report, gen, pct):
     report["gluon_check"] = checks
     for row in checks:
         print("  check", row, flush=True)
-    good = {(r["loader"], r["swizzled"]) for r in checks}
-    good -= {(r["loader"], r["swizzled"]) for r in checks if not (r["finite"] and r["max_abs_err"] < 2e-2)}
+    good = {r["loader"] for r in checks} - {r["loader"] for r in checks if not (r["finite"] and r["max_abs_err"] < 2e-2)}
     stages_list = [int(x) for x in os.environ.get("TUNE_GLUON_STAGES", "3,2").split(",")]
     rows = report.setdefault("gluon", [])
     shapes = [shape for shape in BENCH_SHAPES if pa.choose_num_splits(*shape) == 1]
     for batch, kv, ctx in shapes[:int(os.environ.get("TUNE_GLUON_SHAPES", len(shapes)))]:
         label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
-        for loader, swizzled in pg.VARIANTS:
-            if (loader, swizzled) not in good:
+        for loader in pg.LOADERS:
+            if loader not in good:
                 continue
-            descriptors = pg.make_descriptors(k_cache, v_cache, swizzled)
+            descriptors = pg.make_descriptors(k_cache, v_cache)
             for stages in stages_list:
-                name = f"gluon {loader}{'' if swizzled else ' unswizzled'} s{stages}"
+                name = f"gluon {loader} s{stages}"
                 try:
-                    record(name, lambda l=loader, w=swizzled, st=stages, d=descriptors: pg.ws_decode(
-                        q, k_cache, v_cache, tables, lens, SCALE, l, st, w, d))
+                    record(name, lambda l=loader, st=stages, d=descriptors: pg.ws_decode(
+                        q, k_cache, v_cache, tables, lens, SCALE, l, st, d))
                 except Exception as err:  # noqa: BLE001 - a setting that does not compile is a result too
                     rows.append({"shape": label, "impl": name, "error": f"{type(err).__name__}: {str(err)[:300]}"})
                     print("  failed:", rows[-1], flush=True)
@@ -1119,8 +1118,8 @@ def section_gluonplace(report, gen, pct):
         label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
 
         def gluon(name, kc, vc, table, stages=2):
-            descriptors = pg.make_descriptors(kc, vc, True)
-            record(name, lambda: pg.ws_decode(q, kc, vc, table, lens, SCALE, "tma", stages, True, descriptors))
+            descriptors = pg.make_descriptors(kc, vc)
+            record(name, lambda: pg.ws_decode(q, kc, vc, table, lens, SCALE, "tma", stages, descriptors))
 
         gluon("gluon tma s2, shuffled 16-token blocks", k_cache, v_cache, tables)
         k_ordered, v_ordered, in_order = blocks_in_order(k_cache, v_cache, tables)
@@ -1195,12 +1194,11 @@ def section_clocks(report, gen, pct):
         label = shape_label(batch, kv, ctx)
         q, k, v, k_cache, v_cache, tables, lens = make_inputs(batch, kv, ctx, gen)
         moved = kv_bytes(batch, kv, ctx) + 2 * q.numel() * 2
-        descriptors = pg.make_descriptors(k_cache, v_cache, True)
+        descriptors = pg.make_descriptors(k_cache, v_cache)
         impls = {"torch SDPA (default)": sdpa_fn(q, k, v),
                  "yaie default": lambda: pa._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE, 1),
                  "no softmax probe": lambda: no_softmax._launch_decode(q, k_cache, v_cache, tables, lens, ctx, SCALE, 1),
-                 "gluon tma s2": lambda: pg.ws_decode(q, k_cache, v_cache, tables, lens, SCALE, "tma", 2, True,
-                                                      descriptors)}
+                 "gluon tma s2": lambda: pg.ws_decode(q, k_cache, v_cache, tables, lens, SCALE, "tma", 2, descriptors)}
         replays = {name: graphed(fn) for name, fn in impls.items()}
         for round_ in (1, 2):
             for name, replay in replays.items():

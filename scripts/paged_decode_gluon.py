@@ -17,7 +17,10 @@ as memory keeps up. One program per (sequence, KV head); no split (the probe is 
 solution uses none). bf16/fp16, head_dim 64 or 128, block sizes that divide 64 or (TMA) are multiples of it, so
 SDPA's own contiguous tensors can be read as one block per sequence; no CPU path (the Triton
 interpreter does not run Gluon), so ``section_gluon`` of ``gpu_lesson04_tune.py`` checks it against float64 on
-the GPU before it is timed.
+the GPU before it is timed (and ``tests/test_lesson04.py`` on a Hopper GPU).
+
+Result (``bench/README.md``, "Session 7"): correct, and within about 1% of the solution's time, so still 1-3%
+behind cuDNN on the paged cache; on SDPA's contiguous tensors it is level with cuDNN to within about 1%.
 """
 
 from __future__ import annotations
@@ -36,13 +39,15 @@ ROWS = gl.constexpr(16)          # query rows per program (the group, padded for
 
 @gluon.jit
 def _load_tiles_tma(k_desc, v_desc, table, seq_len, n_tiles, k_ring, v_ring, ready, empty, kv_head,
-                    BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr):
+                    BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """The loader warp, TMA flavour: per tile, one box of ``[1, BOX_ROWS, 1, BOX_W]`` per run of rows and box column.
 
     A box holds ``BOX_ROWS = min(BLOCK_SIZE, TILE)`` tokens of one block (a whole block of 16 or 32, or 64 tokens
-    of a bigger one). With a 128-byte swizzled buffer a ``[TILE, HEAD_DIM]`` tile lies in memory as
-    ``HEAD_DIM / 64`` column halves of ``[TILE, 64]``, so a box is 64 wide and box (half c, run j) lands at
-    ``c * RUNS + j`` of the buffer seen as boxes. Unswizzled (``SWIZZLED=False``) a box is a whole row."""
+    of a bigger one). The ring's buffers are 128-byte swizzled (so that the compute warps read them without
+    bank conflicts), and a swizzled ``[TILE, HEAD_DIM]`` tile lies in memory as ``HEAD_DIM / 64`` column halves of
+    ``[TILE, 64]``: a box is 64 wide (128 bytes, the swizzle width) and box (half c, run j) lands at
+    ``c * RUNS + j`` of the buffer seen as boxes. (An unswizzled ring with whole-row boxes gave NaN on the H200:
+    that box-to-buffer mapping is not the one the compute warps read. It was dropped.)"""
     BOX_ROWS: gl.constexpr = k_desc.block_shape[1]
     BOX_W: gl.constexpr = k_desc.block_shape[3]
     HALVES: gl.constexpr = HEAD_DIM // BOX_W
@@ -149,8 +154,7 @@ def _paged_decode_ws_kernel(q_ptr, out_ptr, k_cache, v_cache, k_desc, v_desc, ta
                             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                             stride_table, num_heads, scale_log2,
                             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                            STAGES: gl.constexpr, LOADER: gl.constexpr, SWIZZLED: gl.constexpr,
-                            LOADER_REGS: gl.constexpr):
+                            STAGES: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr):
     seq = gl.program_id(0)
     kv_head = gl.program_id(1)
     seq_len = gl.load(context_lens + seq)
@@ -158,10 +162,7 @@ def _paged_decode_ws_kernel(q_ptr, out_ptr, k_cache, v_cache, k_desc, v_desc, ta
     table = tables + seq.to(gl.int64) * stride_table
 
     dtype: gl.constexpr = k_cache.dtype.element_ty
-    if SWIZZLED:
-        ring_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
-    else:
-        ring_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    ring_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)   # 128-byte swizzle
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], ring_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD_DIM], ring_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -178,7 +179,7 @@ def _paged_decode_ws_kernel(q_ptr, out_ptr, k_cache, v_cache, k_desc, v_desc, ta
             (_attend_tiles, (q_ptr, out_ptr, seq, kv_head, seq_len, n_tiles, scale_log2, k_ring, v_ring, ready, empty,
                              stride_qb, stride_qh, num_heads, GROUP, HEAD_DIM, STAGES)),
             (_load_tiles_tma, (k_desc, v_desc, table, seq_len, n_tiles, k_ring, v_ring, ready, empty, kv_head,
-                               BLOCK_SIZE, HEAD_DIM, STAGES, SWIZZLED)),
+                               BLOCK_SIZE, HEAD_DIM, STAGES)),
         ], worker_num_warps=[1], worker_num_regs=[LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -193,16 +194,15 @@ def _paged_decode_ws_kernel(q_ptr, out_ptr, k_cache, v_cache, k_desc, v_desc, ta
         mbarrier.invalidate(empty.index(s))
 
 
-def _box_layout(dtype: torch.dtype, swizzled: bool, head_dim: int, block_size: int):
+def _box_layout(dtype: torch.dtype, block_size: int):
+    """A TMA box (``[1, rows, 1, 64]``: up to 64 tokens of one block, one KV head, 64 columns) and its 128-byte
+    swizzled shared-memory layout, the one the ring's buffers have."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    rows = min(block_size, TILE.value)
-    if swizzled:
-        return [1, rows, 1, 64], gl.NVMMASharedLayout.get_default_for([1, rows, 1, 64], gl_dtype)
-    return [1, rows, 1, head_dim], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4)
+    box = [1, min(block_size, TILE.value), 1, 64]
+    return box, gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
 
 
-def ws_decode(q, k_cache, v_cache, block_tables, context_lens, scale=None, loader="tma", stages=3, swizzled=True,
-              descriptors=None):
+def ws_decode(q, k_cache, v_cache, block_tables, context_lens, scale=None, loader="tma", stages=2, descriptors=None):
     """Paged decode with the warp-specialised kernel (arguments as ``paged_attention_forward``, no split).
 
     ``descriptors``: the (K, V) TMA descriptors of these caches from :func:`make_descriptors` (building them
@@ -213,34 +213,35 @@ def ws_decode(q, k_cache, v_cache, block_tables, context_lens, scale=None, loade
             (TILE.value % block_size and block_size % TILE.value) or (loader != "tma" and TILE.value % block_size):
         raise ValueError("the Gluon probe takes fp16/bf16, head_dim 64 or 128, block sizes that divide 64 or that "
                          "64 divides (TMA only)")
+    if loader not in LOADERS:
+        raise ValueError(f"loader must be one of {LOADERS}, got {loader!r}")
     group = num_heads // num_kv_heads
     if group > ROWS:
         raise ValueError(f"at most {ROWS} query heads per KV head")
     scale = head_dim ** -0.5 if scale is None else scale
     out = torch.empty((batch, num_heads, head_dim), device=q.device, dtype=q.dtype)
-    k_desc, v_desc = descriptors or make_descriptors(k_cache, v_cache, swizzled)
+    k_desc, v_desc = descriptors or make_descriptors(k_cache, v_cache)
     _paged_decode_ws_kernel[(batch, num_kv_heads)](
         q, out, k_cache, v_cache, k_desc, v_desc, block_tables, context_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), num_heads,
         scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, STAGES=stages, LOADER=loader, SWIZZLED=swizzled,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, STAGES=stages, LOADER=loader,
         LOADER_REGS=24 if loader == "tma" else 80, num_warps=4,
         maxnreg=128)   # launched at 128 registers a thread, so 2 programs fit on a multiprocessor; the compute
                        # warps then take more (setmaxnreg) from the loader warp and the idle padding warps
     return out
 
 
-def make_descriptors(k_cache, v_cache, swizzled=True):
-    """TMA descriptors of the two caches: a 4-D view ``[num_blocks, block_size, kv_heads, head_dim]``, one box =
-    one block of one KV head (64 columns of it when swizzled)."""
-    box, layout = _box_layout(k_cache.dtype, swizzled, k_cache.shape[-1], k_cache.shape[1])
+def make_descriptors(k_cache, v_cache):
+    """TMA descriptors of the two caches: a 4-D view ``[num_blocks, block_size, kv_heads, head_dim]`` (any strides
+    that are multiples of 16 bytes, e.g. SDPA's ``[batch, heads, ctx, dim]`` transposed to one block per
+    sequence), one box = up to 64 tokens of one block, one KV head, 64 columns."""
+    box, layout = _box_layout(k_cache.dtype, k_cache.shape[1])
     return TensorDescriptor.from_tensor(k_cache, box, layout), TensorDescriptor.from_tensor(v_cache, box, layout)
 
 
-# (loader, swizzled ring). The unswizzled TMA ring gave NaN on the H200 (session 7, first run) and was dropped:
-# the box-to-buffer mapping of a 256-byte-wide box is not the one the compute warps read.
-VARIANTS = (("tma", True), ("cpasync", True))
+LOADERS = ("tma", "cpasync")
 
 
 def check_against_float64(device="cuda"):
@@ -268,11 +269,11 @@ def check_against_float64(device="cuda"):
         ctx = torch.tensor(lens, dtype=torch.int32)
         ref = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), tables, ctx)
         on_device = [t.to(device) for t in (q, k_cache, v_cache, tables, ctx)]
-        for loader, swizzled in VARIANTS:
+        for loader in LOADERS:
             if loader != "tma" and TILE.value % block_size:
                 continue
-            got = ws_decode(*on_device, loader=loader, swizzled=swizzled).double().cpu()
-            rows.append({"case": f"kv {kv} group {group} block {block_size}", "loader": loader, "swizzled": swizzled,
+            got = ws_decode(*on_device, loader=loader).double().cpu()
+            rows.append({"case": f"kv {kv} group {group} block {block_size}", "loader": loader,
                          "max_abs_err": float((got - ref).abs().max()), "finite": bool(got.isfinite().all())})
     return rows
 
