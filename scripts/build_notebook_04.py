@@ -28,6 +28,7 @@ You will write, in `yaie/kernels/paged_attention.py`:
 | 1 | `paged_attention_reference(...)` | the naive version: gather each sequence's K/V from its blocks, then attention in PyTorch |
 | 2 | `paged_attention_forward(..., num_splits=1)` | the Triton kernel: follows the block table while it loads, GQA, any head_dim (96 too) |
 | 3 | `merge_split_results(part_out, part_lse)` and the split-K path | flash-decoding: cut long contexts into ranges, merge by log-sum-exp |
+| 4 | `sliding_window=` in tasks 1 and 2 | attend to the last `w` tokens only, and read nothing before them |
 
 No GPU? The kernel runs on your CPU in the **Triton interpreter** (small shapes; float32/float16, since
 the interpreter's bf16 `tl.dot` is broken). Grade with `pytest grader/lesson04` or the last cell.
@@ -240,7 +241,59 @@ try_it(check_merge)
 """)
 
 md(r"""
-## 5. The decode roofline, measured
+## 5. Task 4: sliding windows
+
+Some models let a layer see only the last `w` tokens: Mistral 7B (`w = 4096` in every layer), Gemma 2 and 3
+and gpt-oss (every other layer, or five layers in six), Qwen2 (the upper layers, when enabled). Stacked
+layers still carry information further back, and each windowed layer's decode costs `w` tokens of K/V, not
+the whole context.
+
+The newest token of a sequence of `n` tokens sees positions `max(0, n - w) .. n - 1` (the rule Hugging Face
+applies: `j > p - w` for the query at `p = n - 1`). For your kernel that is one change where each split's
+range begins: it starts at the sequence's first visible token instead of 0, and the splits share out
+`min(max_context_len, w)` tokens instead of the whole context. Nothing else: the loop already looks up each
+token's block from its position, so a window that starts in the middle of a block or a tile just works.
+The blocks before the window are **never read**; the grader fills them with NaN to make sure.
+
+Until you do task 4, tasks 1 and 2 raise `NotImplementedError("lesson 04, task 4: ...")` when
+`sliding_window` is set (their docstrings say so); the engine then runs the reference for windowed models.
+
+The picture: which blocks one decode step reads, for a window of `w` tokens (drag it).
+""")
+
+code(r"""
+def show_window(context_len=45, window=20, block_size=8):
+    first = max(0, context_len - window)
+    fig, ax = plt.subplots(figsize=(10, 1.3))
+    for t in range(context_len):
+        seen = t >= first
+        ax.add_patch(patches.Rectangle((t, 0), 0.9, 0.9, color="tab:green" if seen else "lightgray"))
+    for j in range(math.ceil(context_len / block_size)):
+        read = (j + 1) * block_size > first
+        ax.add_patch(patches.Rectangle((j * block_size - 0.05, -0.1), block_size, 1.1, fill=False,
+                                       ec="black" if read else "silver", lw=1.2 if read else 0.6))
+    blocks_read = math.ceil(context_len / block_size) - first // block_size
+    ax.set_xlim(-1, context_len + 1); ax.set_ylim(-0.3, 1.2); ax.axis("off")
+    ax.set_title(f"the newest token sees tokens {first}..{context_len - 1} (green); "
+                 f"{blocks_read} of {math.ceil(context_len / block_size)} blocks are read (black)", fontsize=9)
+    plt.show()
+    q, kc, vc, bt, cl, ks, vs = make_batch([context_len, max(1, context_len // 3)], block_size=block_size, dtype=dtype)
+    seen_k = [k[max(0, k.shape[0] - window):] for k in ks]
+    seen_v = [v[max(0, v.shape[0] - window):] for v in vs]
+    try:
+        out = L4.paged_attention_forward(q, kc, vc, bt, cl, context_len, num_splits=2, sliding_window=window)
+        print("windowed kernel, 2 splits: max error vs float64 over the window:",
+              float((out.double().cpu() - sdpa_per_sequence(q, seen_k, seen_v)).abs().max()))
+    except NotImplementedError as err:
+        print(f"not implemented yet: {err}")
+
+
+widgets.interact(show_window, context_len=widgets.IntSlider(45, 1, 120), window=widgets.IntSlider(20, 1, 120),
+                 block_size=widgets.fixed(8));
+""")
+
+md(r"""
+## 6. The decode roofline, measured
 
 The points below are read from `bench/results/lesson04_<gpu>.json`, made on a lent GPU with
 `yaie bench lesson04 --solutions` (the same script measures the card's copy bandwidth and bf16 matmul rate:
@@ -361,7 +414,7 @@ let you see both.
 
 ## Exercises
 
-1. Implement tasks 1-3. Run `pytest grader/lesson04 -k task2` while you work on the kernel.
+1. Implement tasks 1-4. Run `pytest grader/lesson04 -k task2` while you work on the kernel.
 2. The grader fills every unused cache row with NaN. Which mask in your kernel keeps those NaNs out of the
    output, and why is masking the *load* not enough on its own (hint: what is `0 * q` in the score, and what
    does `exp2(0 - m)` add to `l`)?
@@ -417,6 +470,12 @@ let you see both.
     initialised "empty" barrier return at once? Why must the compute warps zero the V rows past the context
     (`gl.where` on `v`) even though their scores are already `-inf`? Change the ring from 2 to 4 buffers
     and explain the time you measure (hint: shared memory per program, programs per multiprocessor).
+14. Sliding windows: once a block lies wholly before the window of every windowed layer, no decode step
+    reads it again. Could the engine give it back to the free list? Look at how lesson 03 stores a block
+    (one block id covers the same rows of *every* layer's cache): for Mistral (all layers windowed) what would
+    freeing take (the block table row, `context_lens`, and the positions of later tokens), and why does it not
+    work for Gemma or Qwen2, where some layers see the whole context? What does the kernel need to know if
+    the table no longer starts at token 0?
 
 ## Grade
 """)

@@ -13,7 +13,8 @@ With the reference solutions, through continuous batching over lesson 03's paged
 3. float32, bundled model: CUDA graphs on (the default on CUDA) give the tokens of graphs off, in two
    calls in a row (the second replays the first's graphs); sections 2 and 4 run with graphs on too, the
    spies (1) with graphs off (a replayed graph calls no Python);
-4. float32, a random Llama 3 checkpoint (fresh seed): six random prompts in one call vs transformers.
+4. float32, a random Llama 3 checkpoint (fresh seed): six random prompts in one call vs transformers;
+5. float32, random Mistral and Qwen2 checkpoints with sliding-window layers, CUDA graphs on: vs transformers.
 
 Each section is independent: a failure is recorded and the next runs. Exit status 1 if any failed.
 """
@@ -149,6 +150,35 @@ def section_fp32_random():
     return result
 
 
+def section_fp32_windowed():
+    """float32, random models with sliding-window layers (window 8, prompts of 4-40 tokens, 24 new ones): a
+    Mistral (every layer windowed) and a Qwen2 whose layer 0 sees everything. With CUDA graphs on (the
+    default), the windowed layers decode through lesson 04 with their window (task 4); greedy ids vs
+    transformers, several prompts in one call."""
+    from yaie.model.testing import save_random_model
+    results = {}
+    for kind, overrides in [("mistral", {}),
+                            ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))]:
+        with tempfile.TemporaryDirectory() as d:
+            seed = int.from_bytes(os.urandom(4), "little") % 2**31
+            hf = save_random_model(kind, d, seed=seed, **overrides).to(DEVICE)
+            llm = LLM(d, device=DEVICE, dtype=torch.float32, block_size=8)
+            gen = torch.Generator().manual_seed(seed)
+            prompts = [[1] + torch.randint(3, 96, (int(n),), generator=gen).tolist()
+                       for n in torch.randint(4, 40, (6,), generator=gen)]
+            got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))]
+            want = [hf_greedy(hf, ids, 24, [2]) for ids in prompts]
+            graphs = llm.last_graphs
+            results[kind] = dict(seed=seed, windows=llm.config.sliding_windows,
+                                 equal=[g == w for g, w in zip(got, want)], tokens=[len(w) for w in want],
+                                 cuda_graph_buckets=sorted(graphs.graphs) if graphs else None,
+                                 cuda_graph_failure=graphs.failed if graphs else None)
+    assert all(all(r["equal"]) for r in results.values()), results
+    if DEVICE == "cuda":
+        assert all(r["cuda_graph_buckets"] and r["cuda_graph_failure"] is None for r in results.values()), results
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -158,7 +188,8 @@ def main() -> int:
     DEVICE = args.device
     sections = [("spies", section_spies), ("fp32_bundled_batched", section_fp32_bundled),
                 ("fp32_graphs_vs_eager", section_graphs_vs_eager),
-                ("fp32_random_llama3_batched", section_fp32_random)]
+                ("fp32_random_llama3_batched", section_fp32_random),
+                ("fp32_random_sliding_window_graphs", section_fp32_windowed)]
     return run_sections(sections, DEVICE, Path(args.out) / "engine_batching_check.json", print_chars=2000)
 
 

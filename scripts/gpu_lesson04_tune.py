@@ -395,10 +395,10 @@ TAIL_EDITS = [
      "                     main_splits * tokens_per_split + (split - main_splits) * tail_tokens)\n"),
     ("    end = tl.minimum(start + tokens_per_split, context_len)",
      "    end = tl.minimum(start + tl.where(is_main, tokens_per_split, tail_tokens), context_len)"),
-    ("    per_split = (max_context_len + num_splits - 1) // num_splits\n",
+    ("    per_split = (span + num_splits - 1) // num_splits\n",
      "    main_splits, tail_tiles = TAIL if TAIL else (num_splits, 0)\n"
      "    tail_tokens = tail_tiles * tile_n\n"
-     "    main_part = max(tile_n, max_context_len - (num_splits - main_splits) * tail_tokens)\n"
+     "    main_part = max(tile_n, span - (num_splits - main_splits) * tail_tokens)\n"
      "    per_split = (main_part + main_splits - 1) // main_splits\n"),
     ("        scale * LOG2E, tokens_per_split, max_context_len,\n",
      "        scale * LOG2E, tokens_per_split, max_context_len, main_splits, tail_tokens,\n"),

@@ -11,11 +11,13 @@ graphs on, with transformers.)
 import weakref
 
 import pytest
+import torch
 
+from yaie import ops
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
 from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs, buckets
 from yaie.engine.scheduler import Request, Scheduler
-from yaie.model.testing import single_thread
+from yaie.model.testing import fresh_seed, hf_greedy, save_random_model, single_thread
 
 PROMPTS = [
     "Once upon a time, there was a little fox named",
@@ -79,6 +81,39 @@ def test_fixed_buffer_decode_steps_give_the_engines_tokens(preemption):
     again = [out.token_ids for out in llm.generate(PROMPTS[:2], params[:2])]
     assert again == want[:2]
     assert llm.last_scheduler.manager is manager and llm.last_graphs is runner
+
+
+@pytest.mark.parametrize("kind,overrides,windows_seen", [
+    ("mistral", {}, {8}),                                                     # every layer windowed
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), {None, 8}),   # layer 0 full
+])
+def test_sliding_window_model_decodes_through_the_kernel_like_transformers(tmp_path, monkeypatch, kind, overrides,
+                                                                            windows_seen):
+    """Models with windowed layers (window 8), with the fixed-buffer decode steps: a windowed layer's decode
+    goes to lesson 04 with its window (task 4), through the Triton interpreter, and the greedy tokens equal
+    transformers'."""
+    pytest.importorskip("transformers")
+    seed = fresh_seed()
+    hf = save_random_model(kind, tmp_path, seed=seed, **overrides)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [[1] + torch.randint(3, 96, (n,), generator=gen).tolist() for n in (5, 13)]  # shorter, longer than 8
+    windows = []
+    real_call = ops.call
+
+    def spy(lesson, name, *args, **kwargs):
+        if lesson == 4:
+            windows.append(kwargs.get("sliding_window"))
+        return real_call(lesson, name, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "call", spy)
+    with single_thread():
+        llm = eager_graphs(LLM(tmp_path, device="cpu", block_size=4, num_blocks=32))
+        got = [out.token_ids for out in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                                              ignore_eos=True))]
+    want = [hf_greedy(hf, ids, 12, []) for ids in prompts]
+    assert got == want, f"seed={seed}: engine {got} vs transformers {want}"
+    assert set(windows) == windows_seen, windows
+    assert llm.last_graphs.graphs, "the decode steps ran through the fixed-buffer runner"
 
 
 def test_a_run_that_stops_early_gets_a_fresh_cache_and_the_old_one_is_released_first(monkeypatch):

@@ -300,27 +300,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, lay
     Which kernel runs (each looked up through the switch at call time):
 
     * ``step.use_kernels`` (CUDA tensors, by default): decode rows go to lesson 04's
-      ``paged_attention_forward`` (it reads the blocks through the block table); prefill rows go to
-      lesson 06's ``flash_attention_varlen_forward`` over the packed new tokens (or, for a prefill that
-      continues a cached context, over that context gathered from the blocks);
-    * otherwise, and for a sliding-window layer whose window is shorter than a context (neither kernel
-      has a window), each sequence's K/V is gathered from its blocks and lesson 01's
+      ``paged_attention_forward`` (it reads the blocks through the block table; a sliding-window layer
+      passes its window, lesson 04 task 4); prefill rows go to lesson 06's ``flash_attention_varlen_forward``
+      over the packed new tokens (or, for a prefill that continues a cached context, over that context
+      gathered from the blocks);
+    * otherwise, and for the prefills of a sliding-window layer whose window is shorter than one of their
+      contexts (lesson 06 has no window), each sequence's K/V is gathered from its blocks and lesson 01's
       ``cpu_attention_forward`` runs on it (:func:`attention`).
     """
     out = torch.empty_like(q)
-    decodes, cache_len = step.num_decodes, max(step.context_lens_list, default=0)
-    windowed = sliding_window is not None and cache_len > sliding_window
-    kernels = step.use_kernels and not windowed
+    decodes = step.num_decodes
     if decodes:
-        if kernels and _kernel_lesson_available(4):
+        if step.use_kernels and _kernel_lesson_available(4):
+            # The window goes to the kernel whatever the contexts, so a decode step records the same
+            # kernel call at every length (CUDA graphs); a window longer than a context cuts nothing.
+            window = {} if sliding_window is None else {"sliding_window": sliding_window}
             out[:decodes] = call(4, "paged_attention_forward", q[:decodes], step.manager.k_cache[layer],
                                  step.manager.v_cache[layer], step.block_tables[:decodes],
                                  step.context_lens[:decodes], max(step.context_lens_list[:decodes]),
-                                 scale=scale, validate=False)
+                                 scale=scale, validate=False, **window)
         else:
             _gathered_attention(out, q, step, layer, range(decodes), sliding_window, scale)
     if step.num_prefills:
-        if kernels and _kernel_lesson_available(6):
+        longest_prefill = max(step.context_lens_list[decodes:])
+        windowed = sliding_window is not None and longest_prefill > sliding_window
+        if step.use_kernels and not windowed and _kernel_lesson_available(6):
             out[decodes:] = _varlen_prefill(q[decodes:], k[decodes:], v[decodes:], step, layer, scale)
         else:
             _gathered_attention(out, q, step, layer, range(decodes, len(step.seq_ids)), sliding_window, scale)

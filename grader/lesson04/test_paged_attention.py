@@ -1,4 +1,4 @@
-"""Grader of lesson 04: paged-attention decode (the gather reference, the Triton kernel, split-K).
+"""Grader of lesson 04: paged-attention decode (the gather reference, the Triton kernel, split-K, sliding windows).
 
 The reference is written here, independently of the solution: each sequence's keys and values are
 gathered token by token through its block table into contiguous float64 tensors, then attention is
@@ -256,3 +256,87 @@ def test_split_k_low_precision(device, seed, dtype):
     assert_close(got, exact, name="paged_attention_forward output with 4 splits", dtype=dtype,
                  case=case_text(case, dtype, 4), atol=atol, rtol=rtol,
                  hint="keep the partial outputs and lse in float32; cast once at the end")
+
+
+# ================================================================ task 4: sliding windows
+
+# (case, window): windows that start inside a block and a tile, cover a whole short context, or hold one token.
+CPU_WINDOW_CASES = [
+    (CPU_CASES[0], 20),     # contexts 37, 5, 64: windows from 17, from 0 (shorter than the window), from 44
+    (CPU_CASES[2], 48),     # block_size 32: the window starts mid-block
+    (CPU_CASES[1], 1),      # only the newest token: the output is its V
+]
+GPU_WINDOW_CASES = [
+    (GPU_CASES[0], 1000),   # a Llama-8B-like layer, contexts 3..4096
+    (GPU_CASES[1], 4096),   # GQA 8:1, contexts 2000 and 2049 inside a Mistral-sized window
+    (GPU_CASES[2], 100),    # head_dim 96
+]
+
+
+def window_cases(device: str):
+    return GPU_WINDOW_CASES if device == "cuda" else CPU_WINDOW_CASES
+
+
+def build_windowed(case, window, dtype, device, seed):
+    """``build_paged``, then every cache row before a sequence's window set to NaN (a kernel must never read
+    it), and the K/V lists cut to what the newest token sees."""
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, dtype, device, seed)
+    bs = case[4]
+    for b, n in enumerate(case[0]):
+        for t in range(max(0, n - window)):
+            block = int(bt[b, t // bs])
+            kc[block, t % bs] = float("nan")
+            vc[block, t % bs] = float("nan")
+    seen_k = [k[max(0, k.shape[0] - window):] for k in ks]
+    seen_v = [v[max(0, v.shape[0] - window):] for v in vs]
+    return q, kc, vc, bt, cl, seen_k, seen_v
+
+
+WINDOW_HINT = ("the newest token of a sequence of n tokens sees positions max(0, n - window) .. n - 1; start each "
+               "sequence's loop (and its split ranges) there, and never load the rows before it (they are NaN)")
+
+
+@task(4, "sliding window")
+@pytest.mark.parametrize("case_index", [0, 1, 2])
+def test_window_reference_matches_float64(seed, case_index):
+    case, window = CPU_WINDOW_CASES[case_index]
+    q, kc, vc, bt, cl, ks, vs = build_windowed(case, window, torch.float64, "cpu", seed)
+    got = L.paged_attention_reference(q, kc, vc, bt, cl, sliding_window=window)
+    assert_close(got, ref_decode(q, ks, vs), name=f"paged_attention_reference(sliding_window={window})",
+                 dtype=torch.float64, case=case_text(case, torch.float64), atol=1e-10, rtol=1e-10, hint=WINDOW_HINT)
+
+
+@task(4, "sliding window")
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("case_index", [0, 1, 2])
+def test_window_forward_matches_float64(device, seed, case_index, num_splits):
+    case, window = window_cases(device)[case_index]
+    q, kc, vc, bt, cl, ks, vs = build_windowed(case, window, torch.float32, device, seed)
+    got = L.paged_attention_forward(q, kc, vc, bt, cl, max(case[0]), num_splits=num_splits, sliding_window=window)
+    assert_close(got, ref_decode(q, ks, vs), name=f"paged_attention_forward(sliding_window={window})",
+                 dtype=torch.float32, case=case_text(case, torch.float32, num_splits), atol=2e-5, rtol=1e-5,
+                 hint=WINDOW_HINT + "; with splits, split the window's tokens, not the whole context")
+
+
+@task(4, "sliding window")
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+                         ids=["fp16", "bf16"])
+def test_window_forward_low_precision(device, seed, dtype):
+    case, window = window_cases(device)[0]
+    q, kc, vc, bt, cl, ks, vs = build_windowed(case, window, dtype, device, seed)
+    got = L.paged_attention_forward(q, kc, vc, bt, cl, max(case[0]), sliding_window=window)
+    exact = ref_decode(q, ks, vs)
+    atol, rtol = lowp_bound(got, exact, q, ks, vs, dtype)
+    assert_close(got, exact, name=f"paged_attention_forward(sliding_window={window})", dtype=dtype,
+                 case=case_text(case, dtype), atol=atol, rtol=rtol, hint=WINDOW_HINT)
+
+
+@task(4, "sliding window")
+def test_window_bad_input(device, seed):
+    case = ([9, 4], 4, 2, 16, 8)
+    q, kc, vc, bt, cl, _, _ = build_paged(case, torch.float32, device, seed)
+    for bad in (0, -3, 2.5, True):
+        expect_value_error(L.paged_attention_forward, q, kc, vc, bt, cl, 9, sliding_window=bad,
+                           what=f"sliding_window={bad!r}")
+    expect_value_error(L.paged_attention_reference, q.cpu().double(), kc.cpu().double(), vc.cpu().double(),
+                       bt.cpu(), cl.cpu(), sliding_window=0, what="sliding_window=0 (reference)")

@@ -33,8 +33,16 @@ partial result is stored, and the split that finishes LAST merges them all. That
 8 us per call on the H200 benchmark shapes, up to 10% of a short decode step (bench/results/lesson04_h200.md,
 rows "merge as a 2nd kernel").
 
+**Sliding windows** (Mistral, Gemma 2/3, gpt-oss: some or all layers attend only to the last ``w``
+tokens). The newest token of a sequence of ``n`` tokens then sees positions ``max(0, n - w) .. n - 1``, and
+the blocks before those are never read: decode over a window costs ``w`` tokens of K/V, however long the
+context. The split ranges share out the window (``min(max_context_len, w)`` tokens), starting at each
+sequence's first visible token; the loop itself does not change, because it already works out each key's
+block from its position.
+
 Tasks: 1 the naive gather + PyTorch reference, 2 the Triton decode kernel and its launcher (one split),
-3 merging split results by log-sum-exp and the split-K path.
+3 merging split results by log-sum-exp and the split-K path, 4 sliding windows (in the reference and the
+kernel).
 """
 
 from __future__ import annotations
@@ -58,7 +66,8 @@ PROGRAMS_PER_SM = 2          # decode programs per multiprocessor the split heur
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, max_context_len: int, scale: float | None = None,
-                       num_splits: int | None = None, for_kernel: bool = True) -> None:
+                       num_splits: int | None = None, sliding_window: int | None = None,
+                       for_kernel: bool = True) -> None:
     """Raise ``ValueError`` unless the arguments are valid for :func:`paged_attention_forward`.
 
     Checks ranks, shapes, dtypes and devices only: no values (that would need a device sync);
@@ -119,6 +128,9 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
                                    or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
 def check_paged_values(k_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -144,7 +156,7 @@ def check_paged_values(k_cache: torch.Tensor, block_tables: torch.Tensor, contex
 # yaie: task 1
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor,
-                              scale: float | None = None) -> torch.Tensor:
+                              scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """The naive paged decode: gather each sequence's K and V from its blocks, then plain attention.
 
     Same arguments as :func:`paged_attention_forward` (without ``max_context_len``): q
@@ -153,6 +165,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     reads KV head ``h // (num_heads // num_kv_heads)``. Computes in the inputs' dtype (call it on float64
     copies to get a reference). A sequence with context length 0 gets a zero output.
 
+    ``sliding_window`` (task 4): None attends to the whole context; an int ``w >= 1`` attends to the last
+    ``w`` tokens only (positions ``max(0, n - w) .. n - 1`` of a sequence of ``n`` tokens). Until you do
+    task 4, raise ``NotImplementedError("lesson 04, task 4: sliding window")`` when it is not None.
+
     Returns:
         ``[batch, num_heads, head_dim]`` in q's dtype.
 
@@ -160,7 +176,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         ValueError: as :func:`check_paged_inputs` (with ``max_context_len`` = the longest context).
     """
     max_len = max(1, int(context_lens.max())) if isinstance(context_lens, torch.Tensor) and context_lens.numel() else 1
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_len, scale, for_kernel=False)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_len, scale,
+                       sliding_window=sliding_window, for_kernel=False)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -170,12 +187,13 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         length = int(context_lens[b])
         if length == 0:
             continue
-        positions = torch.arange(length, device=q.device)
+        first = 0 if sliding_window is None else max(0, length - sliding_window)
+        positions = torch.arange(first, length, device=q.device)    # the tokens this query sees
         blocks = block_tables[b, positions // block_size].long()
         rows = positions % block_size
         k = k_cache[blocks, rows].repeat_interleave(group, dim=1)     # [length, num_heads, head_dim]
         v = v_cache[blocks, rows].repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[b], k) * scale          # [num_heads, length]
+        scores = torch.einsum("hd,thd->ht", q[b], k) * scale          # [num_heads, tokens seen]
         out[b] = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v)
     return out
 
@@ -187,11 +205,11 @@ def _paged_decode_kernel(
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    stride_table,
+    stride_table, window,
     scale_log2, tokens_per_split, max_context_len,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: one sequence, one KV head (all its GROUP query heads), one range of the context.
 
@@ -209,6 +227,8 @@ def _paged_decode_kernel(
     # empty; the batch's longest sequence, which sets the kernel's time, is split evenly.
     start = split * tokens_per_split
     context_len = tl.load(CONTEXT_LENS + seq)
+    if WINDOWED:   # task 4: the splits share out the last `window` tokens, from the first one the query sees
+        start += tl.maximum(context_len - window, 0)
     end = tl.minimum(start + tokens_per_split, context_len)
 
     rows = tl.arange(0, GROUP_PAD)                      # query heads of the group, padded for tl.dot
@@ -428,9 +448,9 @@ def _zeroed_counters(device: torch.device, stream: int, size: int) -> torch.Tens
 
 # yaie: solution-only
 def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
-                   config=None, fuse_merge=True):
+                   config=None, fuse_merge=True, sliding_window=None):
     """Run the decode kernel (with the split merge fused in, or as a second kernel when ``fuse_merge`` is
-    False); ``config`` overrides the launch settings."""
+    False); ``config`` overrides the launch settings; ``sliding_window`` None or the window (checked)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -442,7 +462,9 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
     tile_n = settings["TILE_N"]
     # Whole tiles per split. Plain integer arithmetic: triton.cdiv is a constexpr function, and calling it
     # costs microseconds of host time on every decode step (measured: bench/README.md, lesson 04).
-    per_split = (max_context_len + num_splits - 1) // num_splits
+    # With a sliding window no sequence reads more than `sliding_window` tokens: the splits share out those.
+    span = max_context_len if sliding_window is None else min(max_context_len, sliding_window)
+    per_split = (span + num_splits - 1) // num_splits
     tokens_per_split = (per_split + tile_n - 1) // tile_n * tile_n
     if use_splits:
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
@@ -452,7 +474,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
     fused = use_splits and fuse_merge
     counters = _split_counters(q.device, batch * num_kv_heads) if fused else out
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-                BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, FUSE_MERGE=fused,
+                BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, FUSE_MERGE=fused, WINDOWED=sliding_window is not None,
                 FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **settings)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
@@ -460,7 +482,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), sliding_window or 0,
         scale * LOG2E, tokens_per_split, max_context_len,
         **meta,
     )
@@ -535,7 +557,7 @@ def merge_split_results(part_out: torch.Tensor, part_lse: torch.Tensor, out: tor
 def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                             scale: float | None = None, num_splits: int | None = None,
-                            validate: bool = True) -> torch.Tensor:
+                            validate: bool = True, sliding_window: int | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache: one new query token per sequence, in Triton.
 
     Args:
@@ -557,6 +579,11 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             picks one with :func:`choose_num_splits`.
         validate: also check the *values* of ``context_lens`` and ``block_tables`` (one device sync); an
             engine that builds them itself may pass False.
+        sliding_window: task 4. None: attend to the whole context. An int ``w >= 1``: each sequence attends
+            to its last ``w`` tokens only (positions ``max(0, n - w) .. n - 1`` of ``n``), and the blocks
+            before them are never read; the split ranges share out ``min(max_context_len, w)`` tokens.
+            Until you do task 4, raise ``NotImplementedError("lesson 04, task 4: sliding window")`` when it
+            is not None.
 
     Dtypes: float16, bfloat16 or float32, the same for q and the caches. Head dims 1..256 (padded to a
     power of two inside: 96 works), block sizes 8..128 (any size works). On the CPU the kernel runs in
@@ -569,12 +596,15 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         ValueError: as :func:`check_paged_inputs`; with ``validate``, context lengths outside
             ``0..max_context_len`` or used block ids outside the cache.
     """
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
+                       sliding_window)
     if validate:
         check_paged_values(k_cache, block_tables, context_lens, max_context_len)
     if q.stride(-1) != 1:
         q = q.contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    span = max_context_len if sliding_window is None else min(max_context_len, sliding_window)
     if num_splits is None:
-        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_context_len, _num_sms(q.device))
-    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits)
+        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], span, _num_sms(q.device))
+    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
+                          sliding_window=sliding_window)

@@ -122,7 +122,7 @@ class LLM:
             (free its blocks, prefill it again later) or ``"swap"`` (copy its blocks to host memory).
         max_num_seqs: requests running at once at most. max_num_batched_tokens: prefill tokens per step.
         cuda_graphs: replay decode-only steps from CUDA graphs (:mod:`yaie.engine.cuda_graphs`); default:
-            on CUDA for models without sliding-window layers. One block of the cache is kept back as the
+            on CUDA. One block of the cache is kept back as the
             graphs' scratch block (``num_blocks`` counts the blocks requests can use).
     """
 
@@ -159,7 +159,7 @@ class LLM:
         self.num_cpu_blocks = num_cpu_blocks if num_cpu_blocks is not None else self._default_cpu_blocks()
         supported = DecodeGraphs.supported(self.model, self.device)
         if cuda_graphs and not supported:
-            raise ValueError("cuda_graphs=True needs a CUDA device and a model without sliding-window layers")
+            raise ValueError("cuda_graphs=True needs a CUDA device")
         self.cuda_graphs = supported if cuda_graphs is None else bool(cuda_graphs)
         self.last_scheduler: Scheduler | None = None   # the last run's scheduler (stats, manager), for tests
         self.last_graphs: DecodeGraphs | None = None   # the last run's CUDA-graph runner, for tests

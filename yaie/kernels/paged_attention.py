@@ -36,8 +36,16 @@ partial result is stored, and the split that finishes LAST merges them all. That
 8 us per call on the H200 benchmark shapes, up to 10% of a short decode step (bench/results/lesson04_h200.md,
 rows "merge as a 2nd kernel").
 
+**Sliding windows** (Mistral, Gemma 2/3, gpt-oss: some or all layers attend only to the last ``w``
+tokens). The newest token of a sequence of ``n`` tokens then sees positions ``max(0, n - w) .. n - 1``, and
+the blocks before those are never read: decode over a window costs ``w`` tokens of K/V, however long the
+context. The split ranges share out the window (``min(max_context_len, w)`` tokens), starting at each
+sequence's first visible token; the loop itself does not change, because it already works out each key's
+block from its position.
+
 Tasks: 1 the naive gather + PyTorch reference, 2 the Triton decode kernel and its launcher (one split),
-3 merging split results by log-sum-exp and the split-K path.
+3 merging split results by log-sum-exp and the split-K path, 4 sliding windows (in the reference and the
+kernel).
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ PROGRAMS_PER_SM = 2          # decode programs per multiprocessor the split heur
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, max_context_len: int, scale: float | None = None,
-                       num_splits: int | None = None, for_kernel: bool = True) -> None:
+                       num_splits: int | None = None, sliding_window: int | None = None,
+                       for_kernel: bool = True) -> None:
     """Raise ``ValueError`` unless the arguments are valid for :func:`paged_attention_forward`.
 
     Checks ranks, shapes, dtypes and devices only: no values (that would need a device sync);
@@ -122,6 +131,9 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
                                    or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
 def check_paged_values(k_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -146,7 +158,7 @@ def check_paged_values(k_cache: torch.Tensor, block_tables: torch.Tensor, contex
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor,
-                              scale: float | None = None) -> torch.Tensor:
+                              scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """The naive paged decode: gather each sequence's K and V from its blocks, then plain attention.
 
     Same arguments as :func:`paged_attention_forward` (without ``max_context_len``): q
@@ -154,6 +166,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ``block_tables`` int32 ``[batch, max_blocks]``, ``context_lens`` int32 ``[batch]``. Query head ``h``
     reads KV head ``h // (num_heads // num_kv_heads)``. Computes in the inputs' dtype (call it on float64
     copies to get a reference). A sequence with context length 0 gets a zero output.
+
+    ``sliding_window`` (task 4): None attends to the whole context; an int ``w >= 1`` attends to the last
+    ``w`` tokens only (positions ``max(0, n - w) .. n - 1`` of a sequence of ``n`` tokens). Until you do
+    task 4, raise ``NotImplementedError("lesson 04, task 4: sliding window")`` when it is not None.
 
     Returns:
         ``[batch, num_heads, head_dim]`` in q's dtype.
@@ -232,7 +248,7 @@ def merge_split_results(part_out: torch.Tensor, part_lse: torch.Tensor, out: tor
 def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                             scale: float | None = None, num_splits: int | None = None,
-                            validate: bool = True) -> torch.Tensor:
+                            validate: bool = True, sliding_window: int | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache: one new query token per sequence, in Triton.
 
     Args:
@@ -254,6 +270,11 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             picks one with :func:`choose_num_splits`.
         validate: also check the *values* of ``context_lens`` and ``block_tables`` (one device sync); an
             engine that builds them itself may pass False.
+        sliding_window: task 4. None: attend to the whole context. An int ``w >= 1``: each sequence attends
+            to its last ``w`` tokens only (positions ``max(0, n - w) .. n - 1`` of ``n``), and the blocks
+            before them are never read; the split ranges share out ``min(max_context_len, w)`` tokens.
+            Until you do task 4, raise ``NotImplementedError("lesson 04, task 4: sliding window")`` when it
+            is not None.
 
     Dtypes: float16, bfloat16 or float32, the same for q and the caches. Head dims 1..256 (padded to a
     power of two inside: 96 works), block sizes 8..128 (any size works). On the CPU the kernel runs in
