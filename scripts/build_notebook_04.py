@@ -255,6 +255,11 @@ range begins: it starts at the sequence's first visible token instead of 0, and 
 token's block from its position, so a window that starts in the middle of a block or a tile just works.
 The blocks before the window are **never read**; the grader fills them with NaN to make sure.
 
+Measured on the H200 (`bench/README.md`, "Session 8"): at batch 32, 8 KV heads and a 32k context, a
+4096-token window takes 139.7 us, the same as a 4096-token context (139.5 us) and 7x less than the whole
+context (976.1 us). The engine's old path for windowed layers, gathering every cached token and masking,
+took 48 ms for the same call.
+
 Until you do task 4, tasks 1 and 2 raise `NotImplementedError("lesson 04, task 4: ...")` when
 `sliding_window` is set (their docstrings say so); the engine then runs the reference for windowed models.
 
