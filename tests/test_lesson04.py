@@ -176,6 +176,25 @@ def test_session7_ceiling_probes_compute_what_they_claim():
         torch.testing.assert_close(got_tops[b], tops, atol=0, rtol=0, msg=lambda m: f"loads only, seq {b}: {m}")
 
 
+def test_every_kernel_variant_of_the_tune_script_still_builds_and_the_tail_variant_matches_float64():
+    """The tune script's experiments are text edits of the solution kernel (``*_EDITS``): when the solution
+    changes (session 8 added the sliding window), every edit must still find its text, or a later GPU run of
+    that section fails on the device. The tail variant (its split sizing is edited too) must stay exact."""
+    tune = _tune_script()
+    lists = {name: value for name, value in vars(tune).items() if name.endswith("_EDITS")}
+    assert {"TIMELINE_EDITS", "TAIL_EDITS", "PREFETCH_EDITS", "ROWS_EDITS"} <= set(lists), sorted(lists)
+    variants = {name: tune.kernel_variant(name.lower(), edits) for name, edits in lists.items()
+                if name not in ("PF_EDITS", "TILE_UPDATE_EDITS")}     # pieces of the lists above
+    tail = tune.kernel_variant("tail", tune.TAIL_EDITS)
+    case = ([1, 37, 130, 64], 4, 2, 16, 8)
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, "cpu", seed=8)
+    for splits in (2, 3):
+        tail.TAIL = (splits - 1, 1)            # the last split a one-tile tail after the main ones
+        got = tail._launch_decode(q, kc, vc, bt, cl, 130, q.shape[-1] ** -0.5, splits)
+        torch.testing.assert_close(got.double(), ref_decode(q, ks, vs), atol=2e-5, rtol=1e-5)
+    assert len(variants) >= 5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="the Gluon kernel needs a Hopper GPU (the Triton interpreter does not run Gluon)")
 def test_session7_gluon_kernel_matches_float64():  # pragma: no cover - CI has no GPU
