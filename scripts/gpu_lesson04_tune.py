@@ -57,6 +57,8 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
   64-token blocks and SDPA's contiguous tensors;
 * ``clocks``: SM clock, memory clock, power and throttle reasons (``nvidia-smi``, every 20 ms) while each of
   SDPA, the solution, the no-softmax probe and the Gluon kernel runs back to back for a few seconds.
+* ``locality``: the benchmark's numbers in 16-token blocks in order, shuffled within each 2 MB of cache, in
+  shuffled runs of 4 blocks, and fully shuffled: at which scale does the placement cost?
 
     OUT=out python scripts/gpu_lesson04_tune.py
     TUNE_SECTIONS=balance,probe,tail OUT=out python scripts/gpu_lesson04_tune.py    # session 4's questions
@@ -64,6 +66,7 @@ Sections (``TUNE_SECTIONS``, comma separated; default ``host,contiguous,placemen
     TUNE_SECTIONS=prefetch / ahead / asm / l2hint, one call each)
     TUNE_SECTIONS=lanes OUT=out python scripts/gpu_lesson04_tune.py                  # session 6's (and rows)
     TUNE_SECTIONS=ceiling,readpeak OUT=out python scripts/gpu_lesson04_tune.py       # session 7's (and gluon)
+    TUNE_SECTIONS=locality OUT=out python scripts/gpu_lesson04_tune.py               # session 8's
 """
 
 from __future__ import annotations
@@ -263,6 +266,51 @@ def section_placement(report, gen, pct):
                           f"({pct(moved, ms):.1f}%)", flush=True)
             del k_nhd, v_nhd, layouts
             torch.cuda.empty_cache()
+
+
+def locality_tables(batch, per_seq, group, gen):
+    """Block tables (int32 ``[batch, per_seq]``) that keep each sequence's blocks in order but shuffle them at
+    one scale: ``"in order"``; ``"shuffled within 2 MB"`` (each aligned group of ``group`` blocks, 2 MB of cache,
+    permuted inside itself: every block stays on its 2 MB page, but its neighbours are random);
+    ``"runs of 4, shuffled"`` (runs of 4 consecutive blocks placed at random: contiguous 64-token pieces on
+    random pages); ``"shuffled"`` (every block anywhere: the benchmark's cache)."""
+    nb = batch * per_seq
+    in_order = torch.arange(nb, device="cuda")
+    within = (in_order.view(-1, group)[:, torch.randperm(group, device="cuda", generator=gen)]).flatten()
+    runs = (torch.randperm(nb // 4, device="cuda", generator=gen)[:, None] * 4
+            + torch.arange(4, device="cuda")[None, :]).flatten()
+    full = torch.randperm(nb, device="cuda", generator=gen)
+    return {name: t.view(batch, per_seq).contiguous().to(torch.int32) for name, t in
+            (("in order", in_order), ("shuffled within 2 MB", within), ("runs of 4, shuffled", runs),
+             ("shuffled", full))}
+
+
+def section_locality(report, gen, pct):
+    """Session 8: at which scale does block placement cost? The same numbers in 16-token blocks placed four ways
+    (``locality_tables``), beside SDPA's default on the contiguous tensors and the kernel on those tensors.
+    If the 2 MB-local shuffle is as fast as in order, the cost is page-level (address translation); if it is
+    as slow as the full shuffle, it is the order of the bytes within a page (DRAM rows)."""
+    rows = report.setdefault("locality", [])
+    for batch, kv, ctx in ((32, 8, 4096), (32, 4, 4096), (32, 8, 32768), (128, 8, 4096), (64, 4, 8192)):
+        label, (q, k, v, k_cache, v_cache, tables, lens), splits, record = baselines(rows, pct, gen, batch, kv, ctx)
+        one_block = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None]
+        record("yaie, SDPA's contiguous K/V", lambda: pa._launch_decode(q, k.transpose(1, 2), v.transpose(1, 2),
+                                                                        one_block, lens, ctx, SCALE, splits))
+        block = k_cache.shape[1]
+        per_seq = ctx // block
+        block_bytes = block * kv * 128 * 2
+        group = (2 << 20) // block_bytes
+        # The cache of the benchmark in sequence order: sequence b's block j at b * per_seq + j.
+        k_ordered, v_ordered, _ = blocks_in_order(k_cache, v_cache, tables)
+        for name, table in locality_tables(batch, per_seq, group, gen).items():
+            kc, vc = torch.empty_like(k_ordered), torch.empty_like(v_ordered)
+            kc[table.long().flatten()] = k_ordered
+            vc[table.long().flatten()] = v_ordered
+            record(f"yaie, blocks {name}", lambda kc=kc, vc=vc, t=table: pa._launch_decode(
+                q, kc, vc, t, lens, ctx, SCALE, splits), block_bytes=block_bytes, blocks_per_2MB=group)
+            del kc, vc
+        del q, k, v, k_cache, v_cache, tables, lens, k_ordered, v_ordered
+        torch.cuda.empty_cache()
 
 
 def section_sweep(report, gen, pct, began, deadline_s):
@@ -1348,6 +1396,8 @@ def main() -> None:
         section_gluonplace(report, gen, pct)
     if "clocks" in sections:
         section_clocks(report, gen, pct)
+    if "locality" in sections:
+        section_locality(report, gen, pct)
     path = out_dir / f"lesson04_tune_{gpu_slug()}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} after {time.monotonic() - began:.0f} s", flush=True)
