@@ -1337,13 +1337,13 @@ def main() -> None:
     deadline_s = float(os.environ.get("TUNE_DEADLINE_S", "240"))
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(), "commit": os.environ.get("YAIE_GIT_COMMIT"),
-              "command": f"TUNE_SECTIONS={','.join(sections)} OUT=out python scripts/gpu_lesson04_tune.py",
+              "command": f"TUNE_SECTIONS={','.join(sections)} TUNE_SEED={os.environ.get('TUNE_SEED', '0')} OUT=out python scripts/gpu_lesson04_tune.py",
               "peaks": measure_peaks("cuda"),
               "timing": "GPU time: median of CUDA-graph replays under triton.testing.do_bench (L2 cleared); "
                         "host: wall time per call over 400 calls without syncs"}
     copy = report["peaks"]["copy_GBps"]
     print(f"{report['gpu']} torch {torch.__version__} triton {triton.__version__} copy {copy:.0f} GB/s", flush=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(int(os.environ.get("TUNE_SEED", "0")))
 
     def pct(moved, ms):
         return 100 * moved / (ms * 1e-3) / 1e9 / copy
