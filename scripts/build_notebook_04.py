@@ -415,7 +415,10 @@ kernel, 1740-1770 MHz under our Triton kernel, which issues about twice the inst
 own contiguous tensors both our kernels are level with cuDNN to within about a percent either way; on the
 paged cache with shuffled 16-token blocks the same bytes read 1-3% slower. A memory-bound kernel near the
 roofline is judged by energy and by the memory's access pattern, not by its FLOPs; exercises 12 and 13
-let you see both.
+let you see both. Which access pattern? Shuffling the blocks only inside each 2 MB of cache
+costs nothing, while 64-token runs scattered over random 2 MB pages cost as much as a full shuffle
+(`bench/README.md`, session 8): the penalty follows the number of memory pages a program wanders over,
+the signature of address translation, not the order of the bytes (exercise 15).
 
 ## Exercises
 
@@ -481,6 +484,13 @@ let you see both.
     freeing take (the block table row, `context_lens`, and the positions of later tokens), and why does it not
     work for Gemma or Qwen2, where some layers see the whole context? What does the kernel need to know if
     the table no longer starts at token 0?
+15. Design the allocator that the last measurement asks for: lesson 03 hands out free blocks from a stack, so a
+    long-running server scatters each sequence over the whole cache. Write a free list that gives a sequence
+    its next block from the same 2 MB of cache as its previous block when one is free there (how many blocks
+    is 2 MB for your model's layer?), and falls back to any block otherwise. Which invariants of lesson 03 must
+    still hold, what does it cost per allocation, and what happens to it when the cache is nearly full? Then
+    build a cache with your allocator after a few thousand random arrivals and departures and time lesson 04
+    on it against a shuffled one.
 
 ## Grade
 """)
