@@ -77,13 +77,13 @@ def test_paged_step_matches_float64(use_kernels, cached, new, num_decodes):
         assert err < 1e-4, f"seed={seed} sequence {i}: max error {err}"
 
 
-@pytest.mark.parametrize("use_kernels", [False, True], ids=["gather+lesson01", "lesson04+gather"])
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["gather+lesson01", "lesson04+lesson06"])
 @pytest.mark.parametrize("window", [4, 1, 11, 40])
 def test_sliding_window(monkeypatch, use_kernels, window):
-    """Windowed decodes go to lesson 04 with the window (task 4) on the kernel path; a prefill longer than the
-    window takes the gather path (lesson 06 has no window). Contexts 30 and 10 + 1, a prompt of 12."""
+    """On the kernel path a windowed layer passes its window to lesson 04 (decodes, task 4) and lesson 06
+    (prefills, task 5); contexts 30 and 10 + 1, a prompt of 12, and a prompt of 7 after 9 cached tokens."""
     seed = fresh_seed()
-    step, q, k_new, v_new, full_k, full_v = build_step(seed, [30, 10, 0], [1, 1, 12], 2, use_kernels=use_kernels)
+    step, q, k_new, v_new, full_k, full_v = build_step(seed, [30, 10, 0, 9], [1, 1, 12, 7], 2, use_kernels=use_kernels)
     calls = []
     real_call = ops.call
 
@@ -93,17 +93,15 @@ def test_sliding_window(monkeypatch, use_kernels, window):
 
     monkeypatch.setattr(ops, "call", spy)
     got = step.attend(0, q, k_new, v_new, sliding_window=window)
-    for i in range(3):
+    for i in range(4):
         rows = slice(step.query_starts[i], step.query_starts[i + 1])
         err = (got[rows].double() - reference(q[rows], full_k[i], full_v[i], window=window)).abs().max().item()
         assert err < 1e-4, f"seed={seed} window {window} sequence {i}: max error {err}"
     kernels = [c for c in calls if c[0] != 1]
     if not use_kernels:
         assert kernels == [], calls
-    elif window < 12:
-        assert kernels == [(4, "paged_attention_forward", window)], calls
-    else:   # the prompt fits in the window: lesson 06 takes it
-        assert kernels == [(4, "paged_attention_forward", window), (6, "flash_attention_varlen_forward", None)], calls
+    else:
+        assert kernels == [(4, "paged_attention_forward", window), (6, "flash_attention_varlen_forward", window)], calls
 
 
 def test_bad_step():

@@ -300,13 +300,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, lay
     Which kernel runs (each looked up through the switch at call time):
 
     * ``step.use_kernels`` (CUDA tensors, by default): decode rows go to lesson 04's
-      ``paged_attention_forward`` (it reads the blocks through the block table; a sliding-window layer
-      passes its window, lesson 04 task 4); prefill rows go to lesson 06's ``flash_attention_varlen_forward``
-      over the packed new tokens (or, for a prefill that continues a cached context, over that context
-      gathered from the blocks);
-    * otherwise, and for the prefills of a sliding-window layer whose window is shorter than one of their
-      contexts (lesson 06 has no window), each sequence's K/V is gathered from its blocks and lesson 01's
-      ``cpu_attention_forward`` runs on it (:func:`attention`).
+      ``paged_attention_forward`` (it reads the blocks through the block table); prefill rows go to
+      lesson 06's ``flash_attention_varlen_forward`` over the packed new tokens (or, for a prefill that
+      continues a cached context, over that context gathered from the blocks). A sliding-window layer
+      passes its window to both (lesson 04 task 4, lesson 06 task 5);
+    * otherwise each sequence's K/V is gathered from its blocks and lesson 01's ``cpu_attention_forward``
+      runs on it (:func:`attention`).
     """
     out = torch.empty_like(q)
     decodes = step.num_decodes
@@ -322,10 +321,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, lay
         else:
             _gathered_attention(out, q, step, layer, range(decodes), sliding_window, scale)
     if step.num_prefills:
-        longest_prefill = max(step.context_lens_list[decodes:])
-        windowed = sliding_window is not None and longest_prefill > sliding_window
-        if step.use_kernels and not windowed and _kernel_lesson_available(6):
-            out[decodes:] = _varlen_prefill(q[decodes:], k[decodes:], v[decodes:], step, layer, scale)
+        if step.use_kernels and _kernel_lesson_available(6):
+            out[decodes:] = _varlen_prefill(q[decodes:], k[decodes:], v[decodes:], step, layer, scale, sliding_window)
         else:
             _gathered_attention(out, q, step, layer, range(decodes, len(step.seq_ids)), sliding_window, scale)
     return out
@@ -341,7 +338,7 @@ def _gathered_attention(out, q, step, layer, seqs, sliding_window, scale) -> Non
         out[start:end] = attention(q[start:end], k_rows[slots], v_rows[slots], sliding_window, scale)
 
 
-def _varlen_prefill(q, k, v, step, layer, scale) -> torch.Tensor:
+def _varlen_prefill(q, k, v, step, layer, scale, sliding_window=None) -> torch.Tensor:
     """Lesson 06 over the prefills of a step: the new tokens are packed, so no gather when they start at
     position 0 (the engine's whole-prompt prefills); a prefill after a cached context reads that context
     gathered from the blocks."""
@@ -351,8 +348,9 @@ def _varlen_prefill(q, k, v, step, layer, scale) -> torch.Tensor:
         slots = torch.cat([step.context_slots(i) for i in range(step.num_decodes, len(step.seq_ids))])
         keys = step.manager.k_cache[layer].flatten(0, 1)[slots]
         values = step.manager.v_cache[layer].flatten(0, 1)[slots]
+    window = {} if sliding_window is None else {"sliding_window": sliding_window}
     out, _ = call(6, "flash_attention_varlen_forward", q, keys, values, step.cu_seqlens_q, step.cu_seqlens_k,
-                  step.max_prefill_query, step.max_prefill_context, causal=True, scale=scale)
+                  step.max_prefill_query, step.max_prefill_context, causal=True, scale=scale, **window)
     return out
 
 

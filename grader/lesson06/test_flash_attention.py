@@ -1,4 +1,5 @@
-"""Grader of lesson 06: FlashAttention forward, backward, autograd and the variable-length form.
+"""Grader of lesson 06: FlashAttention forward, backward, autograd, the variable-length form and its
+sliding window.
 
 References are written here, independently of the solution: attention in float64, one head at a
 time, query head h reading KV head h // group, gradients by float64 autograd.
@@ -64,8 +65,9 @@ def make_inputs(case, dtype, device, seed, strided_q=False):
 
 # ---------------------------------------------------------------- references
 
-def ref_attention(q, k, v, causal: bool, scale: float | None = None):
-    """Attention head by head in the inputs' dtype (float64 copies give the reference). Returns (out, lse)."""
+def ref_attention(q, k, v, causal: bool, scale: float | None = None, window: int | None = None):
+    """Attention head by head in the inputs' dtype (float64 copies give the reference). Returns (out, lse).
+    ``window`` (with causal): query at position p sees keys p - window < j <= p only."""
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = h // hk
@@ -76,7 +78,10 @@ def ref_attention(q, k, v, causal: bool, scale: float | None = None):
         if causal:
             pos_q = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
             pos_k = torch.arange(sk, device=q.device)[None, :]
-            s = s.masked_fill(pos_k > pos_q, float("-inf"))
+            hidden = pos_k > pos_q
+            if window is not None:
+                hidden = hidden | (pos_k <= pos_q - window)
+            s = s.masked_fill(hidden, float("-inf"))
         lses.append(torch.logsumexp(s.float() if s.dtype != torch.float64 else s, dim=-1))
         outs.append(torch.softmax(s, dim=-1) @ v[:, head // group])
     return torch.stack(outs, 1), torch.stack(lses, 1)
@@ -321,4 +326,64 @@ def test_varlen_rejects_bad_offsets(device, seed):
         ("causal with more queries than keys", dict(cu_seqlens_k=torch.tensor([0, 2, 10], dtype=torch.int32,
                                                                               device=device))),
         ("4-D q", dict(q=q[None])),
+    ])
+
+
+# ---------------------------------------------------------------- task 5: sliding windows
+
+WINDOW_HINT = ("query i of a sequence sits at p = len_k - len_q + i and sees keys p - window < j <= p: start each "
+               "query block at the first key block its first row's window touches, mask the blocks the window's "
+               "edge crosses, and never load the keys before (they are NaN here)")
+
+
+@task(5, "sliding window (varlen)")
+@pytest.mark.parametrize("window", [1, 7, 40], ids=lambda w: f"window{w}")
+def test_varlen_window_matches_reference(device, seed, window):
+    gen = torch.Generator().manual_seed(seed)
+    scale_up = 8 if device == "cuda" else 1          # GPU: contexts up to ~900 tokens, windows up to 320
+    window *= scale_up
+    lens_k = [int(x) * scale_up for x in torch.randint(1, 110, (4,), generator=gen)]
+    lens_q = [int(torch.randint(1, n + 1, (1,), generator=gen)) for n in lens_k]
+    lens_q[0] = lens_k[0]                             # a whole prompt
+    lens_q[1] = lens_k[1]
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 4, 2, 64, dtype, device, seed)
+    exact_inputs = [(t.clone()) for t in (k, v)]
+    # Keys no query of its sequence can see (before the first query's window) are NaN: never read them.
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        hidden = max(0, lk - lq - window + 1)
+        k[int(cu_k[b]): int(cu_k[b]) + hidden] = float("nan")
+        v[int(cu_k[b]): int(cu_k[b]) + hidden] = float("nan")
+    out, lse = L.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                sliding_window=window)
+    text = f"lens_q={lens_q}, lens_k={lens_k}, heads 4, kv_heads 2, head_dim 64, {dtype}, sliding_window={window}"
+    k, v = exact_inputs
+    for b in range(len(lens_q)):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[rq], k[rk], v[rk]))
+        ref_out, ref_lse = ref_attention(qs.double(), ks.double(), vs.double(), True, window=window)
+        seq_text = f"{text}; sequence {b}"
+        if dtype == torch.float32:
+            assert_close(out[rq].transpose(0, 1)[None], ref_out, name="varlen output with a window", dtype=dtype,
+                         case=seq_text, atol=2e-5, rtol=1e-5, hint=WINDOW_HINT)
+        else:
+            lowp, _ = ref_attention(qs, ks, vs, True, window=window)
+            check_flash_rule(out[rq].transpose(0, 1)[None], ref_out, lowp, name="varlen output with a window",
+                             case=seq_text, hint=WINDOW_HINT)
+        assert_close(lse[:, rq][None], ref_lse, name="varlen lse with a window", dtype=torch.float32, case=seq_text,
+                     atol=1e-4, rtol=1e-4, hint=WINDOW_HINT)
+
+
+@task(5, "sliding window (varlen)")
+def test_varlen_window_rejects_bad_input(device, seed):
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 5], [4, 6], 2, 2, 16, torch.float32, device, seed)
+    good = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6,
+                sliding_window=2)
+    check_value_errors(L.flash_attention_varlen_forward, good, [
+        ("sliding_window=0", dict(sliding_window=0)),
+        ("sliding_window=-1", dict(sliding_window=-1)),
+        ("sliding_window=2.5", dict(sliding_window=2.5)),
+        ("sliding_window=True", dict(sliding_window=True)),
+        ("a window without causal", dict(causal=False)),
     ])

@@ -31,6 +31,10 @@ Layouts: the dense functions take ``[batch, heads, seq, head_dim]`` (like ``torc
 scaled_dot_product_attention``); the variable-length form takes token-major ``[total_tokens, heads,
 head_dim]`` with cumulative offsets, the layout of an engine's batched prefill. One Triton kernel
 serves both: it only needs the strides and, for varlen, where each sequence starts.
+
+Sliding windows (task 5, the varlen form: the engine's prefill for Mistral-style layers): query ``p`` sees
+keys ``p - w < j <= p``. A query block then visits only the key blocks its rows' windows touch, masking the
+ones the window's edge crosses, so a prompt of ``n`` tokens costs ``n * w`` scores instead of ``n^2 / 2``.
 """
 
 from __future__ import annotations
@@ -196,18 +200,22 @@ def _load_rows(base, rows, stride_row, offs_d, row_ok, HEAD_DIM: tl.constexpr, B
 # yaie: solution-only
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
-               lo, hi, k_len, causal_shift, qk_scale_log2,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+               lo, hi, k_lo, k_len, causal_shift, window, qk_scale_log2,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Fold key blocks [lo, hi) into the running (acc, l, m) of one block of query rows.
 
     MASK=False is the fast path for key blocks that every row of the block fully sees and that lie
-    inside the sequence; MASK=True handles the causal diagonal and the ragged last block.
+    inside the sequence; MASK=True handles the causal diagonal, the ragged last block and (WINDOWED)
+    the lower edge of a sliding window, where a row sees only keys after ``its position - window``; keys
+    before ``k_lo``, which no row of the block sees, are not even loaded.
     """
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < k_len
+        if WINDOWED and MASK:
+            col_ok = col_ok & (cols >= k_lo)
         k_t = _load_rows(k_base, cols, stride_ks, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASK, True)
         # Scores in base-2 units: s = (q . k) * scale * log2(e).
         s = _dot(q, k_t, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), FP32_DOT, PRECISION)
@@ -216,6 +224,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, o
             keep = col_ok[None, :]
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + causal_shift)
+            if WINDOWED:
+                keep = keep & (cols[None, :] > offs_m[:, None] + causal_shift - window)
             s = tl.where(keep, s, float("-inf"))
         # Online softmax: new running max, rescale what was accumulated under the old max.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -240,11 +250,14 @@ def _flash_fwd_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, group_size, qk_scale_log2, tune_len,
+    seqlen_q, seqlen_k, group_size, qk_scale_log2, tune_len, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, WINDOWED: tl.constexpr, FP32_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (sequence, head). Grid: (query blocks, heads, batch)."""
+    """One program: BLOCK_M query rows of one (sequence, head). Grid: (query blocks, heads, batch).
+
+    WINDOWED (with CAUSAL): row ``i`` sees only keys ``i + shift - window < j <= i + shift``."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -290,12 +303,27 @@ def _flash_fwd_kernel(
         end = tl.minimum(k_len, start_m + BLOCK_M + causal_shift)   # past the last row's last key
     else:
         end = k_len
+    start = 0
+    k_lo = 0
+    if WINDOWED:
+        # A sliding window also has a lower edge: key blocks wholly before the first row's window are
+        # skipped (that is the saving: each row visits at most `window` keys), the blocks the window's
+        # edge crosses are masked, and the blocks every row sees whole stay on the fast path.
+        k_lo = tl.maximum(start_m + causal_shift - window + 1, 0)     # the first row's first visible key
+        start = (k_lo // BLOCK_N) * BLOCK_N
+        seen_from = tl.maximum(start_m + BLOCK_M + causal_shift - window, 0)   # visible to the last row on
+        # (start <= fast_start <= full_end: the three ranges below tile [start, end) without overlap.)
+        fast_start = tl.minimum(tl.maximum((seen_from + BLOCK_N - 1) // BLOCK_N * BLOCK_N, start), full_end)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
+                                   start, fast_start, k_lo, k_len, causal_shift, window, qk_scale_log2,
+                                   True, CAUSAL, WINDOWED, HEAD_DIM, BLOCK_D, BLOCK_N, FP32_DOT, PRECISION)
+        start = fast_start
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
-                               0, full_end, k_len, causal_shift, qk_scale_log2,
-                               False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, FP32_DOT, PRECISION)
+                               start, full_end, k_lo, k_len, causal_shift, window, qk_scale_log2,
+                               False, CAUSAL, WINDOWED, HEAD_DIM, BLOCK_D, BLOCK_N, FP32_DOT, PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
-                               full_end, end, k_len, causal_shift, qk_scale_log2,
-                               True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, FP32_DOT, PRECISION)
+                               full_end, end, k_lo, k_len, causal_shift, window, qk_scale_log2,
+                               True, CAUSAL, WINDOWED, HEAD_DIM, BLOCK_D, BLOCK_N, FP32_DOT, PRECISION)
 
     # Normalise once at the end; a row with no visible key (l == 0) outputs zeros and lse = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -510,7 +538,7 @@ def _tuned(kind: str):
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                for m, n, w, s in _autotune_configs(kind)]
     if kind == "fwd":
-        kernel, key = _flash_fwd_kernel, ["HEAD_DIM", "CAUSAL", "VARLEN", "tune_len"]
+        kernel, key = _flash_fwd_kernel, ["HEAD_DIM", "CAUSAL", "VARLEN", "WINDOWED", "tune_len"]
     elif kind == "dkdv":
         kernel, key = _bwd_dkdv_kernel, ["HEAD_DIM", "CAUSAL", "tune_len", "group_size"]
     else:
@@ -585,9 +613,9 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     lse = torch.empty((batch, num_heads, seq_q), device=q.device, dtype=torch.float32)
     args = (q, k, v, out, lse, lse, lse,     # the cu_seqlens pointers are unused in the dense layout
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
-            seq_q, seq_k, num_heads // num_kv_heads, scale * LOG2E, _tune_bucket(seq_q))
+            seq_q, seq_k, num_heads // num_kv_heads, scale * LOG2E, _tune_bucket(seq_q), 0)
     _launch("fwd", seq_q, num_heads, batch, args, _block_d(head_dim), HEAD_DIM=head_dim, CAUSAL=bool(causal),
-            VARLEN=False, **_kernel_options(q.dtype))
+            VARLEN=False, WINDOWED=False, **_kernel_options(q.dtype))
     return out, lse
 
 
@@ -719,7 +747,8 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q
 def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                                    max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
-                                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                   scale: float | None = None,
+                                   sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention over a batch of sequences of different lengths, packed token by token.
 
     This is the engine's batched prefill: the prompts of a batch are concatenated, no padding.
@@ -733,6 +762,10 @@ def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         causal: as :func:`flash_attention_forward`, per sequence (query ``i`` of a sequence sits at
             position ``len_k - len_q + i``: new tokens after a cached context, if ``len_k > len_q``).
         scale: default ``head_dim ** -0.5``.
+        sliding_window: task 5. None: plain causal attention. An int ``w >= 1`` (needs ``causal``): the
+            query at position ``p`` sees only keys ``p - w < j <= p`` (Mistral's rule, as Hugging Face
+            applies it), and key blocks wholly before a query block's window are not visited. Until you do
+            task 5, raise ``NotImplementedError("lesson 06, task 5: sliding window")`` when it is not None.
 
     Returns:
         ``(out, lse)``: ``out`` like q; ``lse`` float32 ``[num_heads, total_q]`` (heads first, like
@@ -741,9 +774,14 @@ def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     Raises:
         ValueError: bad q, k, v (as the dense form, 3-D); offsets that are not int32 1-D on q's device,
             do not start at 0, end at the token counts, decrease, exceed ``max_seqlen_*``, or give a
-            sequence queries without keys (or more queries than keys under ``causal``).
+            sequence queries without keys (or more queries than keys under ``causal``); a
+            ``sliding_window`` that is not an int >= 1, or one without ``causal``.
     """
     check_attention_inputs(q, k, v, causal, scale, layout="varlen")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
+                                       or sliding_window < 1 or not causal):
+        raise ValueError(f"sliding_window must be None or an int >= 1 with causal=True, got {sliding_window!r} "
+                         f"(causal={causal})")
     total_q, num_heads, head_dim = q.shape
     total_k, num_kv_heads = k.shape[0], k.shape[1]
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, int(max_seqlen_q), int(max_seqlen_k),
@@ -758,7 +796,7 @@ def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0),
             0, out.stride(1), out.stride(0), 0, lse.stride(0), lse.stride(1),
             int(max_seqlen_q), int(max_seqlen_k), num_heads // num_kv_heads, scale * LOG2E,
-            _tune_bucket(int(max_seqlen_q)))
+            _tune_bucket(int(max_seqlen_q)), sliding_window or 0)
     _launch("fwd", int(max_seqlen_q), num_heads, batch, args, _block_d(head_dim), HEAD_DIM=head_dim,
-            CAUSAL=bool(causal), VARLEN=True, **_kernel_options(q.dtype))
+            CAUSAL=bool(causal), VARLEN=True, WINDOWED=sliding_window is not None, **_kernel_options(q.dtype))
     return out, lse

@@ -34,6 +34,10 @@ Layouts: the dense functions take ``[batch, heads, seq, head_dim]`` (like ``torc
 scaled_dot_product_attention``); the variable-length form takes token-major ``[total_tokens, heads,
 head_dim]`` with cumulative offsets, the layout of an engine's batched prefill. One Triton kernel
 serves both: it only needs the strides and, for varlen, where each sequence starts.
+
+Sliding windows (task 5, the varlen form: the engine's prefill for Mistral-style layers): query ``p`` sees
+keys ``p - w < j <= p``. A query block then visits only the key blocks its rows' windows touch, masking the
+ones the window's edge crosses, so a prompt of ``n`` tokens costs ``n * w`` scores instead of ``n^2 / 2``.
 """
 
 from __future__ import annotations
@@ -204,7 +208,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                                    max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
-                                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                   scale: float | None = None,
+                                   sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention over a batch of sequences of different lengths, packed token by token.
 
     This is the engine's batched prefill: the prompts of a batch are concatenated, no padding.
@@ -218,6 +223,10 @@ def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         causal: as :func:`flash_attention_forward`, per sequence (query ``i`` of a sequence sits at
             position ``len_k - len_q + i``: new tokens after a cached context, if ``len_k > len_q``).
         scale: default ``head_dim ** -0.5``.
+        sliding_window: task 5. None: plain causal attention. An int ``w >= 1`` (needs ``causal``): the
+            query at position ``p`` sees only keys ``p - w < j <= p`` (Mistral's rule, as Hugging Face
+            applies it), and key blocks wholly before a query block's window are not visited. Until you do
+            task 5, raise ``NotImplementedError("lesson 06, task 5: sliding window")`` when it is not None.
 
     Returns:
         ``(out, lse)``: ``out`` like q; ``lse`` float32 ``[num_heads, total_q]`` (heads first, like
@@ -226,6 +235,7 @@ def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     Raises:
         ValueError: bad q, k, v (as the dense form, 3-D); offsets that are not int32 1-D on q's device,
             do not start at 0, end at the token counts, decrease, exceed ``max_seqlen_*``, or give a
-            sequence queries without keys (or more queries than keys under ``causal``).
+            sequence queries without keys (or more queries than keys under ``causal``); a
+            ``sliding_window`` that is not an int >= 1, or one without ``causal``.
     """
     raise NotImplementedError('lesson 06, task 4: implement flash_attention_varlen_forward in yaie/kernels/flash_attention.py')
