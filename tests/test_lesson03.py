@@ -108,3 +108,64 @@ def test_cuda_device_is_resolved_to_an_index():
     assert ref.resolve_device("cpu") == torch.device("cpu")
     if torch.cuda.is_available():  # pragma: no cover - CI has no GPU
         assert ref.resolve_device("cuda").index is not None
+
+
+class _SmallPages:
+    """The reference lesson with 3-block pages, so that random programs cross page boundaries."""
+
+    def __getattr__(self, name):
+        return getattr(ref, name)
+
+    class KVCacheManager(ref.KVCacheManager):
+        def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype=torch.float16, **kw):
+            block_bytes = block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+            super().__init__(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype=dtype,
+                             page_bytes=3 * block_bytes, **kw)
+            assert self._free.blocks_per_page == 3
+
+
+def test_random_programs_keep_every_invariant_with_small_pages():
+    """The same invariants when the page-local free list has to move sequences between pages."""
+    pytest.importorskip("hypothesis")
+
+    def body(pick):
+        ProgramRunner(_SmallPages(), pick, "cpu", torch.float32, ALL_OPS, with_data=True, max_steps=30).run()
+
+    run_programs(body, seed=1, examples=60, derandomize=True)
+
+
+def test_free_blocks_hands_out_near_blocks_then_the_emptiest_page():
+    free = ref.FreeBlocks(10, 4)                       # pages {0-3}, {4-7}, {8, 9}
+    assert len(free) == 10
+    first = free.pop()                                 # a fresh cache: the first full page, lowest id first
+    assert first == 0
+    assert free.pop() == 4                             # no hint: the emptiest page (page 1 has 4 free)
+    assert [free.pop(near=0) for _ in range(3)] == [1, 2, 3]
+    assert free.pop(near=3) == 5                       # page 0 is full: the emptiest page is page 1 (3 free)
+    free.append(2)
+    assert free.pop(near=1) == 2                       # a freed block goes back to its page
+    taken = [free.pop() for _ in range(len(free))]
+    assert sorted(taken) == [6, 7, 8, 9] and len(free) == 0
+    with pytest.raises(IndexError):
+        free.pop()
+
+
+def test_growing_sequences_stay_on_their_own_pages():
+    """Eight sequences that grow one block at a time in turn (decode), in a cache of 4-block pages: each
+    keeps to its own pages. (A stack of free ids would interleave them, block by block.)"""
+    per_page = 4
+    block_bytes = 4 * 1 * 8 * 4
+    m = ref.KVCacheManager(64, 4, 1, 1, 8, dtype=torch.float32, page_bytes=per_page * block_bytes)
+    for s in range(8):
+        m.allocate(s, 4)                                 # one full block each
+    for _ in range(7):                                   # then 7 more blocks each, one block in turn
+        for s in range(8):
+            m.append_slots(s, 4)
+    for s in range(8):
+        pages = [b // per_page for b in m.block_ids(s)]
+        moves = sum(a != b for a, b in zip(pages, pages[1:]))
+        # 8 blocks on 2 pages, and the sequence moves to its second page once, when its first is full.
+        assert len(pages) == 8 and len(set(pages)) == 2 and moves == 1, (s, m.block_ids(s))
+    for s in range(8):
+        m.free(s)
+    assert m.num_free_blocks == 64

@@ -36,6 +36,7 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_ALIGNMENT = 256     # bytes: enough for any dtype and for 128-byte aligned vector loads
+PAGE_BYTES = 2 << 20        # the GPU's large memory page: block placement matters at this scale (see FreeBlocks)
 
 
 class OutOfBlocks(RuntimeError):
@@ -226,6 +227,68 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class FreeBlocks:
+    """The free device blocks, grouped by **page**: ``blocks_per_page`` consecutive block ids, whose bytes
+    share one 2 MiB stretch of each layer's cache (given code: the manager's free list).
+
+    Where a sequence's blocks lie matters to the decode kernel of lesson 04. Measured on an H200
+    (bench/README.md, session 8): blocks shuffled only *within* each 2 MiB decode as fast as blocks in
+    order, while 64-token runs scattered over random pages are as slow as a full shuffle, 0.1-1.8% slower
+    (the GPU translates an address per page, and a program that wanders over many pages waits for more
+    translations). A plain stack of free ids scatters a long-running server's sequences over the whole
+    cache. So :meth:`pop` takes ``near``, the sequence's last block: it hands out a free block from that
+    block's page when there is one, otherwise one from the page with the most free blocks (room to grow
+    there). A new sequence therefore starts on an empty page if there is one, and a growing one stays on
+    its pages. Within a page the most recently freed block goes first.
+
+    ``len()`` is the number of free blocks; ``append(block_id)`` gives one back. Costs O(1) per call, plus a
+    scan of at most ``blocks_per_page`` buckets when a sequence has to move to another page.
+    """
+
+    def __init__(self, num_blocks: int, blocks_per_page: int):
+        self.blocks_per_page = max(1, blocks_per_page)
+        pages = _cdiv(num_blocks, self.blocks_per_page)
+        # Per page, a stack of its free ids (lowest id on top, so a fresh cache fills in order).
+        self._stacks = [list(range(min(num_blocks, (p + 1) * self.blocks_per_page) - 1, p * self.blocks_per_page - 1, -1))
+                        for p in range(pages)]
+        # _buckets[n]: the pages with exactly n free blocks (insertion-ordered dicts used as sets).
+        self._buckets: list[dict[int, None]] = [{} for _ in range(self.blocks_per_page + 1)]
+        for page, stack in enumerate(self._stacks):
+            self._buckets[len(stack)][page] = None
+        self._count = num_blocks
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _take_from(self, page: int) -> int:
+        stack = self._stacks[page]
+        del self._buckets[len(stack)][page]
+        block_id = stack.pop()
+        self._buckets[len(stack)][page] = None
+        self._count -= 1
+        return block_id
+
+    def pop(self, near: int | None = None) -> int:
+        """A free block id: from ``near``'s page if it has one, else from the page with the most free blocks.
+        Raises ``IndexError`` when none is free (the manager checks room first)."""
+        if self._count == 0:
+            raise IndexError("no free block")
+        if near is not None and self._stacks[near // self.blocks_per_page]:
+            return self._take_from(near // self.blocks_per_page)
+        for free in range(self.blocks_per_page, 0, -1):      # the emptiest page
+            if self._buckets[free]:
+                return self._take_from(next(iter(self._buckets[free])))
+        raise AssertionError("unreachable: the count says a block is free")
+
+    def append(self, block_id: int) -> None:
+        page = block_id // self.blocks_per_page
+        stack = self._stacks[page]
+        del self._buckets[len(stack)][page]
+        stack.append(block_id)
+        self._buckets[len(stack)][page] = None
+        self._count += 1
+
+
 def _check_count(name: str, value, minimum: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -244,6 +307,8 @@ class KVCacheManager:
         num_cpu_blocks: host blocks for swapping (pinned memory when CUDA is present).
         pool: a :class:`MemoryPool` on ``device`` to carve the caches from; default: a new pool sized
             exactly for them.
+        page_bytes: the stretch of one layer's cache within which the free list keeps a sequence's blocks
+            together (:class:`FreeBlocks`); default 2 MiB, the GPU's large page.
 
     Attributes (read them, do not change them from outside):
         k_cache, v_cache: lists (one per layer) of ``[num_blocks, block_size, num_kv_heads, head_dim]``
@@ -257,7 +322,7 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu", num_cpu_blocks: int = 0,
-                 pool: MemoryPool | None = None):
+                 pool: MemoryPool | None = None, page_bytes: int = PAGE_BYTES):
         _check_count("num_blocks", num_blocks, 1)
         _check_count("block_size", block_size, 1)
         if block_size > 1024:
@@ -266,6 +331,7 @@ class KVCacheManager:
         _check_count("num_kv_heads", num_kv_heads, 1)
         _check_count("head_dim", head_dim, 1)
         _check_count("num_cpu_blocks", num_cpu_blocks, 0)
+        _check_count("page_bytes", page_bytes, 1)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -292,8 +358,10 @@ class KVCacheManager:
 
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.cpu_blocks = [KVCacheBlock(i, on_host=True) for i in range(num_cpu_blocks)]
-        # Free lists as stacks: the most recently freed block is reused first (it is warm in the L2).
-        self._free = list(range(num_blocks - 1, -1, -1))
+        # Device blocks: a free list that keeps each sequence on few 2 MiB pages (FreeBlocks). Host blocks: a
+        # stack (the most recently freed goes first; placement in pinned memory does not matter).
+        block_bytes = nbytes // num_blocks                   # one block of one layer's K (or V)
+        self._free = FreeBlocks(num_blocks, page_bytes // block_bytes)
         self._cpu_free = list(range(num_cpu_blocks - 1, -1, -1))
         self._tables: dict[object, list[int]] = {}       # seq id -> device block ids (resident sequences)
         self._lens: dict[object, int] = {}               # seq id -> tokens stored (resident and swapped)
@@ -351,11 +419,17 @@ class KVCacheManager:
             self._check_resident(seq_id)
         return seq_ids
 
-    def _take_blocks(self, count: int) -> list[int]:
-        """Pop ``count`` free device blocks and set their reference count to 1 (caller checked room)."""
-        ids = [self._free.pop() for _ in range(count)]
-        for block_id in ids:
-            self.blocks[block_id].ref_count = 1
+    def _take_blocks(self, count: int, near: int | None = None) -> list[int]:
+        """Pop ``count`` free device blocks and set their reference count to 1 (caller checked room).
+
+        ``near``: the block the new ones follow (a sequence's last block), so they are taken from its page
+        when it has room (:class:`FreeBlocks`); each new block is then ``near`` for the next one.
+        """
+        ids = []
+        for _ in range(count):
+            near = self._free.pop(near)
+            self.blocks[near].ref_count = 1
+            ids.append(near)
         return ids
 
     def _release(self, block_id: int) -> None:
@@ -429,11 +503,11 @@ class KVCacheManager:
         if needed > len(self._free):
             raise self._out_of_blocks(needed, f"append_slots({seq_id!r}, {n})")
         if copy_last:
-            (fresh,) = self._take_blocks(1)
+            (fresh,) = self._take_blocks(1, near=table[-1])
             self.copy_blocks([(table[-1], fresh)])
             self._release(table[-1])
             table[-1] = fresh
-        table.extend(self._take_blocks(grow))
+        table.extend(self._take_blocks(grow, near=table[-1] if table else None))   # on the same page if it can
         self._lens[seq_id] = length + n
         return self._slots(table, length, n)
 
