@@ -1,6 +1,6 @@
 """Does the page-local free list (lesson 03, ``FreeBlocks``) make decode faster in a long-running server?
 
-    OUT=out YAIE_GIT_COMMIT=<hash> python scripts/gpu_lesson03_allocator.py
+    OUT=out YAIE_GIT_COMMIT=<hash> [ALLOC_CONTEXT=16384] python scripts/gpu_lesson03_allocator.py
 
 1. On the CPU, the same random serving workload runs through lesson 03's ``KVCacheManager`` twice: with the
    free list as it was before session 8 (a stack of ids: the most recently freed block first) and with
@@ -134,7 +134,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(), "commit": os.environ.get("YAIE_GIT_COMMIT"),
-              "command": "OUT=out python scripts/gpu_lesson03_allocator.py",
+              "command": f"ALLOC_CONTEXT={CONTEXT} OUT=out python scripts/gpu_lesson03_allocator.py",
               "shape": f"b{BATCH} h{HEADS}/{KV_HEADS} ctx{CONTEXT} d{DIM} bs{BLOCK} bf16, cache of {NUM_BLOCKS} blocks",
               "workload": {"warmup_steps": WARMUP_STEPS, "background_requests": BACKGROUND,
                            "background_prompt": [16, 2048], "background_length": [256, 8192],
