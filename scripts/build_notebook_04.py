@@ -484,13 +484,13 @@ the signature of address translation, not the order of the bytes (exercise 15).
     freeing take (the block table row, `context_lens`, and the positions of later tokens), and why does it not
     work for Gemma or Qwen2, where some layers see the whole context? What does the kernel need to know if
     the table no longer starts at token 0?
-15. Design the allocator that the last measurement asks for: lesson 03 hands out free blocks from a stack, so a
-    long-running server scatters each sequence over the whole cache. Write a free list that gives a sequence
-    its next block from the same 2 MB of cache as its previous block when one is free there (how many blocks
-    is 2 MB for your model's layer?), and falls back to any block otherwise. Which invariants of lesson 03 must
-    still hold, what does it cost per allocation, and what happens to it when the cache is nearly full? Then
-    build a cache with your allocator after a few thousand random arrivals and departures and time lesson 04
-    on it against a shuffled one.
+15. The allocator the last measurement asks for is lesson 03's `FreeBlocks`: a sequence's next block comes from
+    the 2 MiB of cache that holds its previous block when one is free there. How many blocks is 2 MiB for
+    your model's layer? Which invariants of lesson 03 must still hold, what does it cost per allocation, and
+    what happens when the cache is nearly full? `scripts/gpu_lesson03_allocator.py` runs the same serving
+    workload through the old stack and through `FreeBlocks`, then times lesson 04 on both caches: change the
+    policy (a queue; the fullest page instead of the emptiest) and see what it does to the pages per sequence
+    and to the time.
 
 ## Grade
 """)
