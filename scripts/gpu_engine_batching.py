@@ -134,45 +134,39 @@ def section_graphs_vs_eager():
     return result
 
 
-def section_fp32_random():
+def _random_model_vs_transformers(kind: str, **overrides) -> dict:
+    """float32, a random ``kind`` checkpoint (fresh seed): six random prompts of 4-40 tokens in one call, 24
+    greedy tokens each, against transformers' greedy ids for each prompt alone."""
     from yaie.model.testing import save_random_model
     with tempfile.TemporaryDirectory() as d:
         seed = int.from_bytes(os.urandom(4), "little") % 2**31
-        hf = save_random_model("llama3", d, seed=seed).to(DEVICE)
+        hf = save_random_model(kind, d, seed=seed, **overrides).to(DEVICE)
         llm = LLM(d, device=DEVICE, dtype=torch.float32, block_size=8)
         gen = torch.Generator().manual_seed(seed)
         prompts = [[1] + torch.randint(3, 96, (int(n),), generator=gen).tolist()
                    for n in torch.randint(4, 40, (6,), generator=gen)]
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))]
         want = [hf_greedy(hf, ids, 24, [2]) for ids in prompts]
-    result = dict(seed=seed, equal=[g == w for g, w in zip(got, want)], tokens=[len(w) for w in want])
+    graphs = llm.last_graphs
+    return dict(seed=seed, windows=llm.config.sliding_windows, equal=[g == w for g, w in zip(got, want)],
+                tokens=[len(w) for w in want], cuda_graph_buckets=sorted(graphs.graphs) if graphs else None,
+                cuda_graph_failure=graphs.failed if graphs else None)
+
+
+def section_fp32_random():
+    result = _random_model_vs_transformers("llama3")
     assert all(result["equal"]), result
     return result
 
 
 def section_fp32_windowed():
-    """float32, random models with sliding-window layers (window 8, prompts of 4-40 tokens, 24 new ones): a
+    """float32, random models with sliding-window layers (window 8, so most prompts are longer than it): a
     Mistral (every layer windowed) and a Qwen2 whose layer 0 sees everything. With CUDA graphs on (the
-    default), the windowed layers decode through lesson 04 with their window (task 4); greedy ids vs
-    transformers, several prompts in one call."""
-    from yaie.model.testing import save_random_model
-    results = {}
-    for kind, overrides in [("mistral", {}),
-                            ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))]:
-        with tempfile.TemporaryDirectory() as d:
-            seed = int.from_bytes(os.urandom(4), "little") % 2**31
-            hf = save_random_model(kind, d, seed=seed, **overrides).to(DEVICE)
-            llm = LLM(d, device=DEVICE, dtype=torch.float32, block_size=8)
-            gen = torch.Generator().manual_seed(seed)
-            prompts = [[1] + torch.randint(3, 96, (int(n),), generator=gen).tolist()
-                       for n in torch.randint(4, 40, (6,), generator=gen)]
-            got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))]
-            want = [hf_greedy(hf, ids, 24, [2]) for ids in prompts]
-            graphs = llm.last_graphs
-            results[kind] = dict(seed=seed, windows=llm.config.sliding_windows,
-                                 equal=[g == w for g, w in zip(got, want)], tokens=[len(w) for w in want],
-                                 cuda_graph_buckets=sorted(graphs.graphs) if graphs else None,
-                                 cuda_graph_failure=graphs.failed if graphs else None)
+    default), the windowed layers decode through lesson 04 (task 4) and prefill through lesson 06 (task 5)
+    with their window."""
+    results = {"mistral": _random_model_vs_transformers("mistral"),
+               "qwen2": _random_model_vs_transformers("qwen2", use_sliding_window=True, sliding_window=8,
+                                                      max_window_layers=1)}
     assert all(all(r["equal"]) for r in results.values()), results
     if DEVICE == "cuda":
         assert all(r["cuda_graph_buckets"] and r["cuda_graph_failure"] is None for r in results.values()), results
