@@ -191,7 +191,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         positions = torch.arange(first, length, device=q.device)    # the tokens this query sees
         blocks = block_tables[b, positions // block_size].long()
         rows = positions % block_size
-        k = k_cache[blocks, rows].repeat_interleave(group, dim=1)     # [length, num_heads, head_dim]
+        k = k_cache[blocks, rows].repeat_interleave(group, dim=1)     # [tokens seen, num_heads, head_dim]
         v = v_cache[blocks, rows].repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[b], k) * scale          # [num_heads, tokens seen]
         out[b] = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v)
