@@ -122,8 +122,8 @@ class LLM:
             (free its blocks, prefill it again later) or ``"swap"`` (copy its blocks to host memory).
         max_num_seqs: requests running at once at most. max_num_batched_tokens: prefill tokens per step.
         cuda_graphs: replay decode-only steps from CUDA graphs (:mod:`yaie.engine.cuda_graphs`); default:
-            on CUDA. One block of the cache is kept back as the
-            graphs' scratch block (``num_blocks`` counts the blocks requests can use).
+            on CUDA. One block of the cache is kept back as the graphs' scratch block (``num_blocks`` counts
+            the blocks requests can use).
     """
 
     def __init__(self, model: str | Path | None = None, device: str | torch.device | None = None,
