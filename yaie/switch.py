@@ -40,7 +40,7 @@ LESSONS: dict[int, Lesson] = {
     3: Lesson(3, "Paged KV cache", ("kernels.kv_cache",), "03_paged_kv_cache"),
     4: Lesson(4, "Paged attention", ("kernels.paged_attention",), "04_paged_attention"),
     5: Lesson(5, "Radix prefix sharing, FlashInfer-style attention",
-              ("kernels.radix_attention", "kernels.flashinfer"), "05_radix_flashinfer"),
+              ("kernels.radix_attention", "kernels.prefix_prefill", "kernels.flashinfer"), "05_radix_flashinfer"),
     6: Lesson(6, "FlashAttention", ("kernels.flash_attention",), "06_flash_attention"),
     7: Lesson(7, "Telescoping cache", ("kernels.telescoping",), "07_telescoping_cache"),
     8: Lesson(8, "Based linear attention", ("kernels.based",), "08_based_linear_attention"),
@@ -107,7 +107,8 @@ def uses_reference(lesson: int) -> bool:
 def module(lesson: int, which: int = 0) -> ModuleType:
     """The module that implements ``lesson`` now: the student's, or the reference if the switch says so.
 
-    ``which`` picks among the lesson's modules (lesson 05 has two).
+    ``which`` picks among the lesson's modules (lesson 05 has three: the radix tree, the prefix-prefill
+    kernel, the FlashInfer-style plan/run attention).
     """
     if lesson not in LESSONS:
         raise ValueError(f"there is no lesson {lesson} (lessons are 1-{len(LESSONS)})")
