@@ -55,16 +55,16 @@ class KernelMissing(RuntimeError):
     """A lesson function the engine needs is not implemented (and the reference may not be used)."""
 
 
-def _student_path(lesson: int) -> str:
-    return "yaie/" + switch.LESSONS[lesson].modules[0].replace(".", "/") + ".py"
+def _student_path(lesson: int, which: int = 0) -> str:
+    return "yaie/" + switch.LESSONS[lesson].modules[which].replace(".", "/") + ".py"
 
 
 def _auto_mode() -> bool:
     return os.environ.get(switch.ENV_VAR) is None
 
 
-def _reference_module(lesson: int):
-    name = "solutions." + switch.LESSONS[lesson].modules[0]
+def _reference_module(lesson: int, which: int = 0):
+    name = "solutions." + switch.LESSONS[lesson].modules[which]
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
@@ -72,47 +72,56 @@ def _reference_module(lesson: int):
                                        "is not in this copy of the course") from err
 
 
-def lesson_module(lesson: int):
-    """The module that serves ``lesson`` now: the switch's choice, or the reference after an auto fallback."""
+def lesson_module(lesson: int, which: int = 0):
+    """The module that serves ``lesson`` now: the switch's choice, or the reference after an auto fallback.
+
+    ``which`` picks among a lesson's modules (``switch.LESSONS[lesson].modules``; lesson 05 has three).
+    """
     if lesson in _auto_reference and _auto_mode():
-        return _reference_module(lesson)
-    return switch.module(lesson)
+        return _reference_module(lesson, which)
+    return switch.module(lesson, which)
 
 
-def _missing_message(lesson: int, name: str, err: NotImplementedError) -> str:
+def _missing_message(lesson: int, name: str, err: NotImplementedError, which: int = 0) -> str:
     label = switch.LESSONS[lesson].label
     detail = f" ({err})" if str(err) else ""
-    return (f"{label}: {name} is not implemented yet in {_student_path(lesson)}{detail}.\n"
+    return (f"{label}: {name} is not implemented yet in {_student_path(lesson, which)}{detail}.\n"
             f"Implement it (`pytest grader/lesson{lesson:02d}` checks it), or run the reference solution for "
             f"this lesson: YAIE_SOLUTIONS={lesson} in the environment, or `yaie generate --solutions {lesson}`; "
             f"unset YAIE_SOLUTIONS to let the engine use the reference wherever a lesson is unfinished.")
 
 
-def _fallback(lesson: int, name: str, module, err: NotImplementedError):
+def _fallback(lesson: int, name: str, module, err: NotImplementedError, which: int = 0):
     """The module to use after ``module.name`` raised ``NotImplementedError``: the reference in auto mode
     (with one notice line), else :class:`KernelMissing`."""
     if module.__name__.startswith("solutions.") or not _auto_mode():
-        raise KernelMissing(_missing_message(lesson, name, err)) from None
+        raise KernelMissing(_missing_message(lesson, name, err, which)) from None
     try:
-        reference = _reference_module(lesson)
+        reference = _reference_module(lesson, which)
     except switch.LessonUnavailable:
         raise KernelMissing(
-            f"{switch.LESSONS[lesson].label}: {name} is not implemented yet in {_student_path(lesson)}, "
+            f"{switch.LESSONS[lesson].label}: {name} is not implemented yet in {_student_path(lesson, which)}, "
             "and this copy of the course has no reference solution to use instead: implement it "
             f"(`pytest grader/lesson{lesson:02d}` checks it).") from None
     _auto_reference.add(lesson)
-    print(f"{switch.LESSONS[lesson].label}: {name} is not implemented yet in {_student_path(lesson)}; "
+    print(f"{switch.LESSONS[lesson].label}: {name} is not implemented yet in {_student_path(lesson, which)}; "
           f"using the reference for {switch.LESSONS[lesson].label}", file=sys.stderr, flush=True)
     return reference
 
 
 def call(lesson: int, name: str, *args, **kwargs):
-    """Call ``name`` of ``lesson``'s module, handling unfinished stubs as the module docstring says."""
-    module = lesson_module(lesson)
+    """Call ``name`` of ``lesson``'s (first) module, handling unfinished stubs as the module docstring says."""
+    return call_in(lesson, 0, name, *args, **kwargs)
+
+
+def call_in(lesson: int, which: int, name: str, *args, **kwargs):
+    """Call ``name`` of module ``which`` of ``lesson`` (lesson 05: 0 radix tree, 1 prefix prefill,
+    2 plan/run attention), handling unfinished stubs like :func:`call`."""
+    module = lesson_module(lesson, which)
     try:
         return getattr(module, name)(*args, **kwargs)
     except NotImplementedError as err:
-        reference = _fallback(lesson, name, module, err)
+        reference = _fallback(lesson, name, module, err, which)
         return getattr(reference, name)(*args, **kwargs)
 
 
