@@ -1,4 +1,4 @@
-"""The batched engine on a CUDA GPU (issue 5, engine part): correctness and spies. One run, one JSON.
+"""The batched engine on a CUDA GPU: correctness and spies. One run, one JSON.
 
     python scripts/gpu_engine_batching.py --out DIR [--device cpu]   (cpu: a dry run of the script)
 

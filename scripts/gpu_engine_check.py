@@ -3,9 +3,9 @@
     python scripts/gpu_engine_check.py --out DIR
 
 On CUDA the engine's norms, RoPE and SiLU-and-mul are lesson 02's Triton kernels (reference
-solutions here). This is the engine v0 check (issue 3); since issue 5 generation runs through the paged
-cache and lessons 04/06 (scripts/gpu_engine_batching.py checks that); the logit checks below still use the
-one-sequence ContiguousKVCache path (lesson 01 attention). Checks:
+solutions here). Generation runs through the paged cache and lessons 04/06 (scripts/gpu_engine_batching.py
+checks that); the logit checks below use the one-sequence ContiguousKVCache path (lesson 01 attention).
+Checks:
 
 1. spies: a short generation calls lesson 02's rms_norm, fused_add_rms_norm, apply_rope_qk, silu_and_mul;
 2. float32: greedy token ids equal transformers' (same GPU, float32) on the bundled model's prompts and
