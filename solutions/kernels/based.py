@@ -1,0 +1,417 @@
+"""Lesson 08: Based linear attention: the Taylor feature map, a chunked prefill kernel, recurrent decode.
+
+Softmax attention weighs key ``j`` for query ``i`` by ``exp(s_ij)`` with ``s_ij = q_i . k_j / sqrt(d)``.
+Linear attention replaces ``exp(q . k)`` by a dot product of *features*, ``phi(q) . phi(k)``. Then the
+order of the products can change::
+
+    out_i = sum_j (phi(q_i) . phi(k_j)) v_j / sum_j phi(q_i) . phi(k_j)
+          = phi(q_i) @ [sum_j phi(k_j) v_j^T] / phi(q_i) . [sum_j phi(k_j)]
+
+The two sums in brackets are the **state**: a ``[F, d_v]`` matrix and an ``[F]`` vector, whatever the
+number of tokens. Decoding a token adds one outer product to the state and reads one row-vector
+product from it: constant time and memory per token, where a KV cache grows by one row per token.
+
+Based (Arora et al., 2024) takes the second-order Taylor expansion of ``exp``::
+
+    exp(s) ~ 1 + s + s^2 / 2,        s = q . k / sqrt(d),  d = 16 (the feature dimension)
+
+and writes it as a dot product of three concatenated blocks (``x`` is q or k, ``d^(1/4) = 2``)::
+
+    phi(x) = [ 1,  x / d^(1/4),  vec(x x^T) / (sqrt(2) sqrt(d)) ]      1 + 16 + 256 = 273 features
+
+so that ``phi(q) . phi(k) = 1 + q.k/sqrt(d) + (q.k)^2 / (2 d) = 1 + s + s^2/2``. This weight is
+``((1 + s)^2 + 1) / 2 >= 1/2``: every key gets a positive weight, so the normaliser never vanishes.
+
+**Chunked prefill** (task 2). Cut the sequence into chunks of ``C`` tokens. For the queries of chunk
+``n`` the keys split in two:
+
+* keys of earlier chunks: their contribution is already summed in the state (the same product
+  ``phi(q) @ S`` for every query of the chunk, one ``[C, 273] x [273, d_v]`` matrix product);
+* keys of the same chunk: a small causal ``C x C`` tile, ``A = 1 + s + s^2/2`` masked above the
+  diagonal, then ``A @ v``: the quadratic form, but only ``C`` wide.
+
+Then the chunk's keys are added to the state (``phi(k)^T @ v``) and the next chunk starts. In the
+blocks of ``phi``: the state holds ``sum v`` (order 0), ``sum k v^T`` (order 1) and
+``sum (k x k) v^T`` (order 2) for the numerator, and ``count``, ``sum k``, ``sum k x k`` for the
+normaliser, all in float32. The kernel never builds ``phi(k)`` in memory: it forms the 256
+second-order features of a chunk in registers, ``k_a k_b``, and multiplies them straight away.
+
+**Recurrent decode** (task 3): one token updates the state and reads its output from it.
+
+Layouts: ``q, k [batch, heads, seq, 16]``, ``v [batch, heads, seq, d_v]`` (any strides); the state is
+:class:`BasedState` (``kv [batch, heads, 273, d_v]`` and ``k [batch, heads, 273]``, float32).
+
+Tasks: 1 the feature map and the quadratic reference, 2 the chunked Triton prefill, 3 recurrent
+decode, 4 input checks (``ValueError``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from yaie.device import triton_interpreted
+
+FEATURE_DIM = 16                                       # d: the width of q and k the kernel is built for
+EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_VALUE_DIM = 256
+DEFAULT_CHUNK = 64
+
+
+class BasedState(NamedTuple):
+    """The recurrent state of Based attention for a batch of sequences (float32).
+
+    ``kv [batch, heads, 273, d_v]``: ``sum_j phi(k_j) v_j^T`` (the numerator state);
+    ``k  [batch, heads, 273]``:      ``sum_j phi(k_j)`` (the normaliser state).
+    Row 0 holds the order-0 sums (``sum v`` and the token count), rows 1-16 the order-1 sums
+    (``sum k v^T / 2``, ``sum k / 2``), rows 17-272 the order-2 sums (``sum (k x k) v^T / (4 sqrt 2)``, ...).
+    """
+
+    kv: torch.Tensor
+    k: torch.Tensor
+
+
+def empty_state(batch: int, heads: int, value_dim: int, device: str | torch.device = "cpu") -> BasedState:
+    """The state before any token: zeros (float32)."""
+    return BasedState(torch.zeros(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=device),
+                      torch.zeros(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=device))
+
+
+def state_bytes(heads: int, value_dim: int, bytes_per_number: int = 4) -> int:
+    """Bytes of one sequence's state in one layer: ``heads * 273 * (d_v + 1)`` numbers, whatever its length."""
+    return heads * EXPANDED_DIM * (value_dim + 1) * bytes_per_number
+
+
+# yaie: task 1
+def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """The Based feature map: ``[..., 16] -> [..., 273]`` with ``phi(q) . phi(k) = 1 + s + s^2/2``.
+
+    ``s = q . k / sqrt(16)``. The features are the concatenation ``[1, x / 2, vec(x x^T) / (4 sqrt(2))]``:
+    one constant, the 16 entries of ``x`` scaled by ``16^(-1/4) = 1/2``, and the 256 products
+    ``x_a x_b`` (``a`` major, ``b`` minor, i.e. ``(x[..., :, None] * x[..., None, :]).flatten(-2)``)
+    scaled by ``1 / (sqrt(2) * sqrt(16))``.
+
+    Args:
+        x: ``[..., 16]`` floating point (any dtype; the result has the same dtype and device).
+    Returns:
+        ``[..., 273]``.
+    Raises:
+        ValueError: ``x`` is not a floating-point tensor, or its last dimension is not 16.
+    """
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a floating-point torch.Tensor, got {type(x).__name__} "
+                         f"{getattr(x, 'dtype', '')}")
+    if x.dim() == 0 or x.shape[-1] != FEATURE_DIM:
+        raise ValueError(f"the feature map is built for a last dimension of {FEATURE_DIM}, got shape {tuple(x.shape)}")
+    d = FEATURE_DIM
+    order0 = torch.ones_like(x[..., :1])
+    order1 = x / d ** 0.25                                                   # (q/2).(k/2) = q.k / 4 = s
+    order2 = (x[..., :, None] * x[..., None, :]).flatten(-2) / (math.sqrt(2) * math.sqrt(d))  # (q.k)^2/32 = s^2/2
+    return torch.cat([order0, order1, order2], dim=-1)
+
+
+# yaie: task 1
+def based_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal Based attention in its quadratic (parallel) form: the naive answer the kernels must give.
+
+    ``w_ij = 1 + s_ij + s_ij^2 / 2`` with ``s_ij = q_i . k_j / sqrt(16)`` for ``j <= i``, 0 above the
+    diagonal; ``out_i = sum_j w_ij v_j / sum_j w_ij``. Builds the ``[seq, seq]`` weight matrix (O(n^2)
+    memory): for checking, not for long sequences. Computes in the inputs' dtype (call it on float64
+    copies to get a reference).
+
+    Args:
+        q, k: ``[batch, heads, seq, 16]``; v: ``[batch, heads, seq, d_v]``; one floating dtype.
+    Returns:
+        ``out [batch, heads, seq, d_v]`` in the inputs' dtype.
+    """
+    seq = q.shape[-2]
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    w = 1 + s + s * s / 2
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    w = w.masked_fill(~causal, 0.0)
+    return torch.matmul(w, v) / w.sum(-1, keepdim=True)
+
+
+def based_chunked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, BasedState]:
+    """The chunked algorithm of the kernel, in PyTorch (float32 or the inputs' float64): read this first.
+
+    Same results as :func:`based_prefill`: ``(out, final state)``. One loop over chunks; inside a
+    chunk the exact causal tile, across chunks the running state.
+    """
+    batch, heads, seq, _ = q.shape
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    state_kv = torch.zeros(batch, heads, EXPANDED_DIM, v.shape[-1], dtype=compute, device=q.device)
+    state_k = torch.zeros(batch, heads, EXPANDED_DIM, dtype=compute, device=q.device)
+    out = torch.empty_like(v)
+    for start in range(0, seq, chunk_size):
+        end = min(start + chunk_size, seq)
+        qc, kc, vc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        fq, fk = taylor_feature_map(qc), taylor_feature_map(kc)            # [b, h, c, 273]
+        # Earlier chunks: one product with the state (causality is already settled for them).
+        num = fq @ state_kv
+        den = (fq * state_k[:, :, None, :]).sum(-1)
+        # This chunk: the exact causal tile.
+        w = (fq @ fk.transpose(-1, -2)).tril()
+        num = num + w @ vc
+        den = den + w.sum(-1)
+        out[:, :, start:end] = num / den[..., None]
+        # Fold this chunk's keys into the state.
+        state_kv = state_kv + fk.transpose(-1, -2) @ vc
+        state_k = state_k + fk.sum(-2)
+    return out, BasedState(state_kv.float(), state_k.float())
+
+
+# yaie: task 4
+def check_based_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BasedState | None = None,
+                       decode: bool = False) -> None:
+    """Raise ``ValueError`` unless the arguments suit :func:`based_prefill` (``decode=False``) or
+    :func:`based_decode_step` (``decode=True``).
+
+    Prefill: ``q, k [batch, heads, seq, 16]``, ``v [batch, heads, seq, d_v]`` with ``seq >= 1``.
+    Decode: one token, ``q, k [batch, heads, 16]``, ``v [batch, heads, d_v]``, and a ``state``
+    (:class:`BasedState`: ``kv [batch, heads, 273, d_v]``, ``k [batch, heads, 273]``, float32, same device).
+    Always: torch tensors of one floating dtype (float16, bfloat16 or float32) on one device, the
+    feature dimension exactly 16 (the kernel is built for it), ``1 <= d_v <= 256``, batch, heads and
+    seq equal in q, k and v. CPU tensors for the prefill kernel need the Triton interpreter.
+    """
+    rank = 3 if decode else 4
+    names = "[batch, heads, 16]" if decode else "[batch, heads, seq, 16]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D ({names} for q and k), got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensors must be on a CUDA GPU or the CPU, got {q.device}")
+    if not decode and q.device.type == "cpu" and not triton_interpreted():
+        raise ValueError("CPU tensors need the Triton interpreter: call yaie.device.prepare_triton() "
+                         "before importing triton (or set TRITON_INTERPRET=1)")
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[-1] != FEATURE_DIM:
+            raise ValueError(f"{name} has feature dimension {t.shape[-1]}; this kernel is built for "
+                             f"{FEATURE_DIM} (273 Taylor features)")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f"v must match q in every dimension but the last, got v {tuple(v.shape)} "
+                         f"and q {tuple(q.shape)}")
+    value_dim = v.shape[-1]
+    if not 1 <= value_dim <= MAX_VALUE_DIM:
+        raise ValueError(f"the value dimension must be between 1 and {MAX_VALUE_DIM}, got {value_dim}")
+    if any(s == 0 for s in q.shape):
+        raise ValueError(f"empty tensors are not allowed: q {tuple(q.shape)}")
+    if decode or state is not None:
+        if state is None:
+            raise ValueError("decode needs a state (yaie: empty_state(batch, heads, d_v) or based_prefill's)")
+        if not isinstance(state, tuple) or len(state) != 2 or not all(isinstance(t, torch.Tensor) for t in state):
+            raise ValueError(f"state must be a BasedState(kv, k) of two tensors, got {type(state).__name__}")
+        batch, heads = q.shape[0], q.shape[1]
+        kv_shape = (batch, heads, EXPANDED_DIM, value_dim)
+        if tuple(state[0].shape) != kv_shape or tuple(state[1].shape) != kv_shape[:3]:
+            raise ValueError(f"state must be kv {list(kv_shape)} and k {list(kv_shape[:3])}, got "
+                             f"{list(state[0].shape)} and {list(state[1].shape)}")
+        if state[0].dtype != torch.float32 or state[1].dtype != torch.float32:
+            raise ValueError(f"the state must be float32, got {state[0].dtype} and {state[1].dtype}")
+        if state[0].device != q.device or state[1].device != q.device:
+            raise ValueError(f"the state must be on {q.device}, got {state[0].device}")
+
+
+# yaie: solution-only
+@triton.jit
+def _based_prefill_kernel(
+    Q, K, V, O, STATE_KV, STATE_K,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+    seq_len, value_dim,
+    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, STORE_STATE: tl.constexpr,
+    STATE_DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: ``BLOCK_V`` value columns of one (sequence, head), walking over the chunks in order.
+
+    Grid: (value blocks, heads, batch). The state of those columns lives in registers for the whole
+    sequence: order 0 ``s0 [BLOCK_V]``, order 1 ``s1 [16, BLOCK_V]``, order 2 ``s2 [256, BLOCK_V]`` and the
+    normaliser sums ``z0, z1 [16], z2 [256]``. q and k are pre-scaled by ``16^(-1/4) = 1/2`` on load,
+    so ``s = q.k`` directly and the order-2 weight is ``s^2 / 2``.
+    """
+    pid_v = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    q_base = Q + batch * stride_qb + head * stride_qh
+    k_base = K + batch * stride_kb + head * stride_kh
+    v_base = V + batch * stride_vb + head * stride_vh
+    o_base = O + batch * stride_ob + head * stride_oh
+
+    offs_c = tl.arange(0, CHUNK)
+    offs_f = tl.arange(0, 16)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = offs_v < value_dim
+    causal = offs_c[:, None] >= offs_c[None, :]          # query row >= key column inside the chunk
+
+    s0 = tl.zeros([BLOCK_V], dtype=tl.float32)
+    s1 = tl.zeros([16, BLOCK_V], dtype=tl.float32)
+    s2 = tl.zeros([256, BLOCK_V], dtype=tl.float32)
+    z0 = tl.zeros([1], dtype=tl.float32)
+    z1 = tl.zeros([16], dtype=tl.float32)
+    z2 = tl.zeros([256], dtype=tl.float32)
+
+    for start in range(0, seq_len, CHUNK):
+        rows = start + offs_c
+        row_ok = rows < seq_len
+        # Rows past the end read 0: their k adds nothing to sums of k, and v = 0 adds nothing to s*;
+        # only the count z0 must skip them.
+        q = tl.load(q_base + rows[:, None] * stride_qs + offs_f[None, :], mask=row_ok[:, None], other=0.0)
+        k_t = tl.load(k_base + rows[None, :] * stride_ks + offs_f[:, None], mask=row_ok[None, :], other=0.0)
+        v = tl.load(v_base + rows[:, None] * stride_vs + offs_v[None, :],
+                    mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        q = (q * 0.5).to(v.dtype)                         # exact: a power of two
+        k_t = (k_t * 0.5).to(v.dtype)
+
+        # Inside the chunk: the exact causal tile, w = 1 + s + s^2/2 (row >= column).
+        s = tl.dot(q, k_t, input_precision=PRECISION)                       # [CHUNK, CHUNK] fp32
+        w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
+        num = tl.dot(w.to(v.dtype), v, input_precision=PRECISION)            # [CHUNK, BLOCK_V]
+        den = tl.sum(w, 1)
+
+        # Earlier chunks: read the state. Order 2 needs the 256 products q_a q_b of every query row.
+        qf = q.to(tl.float32)
+        q2 = tl.reshape(qf[:, :, None] * qf[:, None, :], [CHUNK, 256])       # [CHUNK, 256]
+        if STATE_DOT_FP32:
+            # float32 inputs: the state enters the products as it is (exact "ieee" dots).
+            inter = 0.5 * tl.dot(q2, s2, input_precision=PRECISION)
+            inter = tl.dot(qf, s1, inter, input_precision=PRECISION)
+        else:
+            # float16/bfloat16: tensor-core products on the input dtype, accumulated in float32.
+            inter = 0.5 * tl.dot(q2.to(v.dtype), s2.to(v.dtype), input_precision=PRECISION)
+            inter = tl.dot(q, s1.to(v.dtype), inter, input_precision=PRECISION)
+        num += inter + s0[None, :]
+        den += z0 + tl.sum(qf * z1[None, :], 1) + 0.5 * tl.sum(q2 * z2[None, :], 1)
+
+        out = num / den[:, None]
+        tl.store(o_base + rows[:, None] * stride_os + offs_v[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & v_ok[None, :])
+
+        # Fold the chunk's keys into the state: s2 += (k x k)^T v, s1 += k^T v, s0 += sum v.
+        kf_t = k_t.to(tl.float32)
+        k2_t = tl.reshape(kf_t[:, None, :] * kf_t[None, :, :], [256, CHUNK])   # [256, CHUNK]
+        s2 = tl.dot(k2_t.to(v.dtype), v, s2, input_precision=PRECISION)
+        s1 = tl.dot(k_t, v, s1, input_precision=PRECISION)
+        s0 += tl.sum(v.to(tl.float32), 0)
+        z0 += tl.sum(row_ok.to(tl.float32), 0)
+        z1 += tl.sum(kf_t, 1)
+        z2 += tl.sum(k2_t, 1)
+
+    if STORE_STATE:
+        # The state in the feature layout of taylor_feature_map: row 0 order 0, rows 1..16 order 1
+        # (k/2 already carries its 1/2), rows 17..272 order 2 ((k/2)(k/2) carries 1/4; phi wants
+        # 1/(4 sqrt 2)): scale by 1/sqrt(2).
+        inv_sqrt2 = 0.7071067811865476
+        bh = batch * tl.num_programs(1) + head
+        kv_base = STATE_KV + bh * (273 * value_dim)
+        tl.store(kv_base + offs_v, s0, mask=v_ok)
+        tl.store(kv_base + (1 + offs_f[:, None]) * value_dim + offs_v[None, :], s1, mask=v_ok[None, :])
+        offs_2 = tl.arange(0, 256)
+        tl.store(kv_base + (17 + offs_2[:, None]) * value_dim + offs_v[None, :], s2 * inv_sqrt2,
+                 mask=v_ok[None, :])
+        if pid_v == 0:
+            k_base_out = STATE_K + bh * 273
+            tl.store(k_base_out + tl.arange(0, 1), z0)
+            tl.store(k_base_out + 1 + offs_f, z1)
+            tl.store(k_base_out + 17 + offs_2, z2 * inv_sqrt2)
+
+
+# yaie: solution-only
+def _block_v(value_dim: int) -> int:
+    """Value columns per program: up to 64 (the order-2 state, 256 x 64 fp32, is 64 KiB of registers)."""
+    return min(64, max(16, triton.next_power_of_2(value_dim)))
+
+
+# yaie: task 2
+def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = DEFAULT_CHUNK,
+                  return_state: bool = True) -> tuple[torch.Tensor, BasedState | None]:
+    """Causal Based attention over whole sequences with the chunked Triton kernel.
+
+    Chunk by chunk: the exact causal ``chunk x chunk`` tile inside the chunk, plus the running state of
+    all earlier chunks (sums of ``v``, ``k v^T`` and ``(k x k) v^T`` for the numerator, of ``1``, ``k`` and
+    ``k x k`` for the normaliser, in float32). Any length (the last chunk may be partial).
+
+    Args:
+        q, k: ``[batch, heads, seq, 16]``; v: ``[batch, heads, seq, d_v]`` (d_v up to 256; 64 and 128 are
+            the usual ones); one dtype: float16, bfloat16 or float32; any strides; CUDA, or CPU under the
+            Triton interpreter.
+        chunk_size: tokens per chunk, a power of two from 16 to 128.
+        return_state: also return the state after the last token (for decoding on).
+    Returns:
+        ``(out, state)``: ``out [batch, heads, seq, d_v]`` in the inputs' dtype (``out_i`` as in
+        :func:`based_attention_reference`); ``state`` a :class:`BasedState` (float32, the layout of
+        :func:`taylor_feature_map`), or ``None`` when ``return_state`` is False.
+    Raises:
+        ValueError: through :func:`check_based_inputs`; a chunk size that is not a power of two in [16, 128].
+    """
+    check_based_inputs(q, k, v)
+    # The kernel reads rows of q, k, v with unit stride along the last dimension.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if not isinstance(chunk_size, int) or chunk_size not in (16, 32, 64, 128):
+        raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size!r}")
+    batch, heads, seq, _ = q.shape
+    value_dim = v.shape[-1]
+    out = torch.empty(batch, heads, seq, value_dim, dtype=v.dtype, device=v.device)
+    if return_state:
+        state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=v.device),
+                           torch.empty(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=v.device))
+    else:
+        state = BasedState(out, out)   # not written (STORE_STATE=False)
+    block_v = _block_v(value_dim)
+    fp32 = q.dtype == torch.float32
+    grid = (triton.cdiv(value_dim, block_v), heads, batch)
+    _based_prefill_kernel[grid](
+        q, k, v, out, state.kv, state.k,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        seq, value_dim,
+        CHUNK=chunk_size, BLOCK_V=block_v, STORE_STATE=return_state,
+        # float32: exact products ("ieee"), the state stays float32 in the dots;
+        # float16/bfloat16: tensor-core dots on the input dtype, accumulated in float32.
+        STATE_DOT_FP32=fp32, PRECISION="ieee" if fp32 else "tf32",
+        num_warps=4 if block_v <= 32 else 8,
+    )
+    return out, (state if return_state else None)
+
+
+# yaie: task 3
+def based_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BasedState) -> torch.Tensor:
+    """One decode step of Based attention: fold one new token into ``state`` (in place), then read its output.
+
+    ``state.kv += phi(k) v^T``, ``state.k += phi(k)``; ``out = phi(q) @ state.kv / (phi(q) . state.k)``
+    (the new token sees itself, as in the causal form). Time and memory do not grow with the number of
+    tokens seen. Prefill with :func:`based_prefill` then decode token by token gives the same outputs as
+    :func:`based_attention_reference` over the whole sequence.
+
+    Args:
+        q, k: ``[batch, heads, 16]``; v: ``[batch, heads, d_v]`` (one token per sequence), one dtype.
+        state: a :class:`BasedState` (float32), updated in place.
+    Returns:
+        ``out [batch, heads, d_v]`` in the inputs' dtype.
+    Raises:
+        ValueError: through :func:`check_based_inputs` (``decode=True``); the state is left untouched.
+    """
+    check_based_inputs(q, k, v, state, decode=True)
+    phi_q = taylor_feature_map(q.float())                      # [b, h, 273]
+    phi_k = taylor_feature_map(k.float())
+    state.kv.add_(phi_k[..., :, None] * v.float()[..., None, :])   # one outer product per (sequence, head)
+    state.k.add_(phi_k)
+    num = torch.einsum("bhf,bhfd->bhd", phi_q, state.kv)
+    den = (phi_q * state.k).sum(-1)
+    return (num / den[..., None]).to(q.dtype)
