@@ -216,13 +216,13 @@ def check_prefix_prefill_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seql
 
 
 def check_prefix_prefill_values(block_tables, cu_seqlens_q, context_lens, total_new, max_query_len,
-                                num_blocks, block_size) -> None:
+                                num_blocks, block_size, sliding_window=None) -> None:
     """Raise ``ValueError`` on bad offsets, lengths or block ids (one small copy to the host).
 
     ``cu_seqlens_q`` must start at 0, never decrease and end at ``total_new``; no sequence may have more
     than ``max_query_len`` new tokens (None: no bound); ``context_lens`` must lie in 0 .. what a block
     table row holds; the block ids a prefix uses must name blocks of the cache (padding may hold
-    anything).
+    anything, and so may the entries of blocks wholly before a sliding window: no query sees them).
     """
     cu = cu_seqlens_q.tolist()
     if cu[0] != 0 or cu[-1] != total_new:
@@ -242,6 +242,9 @@ def check_prefix_prefill_values(block_tables, cu_seqlens_q, context_lens, total_
     used_blocks = (lens + block_size - 1) // block_size
     columns = torch.arange(block_tables.shape[1], device=block_tables.device)
     used = columns[None, :] < used_blocks[:, None]
+    if sliding_window is not None:   # the first new token (position context_len) sees keys > context_len - w
+        first_seen = (lens - sliding_window + 1).clamp(min=0) // block_size
+        used &= columns[None, :] >= first_seen[:, None]
     bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
     if bool(bad.any()):
         row, col = (int(i) for i in bad.nonzero()[0])
@@ -286,7 +289,7 @@ def prefix_prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_prefix_prefill_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, None,
                                 scale, sliding_window, sinks, k_scale, v_scale, for_kernel=False)
     check_prefix_prefill_values(block_tables, cu_seqlens_q, context_lens, q.shape[0], None,
-                                v_cache.shape[0], v_cache.shape[1])
+                                v_cache.shape[0], v_cache.shape[1], sliding_window)
     total, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     block_size = v_cache.shape[1]
@@ -301,16 +304,19 @@ def prefix_prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         new, ctx = last - first, int(context_lens[b])
         if new == 0:
             continue
-        positions = torch.arange(ctx, device=q.device)
+        # The cached keys any new token sees: all of them, or from the first new token's window on
+        # (the rows before it may hold anything: an engine can give those blocks away).
+        seen_from = 0 if sliding_window is None else max(0, ctx - sliding_window + 1)
+        positions = torch.arange(seen_from, ctx, device=q.device)
         blocks = block_tables[b, positions // block_size].long()
         rows = positions % block_size
         prefix_k = token_major_k[blocks, rows].to(q.dtype) * (1.0 if k_scale is None else k_scale)
         prefix_v = v_cache[blocks, rows].to(q.dtype) * (1.0 if v_scale is None else v_scale)
-        keys = torch.cat([prefix_k, k[first:last]]).repeat_interleave(group, dim=1)   # [ctx + new, heads, d]
+        keys = torch.cat([prefix_k, k[first:last]]).repeat_interleave(group, dim=1)   # [keys, heads, d]
         values = torch.cat([prefix_v, v[first:last]]).repeat_interleave(group, dim=1)
-        scores = torch.einsum("ihd,jhd->hij", q[first:last], keys) * scale             # [heads, new, ctx + new]
+        scores = torch.einsum("ihd,jhd->hij", q[first:last], keys) * scale             # [heads, new, keys]
         query_pos = ctx + torch.arange(new, device=q.device)[:, None]
-        key_pos = torch.arange(ctx + new, device=q.device)[None, :]
+        key_pos = torch.arange(seen_from, ctx + new, device=q.device)[None, :]
         visible = key_pos <= query_pos
         if sliding_window is not None:
             visible &= key_pos > query_pos - sliding_window
@@ -318,7 +324,7 @@ def prefix_prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         if sinks is not None:   # one more "key" per head: its logit is the sink, its value zero
             sink = sinks.to(scores.dtype)[:, None, None].expand(num_heads, new, 1)
             scores = torch.cat([scores, sink], dim=-1)
-        probs = torch.softmax(scores, dim=-1)[..., :ctx + new]
+        probs = torch.softmax(scores, dim=-1)[..., :keys.shape[0]]
         out[first:last] = torch.einsum("hij,jhd->ihd", probs, values)
         lse[:, first:last] = torch.logsumexp(scores, dim=-1).to(lse_dtype)
     return out, lse
@@ -354,8 +360,8 @@ def _online_softmax_step(acc, l_i, m_i, s, v, p_scale, SCALE_P: tl.constexpr, FP
 
 # yaie: solution-only
 @triton.jit
-def _prefix_tiles(acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, lo, hi, context_len, window,
-                  score_scale, v_scale,
+def _prefix_tiles(acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, lo, hi, context_len, first_pos,
+                  window, score_scale, v_scale,
                   stride_kb, stride_kh, stride_kt, stride_kx, stride_vb, stride_vt, stride_vh,
                   offs_m, offs_d, MASK: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_VEC: tl.constexpr,
@@ -389,6 +395,8 @@ def _prefix_tiles(acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, lo, hi, co
         v_ptrs = V_CACHE + (block * stride_vb + kv_head * stride_vh + within * stride_vt)[:, None] + offs_d[None, :]
         if MASK:
             col_ok = cols < context_len       # never read past the prefix: those rows are not ours
+            if WINDOWED:   # nor before the first row's window: an engine may have reused those blocks
+                col_ok = col_ok & (cols > first_pos - window)
             k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         elif HEAD_DIM != BLOCK_D:
@@ -502,18 +510,18 @@ def _prefix_prefill_kernel(
         seen_from = tl.maximum(first_pos + BLOCK_M - window, 0)       # from here on every row sees the key
         fast_lo = tl.minimum(tl.maximum((seen_from + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), full_end)
         acc, l_i, m_i = _prefix_tiles(
-            acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, lo, fast_lo, context_len, window,
+            acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, lo, fast_lo, context_len, first_pos, window,
             qk_scale_log2 * k_scale, v_scale, stride_ckb, stride_ckh, stride_ckt, stride_ckx,
             stride_cvb, stride_cvt, stride_cvh, offs_m, offs_d, True, WINDOWED, HEAD_DIM, BLOCK_D, BLOCK_N,
             BLOCK_SIZE, K_VEC, Q.dtype.element_ty, FP8, FP32_DOT, PRECISION)
     acc, l_i, m_i = _prefix_tiles(
-        acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, fast_lo, full_end, context_len, window,
+        acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, fast_lo, full_end, context_len, first_pos, window,
         qk_scale_log2 * k_scale, v_scale, stride_ckb, stride_ckh, stride_ckt, stride_ckx,
         stride_cvb, stride_cvt, stride_cvh, offs_m, offs_d, False, WINDOWED, HEAD_DIM, BLOCK_D, BLOCK_N,
         BLOCK_SIZE, K_VEC, Q.dtype.element_ty, FP8, FP32_DOT, PRECISION)
     acc, l_i, m_i = _prefix_tiles(
-        acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, full_end, context_len, context_len, window,
-        qk_scale_log2 * k_scale, v_scale, stride_ckb, stride_ckh, stride_ckt, stride_ckx,
+        acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, full_end, context_len, context_len, first_pos,
+        window, qk_scale_log2 * k_scale, v_scale, stride_ckb, stride_ckh, stride_ckt, stride_ckx,
         stride_cvb, stride_cvt, stride_cvh, offs_m, offs_d, True, WINDOWED, HEAD_DIM, BLOCK_D, BLOCK_N,
         BLOCK_SIZE, K_VEC, Q.dtype.element_ty, FP8, FP32_DOT, PRECISION)
 
@@ -662,7 +670,7 @@ def prefix_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     num_blocks, block_size, num_kv_heads = v_cache.shape[0], v_cache.shape[1], v_cache.shape[2]
     if validate:
         check_prefix_prefill_values(block_tables, cu_seqlens_q, context_lens, total, max_query_len,
-                                    num_blocks, block_size)
+                                    num_blocks, block_size, sliding_window)
     if out is None:
         out = torch.zeros_like(q) if skip_decode else torch.empty_like(q)
     elif not (isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype

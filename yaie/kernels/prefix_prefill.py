@@ -219,13 +219,13 @@ def check_prefix_prefill_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seql
 
 
 def check_prefix_prefill_values(block_tables, cu_seqlens_q, context_lens, total_new, max_query_len,
-                                num_blocks, block_size) -> None:
+                                num_blocks, block_size, sliding_window=None) -> None:
     """Raise ``ValueError`` on bad offsets, lengths or block ids (one small copy to the host).
 
     ``cu_seqlens_q`` must start at 0, never decrease and end at ``total_new``; no sequence may have more
     than ``max_query_len`` new tokens (None: no bound); ``context_lens`` must lie in 0 .. what a block
     table row holds; the block ids a prefix uses must name blocks of the cache (padding may hold
-    anything).
+    anything, and so may the entries of blocks wholly before a sliding window: no query sees them).
     """
     cu = cu_seqlens_q.tolist()
     if cu[0] != 0 or cu[-1] != total_new:
@@ -245,6 +245,9 @@ def check_prefix_prefill_values(block_tables, cu_seqlens_q, context_lens, total_
     used_blocks = (lens + block_size - 1) // block_size
     columns = torch.arange(block_tables.shape[1], device=block_tables.device)
     used = columns[None, :] < used_blocks[:, None]
+    if sliding_window is not None:   # the first new token (position context_len) sees keys > context_len - w
+        first_seen = (lens - sliding_window + 1).clamp(min=0) // block_size
+        used &= columns[None, :] >= first_seen[:, None]
     bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
     if bool(bad.any()):
         row, col = (int(i) for i in bad.nonzero()[0])
