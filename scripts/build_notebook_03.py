@@ -278,7 +278,7 @@ md(r"""
    when it can, and otherwise from the page with the most free blocks; within a page, the most recently freed
    block goes first. Pass `near=table[-1]` to `_take_blocks` in your `append_slots`. Why does a plain stack of
    ids scatter a batch that decodes in lockstep over hundreds of pages per sequence, and why does the decode
-   kernel of lesson 04 care (`bench/README.md`, session 8: 0.6-0.9% of decode time on an H200)?
+   kernel of lesson 04 care (`bench/README.md`, lessons 03 and 04: 0.6-0.9% of decode time on an H200)?
 4. `OutOfBlocks` must leave the manager unchanged. Find the line in your `append_slots` where a half-done update
    could happen if you checked for room too late.
 5. The grader's random programs (`grader/lesson03/programs.py`) check every invariant after every step. Break

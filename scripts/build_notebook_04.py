@@ -255,7 +255,7 @@ range begins: it starts at the sequence's first visible token instead of 0, and 
 token's block from its position, so a window that starts in the middle of a block or a tile just works.
 The blocks before the window are **never read**; the grader fills them with NaN to make sure.
 
-Measured on the H200 (`bench/README.md`, "Session 8"): at batch 32, 8 KV heads and a 32k context, a
+Measured on the H200 (`bench/README.md`, "Sliding-window decode"): at batch 32, 8 KV heads and a 32k context, a
 4096-token window takes 139.7 us, the same as a 4096-token context (139.5 us) and 7x less than the whole
 context (976.1 us). The engine's old path for windowed layers, gathering every cached token and masking,
 took 48 ms for the same call.
@@ -360,66 +360,50 @@ for path in result_files[:1]:
 
 md(r"""
 What the measurement says (H200, `bench/README.md`): from 4k tokens of context the kernel reads K/V at
-80-103% of the copy bandwidth, beats SDPA's flash backend at every shape, and trails SDPA's default (cuDNN)
-by 1-3% (6% at the shortest context). Where the gap lives shows once you fit time = fixed cost + bytes / rate
-over the context lengths: both kernels pay about 15-21 us per call whatever the length, but cuDNN streams
-K/V at 4.55-4.62 TB/s and ours at 4.45-4.49 TB/s on the shuffled paged cache (4.49-4.53 TB/s on contiguous
-tensors: half the gap is where the blocks lie in memory, half the kernel). Three changes of the reference
-solution each bought a few percent: fusing the split merge into the decode kernel (2.6-8 us per call),
-unrolling that merge so every split's partial result is requested at once, and choosing splits and pipeline
-depth by waves: about 2 programs per multiprocessor, with 3 stages when they all fit at once (up to 10% at a
-1k context).
+80-103% of the copy bandwidth and beats SDPA's flash backend at every shape (1.03-1.72x). SDPA's default
+backend is cuDNN, and the lesson's target against it is "within 3% at >= 4k tokens, with a page-local
+allocator": met, 0.5-0.9% behind cuDNN on the cache lesson 03's page-local free list leaves under a serving
+workload and 0.4-2.5% with every sequence's blocks in order. On the benchmark's cache, whose blocks are
+shuffled over all of memory, it trails by 1-3% (6% at the shortest context). Three changes of the reference
+each bought a few percent: fusing the split merge into the decode kernel (2.6-8 us per call), unrolling that
+merge so every split's partial result is requested at once, and choosing splits and pipeline depth by
+waves: about 2 programs per multiprocessor, with 3 stages when they all fit at once (up to 10% at a 1k
+context).
 
-The last percent is about the END of the call. A copy of the kernel that stamps each program's start and end
-(`tl.extra.cuda.globaltimer()`) shows 256 programs with identical work starting within 0.3 us yet finishing
-over a window of about 10% of the call (b32 GQA 4:1 ctx4k: first 119.8 us, median 127.8, last 132.2): the
-call ends 2-5% after the average program. Handing the context's last tiles out as small extra splits, to be
-picked up by whichever multiprocessor frees first, did not pay: with 70 KB programs the block scheduler then
-packed 3 main programs onto some multiprocessors (12% slower), and with 100 KB programs the small pieces were
-eaten early by the idle slots. `bench/README.md` ("Session 4") has the numbers; exercise 9 asks you to look.
+### Going further: the last percent
 
-What does cuDNN do that we do not? A `torch.profiler` trace of SDPA's call names its kernel: an sm80 kernel
-(no Hopper-only instructions) with ONE block of 128 threads per (sequence, KV head), no split, 128 keys per
-tile: the same grid as ours. With the same grid its blocks simply stream faster (kernel time 122.0 against
-125.4 us at b32 GQA 4:1 ctx4k; one cuDNN block per multiprocessor does what takes two of our programs at GQA
-8:1). Our loop, read in the PTX Triton makes, waits for a tile's K and V together, and runs 9 barriers per
-64-key tile (the cross-warp softmax reductions and the change of layout of `p` between the two products). Four
-more levers were measured and did not pay: a persistent grid taking work from an atomic queue (guided
-self-scheduling, `scripts/paged_decode_queue.py`), L2 prefetches of K/V ahead of the pipeline (they stop the
-software pipeliner), L2 prefetch-size hints on the copies (within 2%), and other tile/warp/stage settings.
-What is left is the shape of the loop itself (`bench/README.md`, "Session 5"; exercise 10).
+Where does the rest go? Fit time = fixed cost + bytes / rate over the context lengths: both kernels pay
+about 15-21 us per call whatever the length, but cuDNN streams K/V at 4.55-4.62 TB/s and ours at 4.45-4.49
+TB/s on the shuffled paged cache (4.49-4.53 TB/s on contiguous tensors). So part of the gap is where the
+blocks lie, part is the kernel. `docs/decode_kernel_findings.md` collects the experiments that took it apart,
+with their numbers; the scripts are in the repository's history (check out commit 9fb4f33 to rerun them).
 
-Four other loops were then built and timed (`bench/README.md`, "Session 6"), each the standard cure for one
-suspect, and none came out faster. Giving every warp its own slice of keys (a *batched* `tl.dot`: for a 3-D
-dot Triton puts the warps on the batch axis, so the softmax reductions stay inside a warp) costs 4x the
-accumulator registers and was 0.4-17% slower. Padding the query rows to 64 switches Triton to Hopper's
-warpgroup MMA (`wgmma`, K and V read by the tensor cores straight from shared memory): 0-6% slower at its best
-setting. Loading the next tile into registers by hand, without the pipeliner, was 6-19% slower. A loop over
-whole tiles without masks, the last tile masked once, moved the time by -1% to +0.4% with 3 pipeline stages
-and was 11-40% slower with 2. Nsight Compute (`scripts/gpu_lesson04_ncu.sh`) shows that both kernels read the
-same bytes from DRAM and that ours executes about twice cuDNN's instructions while its schedulers still sit
-idle two thirds of the time. Our reading: the last few percent are in how steadily each block keeps the memory
-system busy, and Triton decides most of that for you. Triton picks the hardware path from the shapes you give
-`tl.dot`; exercise 11 lets you watch it do so.
+*The arithmetic is not the gap.* A copy of the loop with the online softmax removed (the scores go straight
+into `P @ V`) takes the same time as the full kernel. cuDNN's kernel, read from a `torch.profiler` trace, has
+the same grid as ours (one block of 128 threads per sequence and KV head, no split); its blocks simply stream
+faster. Nsight Compute finds both reading the same bytes from DRAM, ours issuing about twice the
+instructions.
 
-Session 7 took the loop apart instead (`bench/README.md`, "Session 7"). With the online softmax removed (the
-scores go straight into `P @ V`), the loop takes the *same* time: the arithmetic was never the gap. A kernel
-written in Gluon, Triton's lower-level language (`scripts/paged_decode_gluon.py`), rebuilt the load path by
-hand: one *loader warp* walks the block table and fills a ring of shared-memory buffers with the TMA engine,
-four *compute warps* wait on an mbarrier per buffer, and neither ever waits for the other's instructions
-(warp specialisation, the structure of FlashAttention-3). It is correct and lands within about a percent of
-our Triton kernel, still 1-3% behind cuDNN. Two measurements explain why. First, at full memory bandwidth
-the H200 runs at its 700 W power cap: every kernel here draws 695 W, the memory clock holds, and the SM clock
-drops by how much energy the kernel spends per byte (back to back: 1935 MHz under cuDNN and under the Gluon
-kernel, 1740-1770 MHz under our Triton kernel, which issues about twice the instructions). Second, on SDPA's
-own contiguous tensors both our kernels are level with cuDNN to within about a percent either way; on the
-paged cache with shuffled 16-token blocks the same bytes read 1-3% slower. A memory-bound kernel near the
-roofline is judged by energy and by the memory's access pattern, not by its FLOPs; exercises 12 and 13
-let you see both. Which access pattern? Shuffling the blocks only inside each 2 MB of cache
-costs nothing, while 64-token runs scattered over random 2 MB pages cost as much as a full shuffle
-(`bench/README.md`, session 8): the penalty follows the number of memory pages a program wanders over,
-the signature of address translation, not the order of the bytes (exercise 15).
+*Other loops were not faster.* Each was the standard cure for one suspect, and each was correct and 0-40%
+slower at its best setting: giving every warp its own slice of keys (a batched `tl.dot`, so the softmax
+reductions stay inside a warp), padding the query rows to 64 so Triton emits Hopper's `wgmma`, loading the
+next tile into registers by hand, whole tiles without masks, L2 prefetches ahead of the pipeline (they stop
+the software pipeliner), small extra splits for the last tiles, a persistent grid taking work from an atomic
+queue, and TMA loads. A warp-specialised kernel written in Gluon, Triton's lower-level language (one loader
+warp filling a ring of shared-memory buffers with the TMA engine, four compute warps), landed within about a
+percent of our Triton kernel, still 1-3% behind cuDNN.
 
+*Energy and pages.* At full memory bandwidth the H200 runs at its 700 W power cap: every kernel draws 695 W,
+the memory clock holds, and the SM clock drops by the energy a kernel spends per byte (back to back: 1935 MHz
+under cuDNN and the Gluon kernel, 1740-1770 MHz under our Triton kernel, which issues more instructions). And
+block placement costs at the scale of 2 MiB pages: blocks shuffled only within each 2 MiB are as fast as
+blocks in order, while 64-token runs scattered over random pages cost as much as a full shuffle. The penalty
+follows the number of pages a program wanders over, the signature of address translation. Hence lesson 03's
+page-local free list (exercise 15). A memory-bound kernel near the roofline is judged by its energy and its
+access pattern, not by its FLOPs; exercises 9-13 let you see both.
+""")
+
+md(r"""
 ## Exercises
 
 1. Implement tasks 1-4. Run `pytest grader/lesson04 -k task2` while you work on the kernel.
@@ -449,7 +433,8 @@ the signature of address translation, not the order of the bytes (exercise 15).
    never call `.item()` or `int(tensor)` when `validate=False`?)
 9. (GPU) When does each program finish? Copy your kernel, read `tl.extra.cuda.globaltimer()` at its start and
    store it, the time at its end and `tl.extra.cuda.smid()` per program into an int64 buffer (the
-   `TIMELINE_EDITS` of `scripts/gpu_lesson04_tune.py` do this to the reference by text edits). Sort the end
+   `TIMELINE_EDITS` of `scripts/gpu_lesson04_tune.py` at commit 9fb4f33 do this to the reference by text
+   edits). Sort the end
    times of one call and plot them. Programs with the same work: why do they not end together, which ones end
    first (count programs per multiprocessor), and how much faster would the call be if every program ended at
    the average time?
@@ -464,15 +449,17 @@ the signature of address translation, not the order of the bytes (exercise 15).
     product, `[LANES, 16, D] x [LANES, D, LANE_N]`, and find in its layout (`asm["ttgir"]`, the
     `warpsPerCTA` of the `#mma` encoding) where the 4 warps went. For each version, which softmax
     reductions cross warps, and why does that decide how many `bar.sync` the loop needs?
-    (`scripts/paged_decode_lanes.py` and `ROWS_EDITS` in `scripts/gpu_lesson04_tune.py` are the reference's
-    versions; `bench/README.md`, "Session 6", has their times.)
+    (`scripts/paged_decode_lanes.py` and `ROWS_EDITS` in `scripts/gpu_lesson04_tune.py` at commit 9fb4f33
+    are the reference's versions; `docs/decode_kernel_findings.md` has their times.)
 12. (GPU) Power and clocks. Replay your kernel from a CUDA graph back to back for a few seconds while
     `nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,clocks_event_reasons.active --format=csv -lms 20`
-    runs beside it (`_sample_gpu` in `scripts/gpu_lesson04_tune.py` does this), then do the same for SDPA.
+    runs beside it (`_sample_gpu` in `scripts/gpu_lesson04_tune.py` at commit 9fb4f33 does this), then do the
+    same for SDPA.
     Which clock moves, which one does not, and which bit of the clock-event reasons is set? Why can a kernel
     that issues more instructions per byte end up slower on a *memory-bound* problem? Then time both with the
     L2 flushed between calls (`triton.testing.do_bench`): does the gap change, and why might it?
-13. (GPU, advanced) Read `scripts/paged_decode_gluon.py`. Draw the ring: which barrier does the loader wait on
+13. (GPU, advanced) Read `scripts/paged_decode_gluon.py` (`git show 9fb4f33:scripts/paged_decode_gluon.py`).
+    Draw the ring: which barrier does the loader wait on
     before it overwrites a buffer, which one do the compute warps wait on, and what phase does each wait
     for on the first and the second pass through the ring? Why does the loader's first wait on a freshly
     initialised "empty" barrier return at once? Why must the compute warps zero the V rows past the context
@@ -487,7 +474,8 @@ the signature of address translation, not the order of the bytes (exercise 15).
 15. The allocator the last measurement asks for is lesson 03's `FreeBlocks`: a sequence's next block comes from
     the 2 MiB of cache that holds its previous block when one is free there. How many blocks is 2 MiB for
     your model's layer? Which invariants of lesson 03 must still hold, what does it cost per allocation, and
-    what happens when the cache is nearly full? `scripts/gpu_lesson03_allocator.py` runs the same serving
+    what happens when the cache is nearly full? `scripts/gpu_lesson03_allocator.py` (at commit 9fb4f33) runs
+    the same serving
     workload through the old stack and through `FreeBlocks`, then times lesson 04 on both caches: change the
     policy (a queue; the fullest page instead of the emptiest) and see what it does to the pages per sequence
     and to the time.

@@ -232,7 +232,7 @@ class FreeBlocks:
     share one 2 MiB stretch of each layer's cache (given code: the manager's free list).
 
     Where a sequence's blocks lie matters to the decode kernel of lesson 04. Measured on an H200
-    (bench/README.md, session 8): blocks shuffled only *within* each 2 MiB decode as fast as blocks in
+    (bench/README.md, lessons 03 and 04): blocks shuffled only *within* each 2 MiB decode as fast as blocks in
     order, while 64-token runs scattered over random pages are as slow as a full shuffle, 0.1-1.8% slower
     (the GPU translates an address per page, and a program that wanders over many pages waits for more
     translations). A plain stack of free ids scatters a long-running server's sequences over the whole
