@@ -34,8 +34,8 @@ Rows (``paged_decode``):
 * ``torch SDPA (<backend>)``: each SDPA backend forced in turn, where it accepts the inputs.
 
 ``paged_decode split sweep`` / ``splits=N``: the kernel with a forced split count (to judge the heuristic).
-Launch settings, cache layouts, block placement and host time are studied by
-``scripts/gpu_lesson04_tune.py`` (results ``lesson04_tune_<gpu>.json``).
+Launch settings, cache layouts, block placement and host time were studied beside it (results
+``bench/results/lesson04_tune_h200.json``; the experiments: ``docs/decode_kernel_findings.md``).
 
 Every shape is checked once against SDPA before timing: a fast wrong kernel is reported as MISMATCH.
 """
