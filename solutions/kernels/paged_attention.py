@@ -461,7 +461,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
     settings.update(config or {})
     tile_n = settings["TILE_N"]
     # Whole tiles per split. Plain integer arithmetic: triton.cdiv is a constexpr function, and calling it
-    # costs microseconds of host time on every decode step (measured: bench/README.md, lesson 04).
+    # costs microseconds of host time on every decode step (measured: docs/decode_kernel_findings.md, "Host time").
     # With a sliding window no sequence reads more than `sliding_window` tokens: the splits share out those.
     span = max_context_len if sliding_window is None else min(max_context_len, sliding_window)
     per_split = (span + num_splits - 1) // num_splits
