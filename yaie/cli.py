@@ -1,4 +1,4 @@
-"""The ``yaie`` command: ``yaie generate``, ``yaie grade``, ``yaie bench``.
+"""The ``yaie`` command: ``yaie generate``, ``yaie grade``, ``yaie bench``, ``yaie serve``.
 
 Sub-commands import their modules lazily so ``yaie --help`` is instant.
 """
@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": ("yaie.engine.cli", "generate text with the engine (default: the bundled tiny model)"),
         "grade": ("yaie.grade", "grade your lessons and print a per-lesson score table"),
         "bench": ("yaie.bench", "benchmark a lesson's kernels against their baselines (needs a GPU)"),
+        "serve": ("yaie.server.cli", "serve a model over the OpenAI API (completions, chat; needs fastapi, uvicorn)"),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="yaie", description="YAIE: the course's command line")

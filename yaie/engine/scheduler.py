@@ -134,6 +134,18 @@ class Scheduler:
         self.manager.free(request.request_id)
         request.state = "finished"
 
+    def abort(self, request: Request) -> None:
+        """Drop an unfinished request (its client went away), from whichever queue holds it; its blocks,
+        on the device or swapped out to the host, are given back at once."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for i, queued in enumerate(queue):
+                if queued is request:
+                    del queue[i]
+                    break
+        if self.manager.has_seq(request.request_id):   # a waiting request holds no blocks
+            self.manager.free(request.request_id)
+        request.state = "finished"
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> StepPlan:
         plan = StepPlan()

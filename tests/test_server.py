@@ -1,0 +1,340 @@
+"""The OpenAI-compatible server, through the real ``openai`` client against a live uvicorn on 127.0.0.1.
+
+One server (the bundled model, a KV cache smaller than 32 requests need, so they preempt each other) runs
+in a thread for the whole module; the answers are compared with ``LLM.generate`` on an engine of its own
+with the same seeds. Every client loop is bounded (timeouts), and the server is shut down at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from yaie import ops
+from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
+from yaie.model.testing import fresh_seed, single_thread
+from yaie.server import create_app
+from yaie.server.app import parse_prometheus
+
+BLOCK_SIZE, NUM_BLOCKS = 16, 24          # 384 tokens: less than one full context (512) and than 32 requests need
+MODEL = DEFAULT_MODEL.name
+NAMES = ["Tom", "Lucy", "Finn", "Rosa", "Mia", "Sam", "Ben", "Ella"]
+KINDS = ["dog", "cat", "bird", "fox"]
+STREAMS = 32
+
+
+class LiveServer:
+    """uvicorn serving ``app`` on a free loopback port, in a thread."""
+
+    def __init__(self, app):
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start in 30 s"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+        assert not self.thread.is_alive(), "the server did not shut down in 15 s"
+
+
+@pytest.fixture(scope="module")
+def live():
+    with pytest.MonkeyPatch.context() as mp, single_thread():
+        mp.setenv("YAIE_SOLUTIONS", "all")
+        ops.reset_auto_fallback()
+        llm = LLM(DEFAULT_MODEL, device="cpu", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+        with LiveServer(create_app(llm)) as server:
+            yield server
+        ops.reset_auto_fallback()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """An engine of its own, same cache settings, for the answers ``LLM.generate`` gives."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("YAIE_SOLUTIONS", "all")
+        return LLM(DEFAULT_MODEL, device="cpu", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+
+
+@pytest.fixture
+def client(live):
+    with openai.OpenAI(base_url=live.url + "/v1", api_key="none", timeout=30, max_retries=0) as c:
+        yield c
+
+
+def metrics(live) -> dict[str, float]:
+    return parse_prometheus(httpx.get(live.url + "/metrics", timeout=10).text)
+
+
+def wait_idle(live, seconds: float = 10.0) -> dict[str, float]:
+    """Metrics once nothing runs or waits (bounded)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = metrics(live)
+        if m["yaie_requests_running"] == m["yaie_requests_waiting"] == m["yaie_requests_swapped"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"the engine is still busy after {seconds} s: {m}"
+        time.sleep(0.05)
+
+
+def generate(reference, prompts, params):
+    with single_thread():
+        return reference.generate(prompts, params)
+
+
+# ----------------------------------------------------------------------------- the plain endpoints
+def test_models_health_and_metrics(live, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    assert httpx.get(live.url + "/health", timeout=10).json() == {"status": "ok"}
+    m = metrics(live)
+    assert m["yaie_kv_cache_blocks_total"] == NUM_BLOCKS
+    for name in ("yaie_requests_running", "yaie_requests_waiting", "yaie_kv_cache_usage",
+                 "yaie_generation_tokens_per_second"):
+        assert name in m, name
+
+
+# ----------------------------------------------------------------------------- completions
+def test_completion_equals_generate(client, reference):
+    seed = fresh_seed()
+    prompt = "Once upon a time, there was a little fox named"
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.8, top_p=0.95,
+                                    seed=seed, extra_body={"top_k": 50})
+    want = generate(reference, prompt, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, top_k=50,
+                                                      seed=seed))[0]
+    assert got.choices[0].text == want.text, f"seed={seed}"
+    assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+    assert got.object == "text_completion" and got.model == MODEL and got.id.startswith("cmpl-")
+
+
+def test_completion_stream_equals_whole(client):
+    seed = fresh_seed()
+    kwargs = dict(model=MODEL, prompt="Lily was afraid of the dark.", max_tokens=16, temperature=0.8, seed=seed)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text, f"seed={seed}"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_n_and_token_prompts(client, reference):
+    seed = fresh_seed()
+    prompts = [[0, 340, 557, 15], [0, 301, 25, 17]]
+    got = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=40, temperature=0.8, seed=seed,
+                                    stop=["."])
+    assert len(got.choices) == 4
+    for choice in got.choices:
+        p, j = divmod(choice.index, 2)
+        want = generate(reference, [prompts[p]], SamplingParams(max_tokens=40, temperature=0.8, seed=seed + j,
+                                                                stop=["."]))[0]
+        assert choice.text == want.text and "." not in choice.text, f"seed={seed} choice {choice.index}"
+        assert choice.finish_reason == want.outputs[0].finish_reason
+
+
+def test_greedy_with_ignore_eos_runs_to_max_tokens(client, reference):
+    got = client.completions.create(model=MODEL, prompt="The end.", max_tokens=30, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    want = generate(reference, "The end.", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == 30
+
+
+# ----------------------------------------------------------------------------- chat
+def test_chat_whole_and_streamed(client, reference):
+    seed = fresh_seed()
+    messages = [{"role": "user", "content": "One day, there was a small dog named Finn."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0.8,
+                                           seed=seed)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    # The bundled model has no chat template: the messages' texts are the prompt, one per line.
+    want = generate(reference, messages[0]["content"], SamplingParams(max_tokens=16, temperature=0.8, seed=seed))[0]
+    assert whole.choices[0].message.content == want.text, f"seed={seed}"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0.8,
+                                                 seed=seed, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.outputs[0].finish_reason
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_chat_without_max_tokens_is_bounded_by_the_cache(client):
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tom ran."}],
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.total_tokens == NUM_BLOCKS * BLOCK_SIZE + 1     # the last token is never cached
+
+
+# ----------------------------------------------------------------------------- concurrency
+def test_concurrent_streams_equal_generate(live, reference):
+    """32 streams at once through a cache that holds about 12 of them: all finish, each as LLM.generate."""
+    base = fresh_seed()
+    prompts = [f"One day, {NAMES[i % 8]} the {KINDS[i // 8]} went to the park." for i in range(STREAMS)]
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=base + i) for i in range(STREAMS)]
+    want = generate(reference, prompts, params)
+    before = metrics(live)
+
+    async def one(client, i):
+        stream = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=8, temperature=0.8,
+                                                 seed=base + i, stream=True)
+        pieces, finish = [], None
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(pieces), finish
+
+    async def all_streams():
+        async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="none", timeout=30, max_retries=0) as c:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(STREAMS))), timeout=45)
+
+    got = asyncio.run(all_streams())
+    for i, ((text, finish), w) in enumerate(zip(got, want)):
+        assert text == w.text, f"seed={base + i}: stream {i} differs from LLM.generate:\n{text!r}\n{w.text!r}"
+        assert finish == w.outputs[0].finish_reason
+    after = wait_idle(live)
+    assert after["yaie_requests_finished_total"] - before["yaie_requests_finished_total"] == STREAMS
+    assert after["yaie_preemptions_total"] > before["yaie_preemptions_total"], "the cache was never short"
+    assert after["yaie_kv_cache_blocks_used"] == 0
+
+
+# ----------------------------------------------------------------------------- clients that leave
+def test_dropped_stream_frees_its_blocks(live, client):
+    before = metrics(live)
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for _, chunk in zip(range(3), stream):
+        assert chunk.choices[0].finish_reason is None
+    assert metrics(live)["yaie_kv_cache_blocks_used"] > 0
+    stream.close()                                       # the client hangs up mid-stream
+    after = wait_idle(live, seconds=5)
+    assert after["yaie_kv_cache_blocks_used"] == 0
+    assert after["yaie_requests_aborted_total"] == before["yaie_requests_aborted_total"] + 1
+    assert after["yaie_generation_tokens_total"] - before["yaie_generation_tokens_total"] < 300
+    core = live.app.state.engine.core
+    assert core.requests == {} and core.manager.num_free_blocks == core.manager.num_blocks
+
+
+def test_dropped_plain_request_is_cancelled(live):
+    before = metrics(live)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    after = wait_idle(live, seconds=5)
+    assert after["yaie_requests_aborted_total"] == before["yaie_requests_aborted_total"] + 1
+    assert after["yaie_kv_cache_blocks_used"] == 0
+
+
+# ----------------------------------------------------------------------------- bad requests
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [3.5]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", [1]]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[]]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5000]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": list(range(3, 603))}, 400, "prompt"),     # > the context
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 500}, 400, "max_tokens"),  # > the cache
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 1}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+     400, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": -3}, 400, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_request_gets_an_openai_error(live, path, body, status, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(live.url + path, timeout=10, headers={"Content-Type": "application/json"}, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert isinstance(error["message"], str) and len(error["message"]) > 10 and error["code"]
+
+
+def test_bad_requests_through_the_client(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=7)
+    response = httpx.get(str(client.base_url) + "nowhere", timeout=10)
+    assert response.status_code == 404 and "no such endpoint" in response.json()["error"]["message"]
+
+
+def test_engine_failure_fails_its_requests_not_the_server(live, client, monkeypatch):
+    llm = live.app.state.llm
+    forward = llm._forward
+    calls = []
+
+    def broken_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a kernel fell over")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "_forward", broken_once)
+    with pytest.raises(openai.InternalServerError, match="a kernel fell over"):
+        client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
+    assert wait_idle(live)["yaie_kv_cache_blocks_used"] == 0
+    assert client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4).choices[0].text
+
+
+def test_server_survives(live, client):
+    """Last: after everything above, the server answers and holds no blocks."""
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+    assert client.completions.create(model=MODEL, prompt="The sun", max_tokens=4).usage.completion_tokens >= 1
+    m = wait_idle(live)
+    assert m["yaie_kv_cache_blocks_used"] == 0
+
+
+# ----------------------------------------------------------------------------- the Python API's prompts
+@pytest.mark.parametrize("prompts", [[3.5], "", [""], [[]], [[1, 2.5]], [True], [None], None, 5, b"abc"],
+                         ids=repr)
+def test_malformed_prompts_raise_value_error(reference, prompts):
+    with pytest.raises(ValueError, match="prompt"):
+        reference.generate(prompts, SamplingParams(max_tokens=2))

@@ -1,0 +1,9 @@
+"""An OpenAI-compatible HTTP server on the engine: ``yaie serve`` (see ``docs/server.md``).
+
+``create_app(LLM(...))`` is the FastAPI app (:mod:`yaie.server.app`); :mod:`yaie.server.protocol` checks
+OpenAI request bodies and shapes the errors; :mod:`yaie.engine.async_engine` is the engine loop behind it.
+"""
+
+from yaie.server.app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,304 @@
+"""The FastAPI app: OpenAI's completions and chat endpoints over :class:`yaie.engine.async_engine.AsyncEngine`.
+
+Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
+``POST /v1/chat/completions`` (JSON, or server-sent events with ``"stream": true``), ``GET /health``,
+``GET /metrics`` (Prometheus text). Each HTTP request becomes a group of engine requests (one per prompt
+and choice) that joins the running batch; the handler reads the group's events as the engine thread
+produces them. A client that disconnects (stream or not) aborts its group: its blocks are freed before the
+engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from yaie.engine.async_engine import AsyncEngine, RequestGroup
+from yaie.engine.llm import LLM
+from yaie.server.protocol import UNLIMITED, APIError, Parsed, choice_params, parse_chat, parse_completion
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
+    """An app serving ``llm`` under ``served_model_name`` (default: the model folder's name). The engine
+    thread starts and stops with the app (its lifespan); ``app.state.engine`` is the :class:`AsyncEngine`."""
+    served = served_model_name or llm.model_dir.name
+    engine = AsyncEngine(llm)
+    created = int(time.time())
+    context = llm.config.max_position_embeddings
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="YAIE OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.llm = llm
+    app.state.served_model_name = served
+
+    # ------------------------------------------------------------------ errors, as OpenAI gives them
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        message = (f"no such endpoint: {request.method} {request.url.path}" if err.status_code in (404, 405)
+                   else str(err.detail))
+        return JSONResponse(APIError(message, code=kind, status=err.status_code, type=kind).body(),
+                            status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        body = APIError(f"internal server error: {type(err).__name__}: {err}", code="internal_error",
+                        status=500, type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+    # ------------------------------------------------------------------ plain endpoints
+    def model_card() -> dict:
+        return {"id": served, "object": "model", "created": created, "owned_by": "yaie", "max_model_len": context}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        if model != served:
+            raise APIError(f"The model `{model}` does not exist; this server serves `{served}`", "model",
+                           "model_not_found", status=404)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
+
+    # ------------------------------------------------------------------ generation
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_json(request)
+        parsed = parse_completion(body, served, llm.default_sampling_params())
+        prompt_ids = [checked_prompt(llm, p, "prompt") for p in parsed.prompts]
+        return await generate(request, parsed, prompt_ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_json(request)
+        parsed, messages = parse_chat(body, served, llm.default_sampling_params())
+        prompt_ids = [checked_prompt(llm, render_chat(llm, messages), "messages")]
+        return await generate(request, parsed, prompt_ids, chat=True)
+
+    async def generate(request: Request, parsed: Parsed, prompt_ids: list[list[int]], chat: bool):
+        params = parsed.params
+        if params.max_tokens == UNLIMITED:     # chat without max_tokens: up to the context, or what the cache holds
+            cache_tokens = engine.stats.blocks_total * llm.block_size
+            params = dataclasses.replace(params, max_tokens=max(1, cache_tokens + 1 - max(map(len, prompt_ids))))
+        items = [(ids, choice_params(params, j)) for ids in prompt_ids for j in range(parsed.n)]
+        try:
+            group = await engine.submit(items)
+        except ValueError as err:          # a request that could never fit in the KV cache
+            raise APIError(str(err), "max_tokens", "context_length_exceeded") from None
+        except RuntimeError as err:        # shutting down
+            raise APIError(str(err), None, "unavailable", status=503, type="server_error") from None
+        reply = Reply(served, chat, len(items), sum(map(len, prompt_ids)), parsed.include_usage)
+        if parsed.stream:
+            return StreamingResponse(reply.sse(events(request, group)), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        async for event in events(request, group):
+            reply.take(event)
+        if reply.error is not None:
+            raise APIError(reply.error, None, "engine_error", status=500, type="server_error")
+        return JSONResponse(reply.whole())
+
+    return app
+
+
+# ---------------------------------------------------------------------------- requests
+async def read_json(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise APIError(f"the request body is not valid JSON ({err}); send a JSON object", None,
+                       "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+    return body
+
+
+def checked_prompt(llm: LLM, prompt, param: str) -> list[int]:
+    """Token ids of a prompt (a string or ids), checked by the engine: 400 if empty, out of the vocabulary
+    or not shorter than the model's context."""
+    try:
+        return llm._prompt_ids(prompt)[1]
+    except ValueError as err:
+        code = "context_length_exceeded" if "context" in str(err) else "invalid_value"
+        raise APIError(str(err), param, code) from None
+
+
+def render_chat(llm: LLM, messages: list[dict]) -> list[int]:
+    """The model's chat template (tokenizer_config.json / chat_template.jinja); a model without one (the
+    bundled tiny-stories model) gets the messages' texts one per line, as plain text to continue."""
+    tokenizer = llm.tokenizer
+    if not tokenizer.chat_template:
+        return tokenizer.encode("\n".join(m["content"] for m in messages))
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as err:
+        raise APIError(str(err), "messages", "invalid_value") from None
+    except Exception as err:  # noqa: BLE001 (a Jinja error in the template's own logic)
+        raise APIError(f"the chat template failed on these messages: {err}", "messages", "invalid_value") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def events(request: Request, group: RequestGroup):
+    """The group's events; stops early, aborting the group, when the client disconnects."""
+    gone = asyncio.Event()
+
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+                group.abort()
+                group.queue.put_nowait(None)      # wake the reader below
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async for event in group.events():
+            if gone.is_set():
+                return
+            yield event
+    finally:
+        watcher.cancel()
+        group.abort()                             # nothing left to abort when the group finished
+
+
+# ---------------------------------------------------------------------------- responses
+class Reply:
+    """Builds one response, whole (JSON) or as server-sent events, from a group's events."""
+
+    def __init__(self, model: str, chat: bool, choices: int, prompt_tokens: int, include_usage: bool):
+        self.model, self.chat, self.include_usage = model, chat, include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.texts = [""] * choices
+        self.finish = [None] * choices
+        self.tokens = [0] * choices
+        self.prompt_tokens = prompt_tokens
+        self.error: str | None = None
+
+    def take(self, event) -> None:
+        if event.error is not None:
+            self.error = self.error or event.error
+            return
+        self.texts[event.index] += event.text
+        self.tokens[event.index] = event.num_tokens
+        if event.finish_reason is not None:
+            self.finish[event.index] = event.finish_reason
+
+    def usage(self) -> dict:
+        completion = sum(self.tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def whole(self) -> dict:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": finish} for i, (text, finish) in enumerate(zip(self.texts, self.finish))]
+        else:
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                       for i, (text, finish) in enumerate(zip(self.texts, self.finish))]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def _chunk(self, choices: list, usage=None) -> str:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage
+        return "data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+
+    def _choice(self, index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    async def sse(self, events):
+        """``data: {chunk}`` per piece of text, a last chunk per choice with its finish_reason, the usage
+        chunk when asked for (``stream_options.include_usage``), then ``data: [DONE]``."""
+        if self.chat:                                 # OpenAI's first chunk of a choice names the role
+            for i in range(len(self.texts)):
+                yield self._chunk([self._choice(i, None, None, role=True)])
+        async for event in events:
+            if event.error is not None:
+                yield "data: " + json.dumps(APIError(event.error, None, "engine_error", status=500,
+                                                     type="server_error").body()) + "\n\n"
+                return
+            self.take(event)
+            if event.text or event.finish_reason is not None:
+                yield self._chunk([self._choice(event.index, event.text, event.finish_reason)])
+        if self.include_usage:
+            yield self._chunk([], self.usage())
+        yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------- metrics
+def prometheus_text(engine: AsyncEngine) -> str:
+    """The engine's counters in Prometheus' text format (one ``# HELP``, ``# TYPE`` and value each)."""
+    s = engine.stats
+    total = max(1, s.blocks_total)
+    rows = [
+        ("yaie_requests_running", "gauge", "requests in the running batch", s.running),
+        ("yaie_requests_waiting", "gauge", "requests queued for a prefill (new or preempted by recompute)", s.waiting),
+        ("yaie_requests_swapped", "gauge", "requests preempted to host memory", s.swapped),
+        ("yaie_kv_cache_blocks_total", "gauge", "KV-cache blocks requests can use", s.blocks_total),
+        ("yaie_kv_cache_blocks_used", "gauge", "KV-cache blocks held by requests", s.blocks_used),
+        ("yaie_kv_cache_usage", "gauge", "fraction of the KV-cache blocks in use", s.blocks_used / total),
+        ("yaie_generation_tokens_per_second", "gauge", "tokens generated per second over the last 10 s",
+         s.tokens_per_s()),
+        ("yaie_prompt_tokens_total", "counter", "prompt tokens accepted", s.prompt_tokens),
+        ("yaie_generation_tokens_total", "counter", "tokens generated", s.generation_tokens),
+        ("yaie_requests_finished_total", "counter", "requests that ran to a stop or their length", s.requests_finished),
+        ("yaie_requests_aborted_total", "counter", "requests cancelled by their client", s.requests_aborted),
+        ("yaie_requests_failed_total", "counter", "requests failed by an engine error", s.requests_failed),
+        ("yaie_preemptions_total", "counter", "preemptions (recompute or swap)", s.preemptions),
+        ("yaie_engine_steps_total", "counter", "forward passes", s.steps),
+    ]
+    lines = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}" if isinstance(value, float)
+                  else f"{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``{name: value}`` of a metrics page (for tests and the benchmark)."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split()
+            values[name] = float(value)
+    return values

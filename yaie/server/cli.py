@@ -1,0 +1,65 @@
+"""``yaie serve``: the OpenAI-compatible server on the engine.
+
+    yaie serve                                              # the bundled tiny model on 127.0.0.1:8000
+    yaie serve --model ~/models/Llama-3.2-1B-Instruct --port 8080 --max-num-seqs 64
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "tiny-stories", "prompt": "Once upon a time", "max_tokens": 32}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="yaie serve", description="Serve a model over the OpenAI API (completions, chat).")
+    p.add_argument("--model", default=None, help="a local Hugging Face model folder (default: the bundled tiny model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as 'model' (default: the model folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is a GPU)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: 1 for small models)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV-cache blocks (default: 256 MiB worth on the CPU, half the free GPU memory on CUDA)")
+    p.add_argument("--preemption", choices=("recompute", "swap"), default="recompute",
+                   help="what a request gives way by when blocks run out (default recompute)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once at most (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="prefill tokens per step (default 4096)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="launch every decode step's kernels from Python")
+    p.add_argument("--solutions", default=None, metavar="SPEC",
+                   help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        print("yaie serve: needs fastapi and uvicorn (pip install fastapi uvicorn)", file=sys.stderr)
+        return 1
+    from yaie import switch
+    from yaie.engine.llm import LLM
+    from yaie.model.config import ModelLoadError
+    from yaie.ops import KernelMissing
+    from yaie.server.app import create_app
+
+    try:
+        if args.solutions is not None:
+            switch.use_solutions(args.solutions)
+        llm = LLM(args.model, device=args.device, cpu_threads=args.threads, block_size=args.block_size,
+                  num_blocks=args.num_blocks, preemption=args.preemption, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  cuda_graphs=False if args.no_cuda_graphs else None)
+        app = create_app(llm, args.served_model_name)
+    except (KernelMissing, switch.LessonUnavailable, ModelLoadError, ValueError) as err:
+        print(f"yaie serve: {err}", file=sys.stderr)
+        return 1
+    print(f"yaie serve: {app.state.served_model_name} on {llm.device}, http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
