@@ -1,0 +1,990 @@
+"""Lesson 05, part 2: FlashInfer-style attention. Plan once per step, run every layer; merge attention states.
+
+**The batch in compressed sparse rows (CSR).** An engine step mixes requests: some prefill a chunk of new
+tokens (many queries), most decode one token (one query). Their queries are packed token by token, and two
+offset arrays say who owns what::
+
+    q:                 [total_q, num_heads, head_dim]    request b owns rows qo_indptr[b] : qo_indptr[b+1]
+    qo_indptr:         int32 [batch + 1]
+    kv_indptr:         int32 [batch + 1]                 request b owns pages kv_indices[kv_indptr[b] : kv_indptr[b+1]]
+    kv_indices:        int32 [kv_indptr[-1]]             physical page (lesson 03 block) ids, in order
+    kv_last_page_len:  int32 [batch]                     tokens in the request's last page (1..block_size;
+                                                         0 for a request without pages)
+    k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]   (one layer, lesson 03's layout)
+
+so request b has ``kv_len = (pages - 1) * block_size + kv_last_page_len[b]`` keys (0 without pages), and its
+token ``t`` is row ``t % block_size`` of page ``kv_indices[kv_indptr[b] + t // block_size]``. With
+``causal=True`` the queries are the LAST ``q_len`` tokens of the request's keys: query ``i`` sits at position
+``kv_len - q_len + i`` and sees keys ``0 .. kv_len - q_len + i`` (a decode's one query sees them all).
+
+**Plan / run.** Everything that depends only on the batch's shape is worked out once per step, on the host,
+by :meth:`FlashInferPagedAttention.plan`: the *work list*. One work item is "this tile of query rows of
+request b, against keys ``kv_lo .. kv_hi`` of it". Query heads that share a KV head (grouped-query attention,
+``group = num_heads // num_kv_heads``) are packed into the rows of one tile, so each K/V tile read from
+memory serves the whole group. A decode (1 token x group heads) gets a narrow tile (16 rows); a prefill chunk
+gets wide tiles (64 rows on a GPU). When the work items are too few to fill the GPU (a small batch with long
+contexts), the key range of each tile is cut into chunks handled by separate programs (split-KV, lesson 04's
+split-K), and their partial results are merged afterwards. :meth:`~FlashInferPagedAttention.run` then does
+no host work but checks and launches: ONE Triton launch over the work list x KV heads (plus one merge
+launch when something was split), the same for every layer.
+
+**Attention states and their merge.** The attention of a query over a set of keys ``I`` is the *state*
+``(o_I, lse_I)``: the normalised output ``o_I = sum_{j in I} softmax_I(s)_j v_j`` and the log-sum-exp of
+the scores ``lse_I = log(sum_{j in I} exp(s_j))`` (natural log, scores already scaled). The states of two
+disjoint key sets merge exactly::
+
+    lse = log(exp(lse_A) + exp(lse_B)),   o = exp(lse_A - lse) * o_A + exp(lse_B - lse) * o_B
+
+An empty key set has ``lse = -inf``: weight 0, the identity of the merge (and its ``o`` is never read).
+The merge is associative and commutative, so a query's keys can be cut into any pieces, computed anywhere
+(split-KV chunks, a shared prefix and a private suffix), and put back together. Layouts: ``o`` is
+``[n, num_heads, head_dim]`` (any float dtype), ``lse`` float32 ``[n, num_heads]`` (token-major, as
+FlashInfer; lesson 06's varlen ``lse`` is heads-first).
+
+**Cascade attention.** When many requests share a prefix (a system prompt, the parallel samples of one
+prompt), a per-request kernel reads the prefix's K/V once per request. Cascade attention reads it ONCE: the
+queries of all the requests that share it form one multi-query "request" over the shared pages (no causal
+mask: every query comes after the prefix), each request's own suffix is a normal request of a second level,
+and the two states are merged. Decode turns from memory bound (every request streaming the whole prefix)
+into a small matrix product over the prefix.
+
+Tasks: 5 merging attention states (a float64 reference, a two-state and a many-state Triton kernel),
+6 :class:`FlashInferPagedAttention` (reference, plan, run), 7 :class:`FlashInferAttention` (the same over
+contiguous ragged K/V), 8 :class:`CascadeAttention`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from yaie.device import triton_interpreted
+
+LOG2E = 1.4426950408889634   # exp(x) == exp2(x * LOG2E)
+LN2 = 0.6931471805599453     # log(x) == log2(x) * LN2
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+PROGRAMS_PER_SM = 2          # programs per multiprocessor the split heuristic aims at (lesson 04's choice)
+MIN_CHUNK = 256              # the fewest keys a split-KV chunk gets from the heuristic
+WORK_FIELDS = 8              # int32 numbers per work item (see _Plan)
+
+
+# ---------------------------------------------------------------- input checks (given)
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_indptr(name: str, t, length: int | None = None) -> list[int]:
+    """A 1-D int32 offsets tensor starting at 0 and never decreasing; returns it as a list (one copy)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1] of offsets, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if length is not None and t.numel() != length:
+        raise ValueError(f"{name} must have {length} entries (batch + 1), got {t.numel()}")
+    values = t.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must not decrease, got {values}")
+    return values
+
+
+def _check_sizes(num_heads, num_kv_heads, head_dim, scale) -> None:
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be None or a positive finite number, got {scale!r}")
+
+
+def _check_causal_lengths(q_lens: list[int], kv_lens: list[int], causal) -> None:
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        if causal and ql > kl:
+            raise ValueError(f"request {b} has {ql} queries but {kl} keys: under causal=True the queries are "
+                             f"the last q_len tokens of the keys, so q_len <= kv_len")
+
+
+def _check_tensor(name: str, t, rank: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last (head_dim) axis")
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type == "cpu" and not triton_interpreted():
+        raise ValueError("CPU tensors need the Triton interpreter: call yaie.device.prepare_triton() before "
+                         "importing triton (or set TRITON_INTERPRET=1)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensors must be on a CUDA GPU or the CPU, got {device}")
+
+
+def _check_states(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name: str, o_rank: int) -> None:
+    _check_tensor(o_name, o, o_rank, "attention outputs")
+    if o.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{o_name} must be float16, bfloat16 or float32, got {o.dtype}")
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32:
+        raise ValueError(f"{lse_name} must be a float32 tensor (natural-log log-sum-exp), got "
+                         f"{getattr(lse, 'dtype', type(lse).__name__)}")
+    if tuple(lse.shape) != tuple(o.shape[:-1]):
+        raise ValueError(f"{lse_name} must have shape {list(o.shape[:-1])} (o's shape without head_dim), "
+                         f"got {list(lse.shape)}")
+    if lse.device != o.device:
+        raise ValueError(f"{o_name} and {lse_name} must be on one device, got {o.device} and {lse.device}")
+    if o.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {o.shape[-1]}")
+    _check_device(o.device)
+
+
+# ================================================================ task 5: merging attention states
+
+# yaie: task 5
+def merge_state_reference(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge of two attention states in float64 (the math of :func:`merge_state`, in PyTorch).
+
+    ``o_a``/``o_b`` ``[..., head_dim]``, ``lse_a``/``lse_b`` ``[...]`` (natural log). Returns
+    ``(o, lse)`` in float64 on the CPU: ``lse = logaddexp(lse_a, lse_b)``, ``o = exp(lse_a - lse) o_a +
+    exp(lse_b - lse) o_b``; an empty state (``lse = -inf``) weighs 0 even if its ``o`` is NaN; two empty
+    states give ``o = 0``, ``lse = -inf``.
+    """
+    oa, ob = o_a.detach().double().cpu(), o_b.detach().double().cpu()
+    la, lb = lse_a.detach().double().cpu(), lse_b.detach().double().cpu()
+    lse = torch.logaddexp(la, lb)
+    empty = torch.isinf(lse) & (lse < 0)
+    safe = torch.where(empty, torch.zeros_like(lse), lse)
+    wa = torch.where(empty, torch.zeros_like(la), torch.exp(la - safe))[..., None]
+    wb = torch.where(empty, torch.zeros_like(lb), torch.exp(lb - safe))[..., None]
+    oa = torch.where(wa > 0, oa, torch.zeros_like(oa))      # never read an empty state's output
+    ob = torch.where(wb > 0, ob, torch.zeros_like(ob))
+    return wa * oa + wb * ob, lse
+
+
+# yaie: solution-only
+@triton.jit
+def _merge_two_kernel(OA, LA, OB, LB, OUT, LSE_OUT, rows,
+                      stride_oa, stride_ob, stride_out,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program merges BLOCK_R (token, head) rows; the outputs are viewed as [rows, head_dim]."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < rows
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = r_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    r64 = r.to(tl.int64)
+    la = tl.load(LA + r64, mask=r_ok, other=float("-inf"))
+    lb = tl.load(LB + r64, mask=r_ok, other=float("-inf"))
+    top = tl.maximum(la, lb)
+    shift = tl.where(top == float("-inf"), 0.0, top)     # both empty: keep both weights 0
+    wa = tl.exp(la - shift)
+    wb = tl.exp(lb - shift)
+    oa = tl.load(OA + r64[:, None] * stride_oa + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    ob = tl.load(OB + r64[:, None] * stride_ob + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    oa = tl.where(wa[:, None] > 0, oa, 0.0)              # an empty state's output may be anything, even NaN
+    ob = tl.where(wb[:, None] > 0, ob, 0.0)
+    total = wa + wb
+    out = (wa[:, None] * oa + wb[:, None] * ob) / tl.where(total > 0, total, 1.0)[:, None]
+    lse = tl.where(total > 0, shift + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    tl.store(OUT + r64[:, None] * stride_out + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(LSE_OUT + r64, lse, mask=r_ok)
+
+
+# yaie: task 5
+def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the attention states of two disjoint key sets into the state of their union, in Triton.
+
+    Args:
+        o_a, o_b: ``[n, num_heads, head_dim]`` normalised outputs (float16, bfloat16 or float32, one dtype
+            and shape), last axis contiguous.
+        lse_a, lse_b: float32 ``[n, num_heads]``: the natural-log log-sum-exp of each state's (scaled)
+            scores; ``-inf`` marks an empty state (no keys), whose output is ignored (it may be NaN).
+
+    Returns:
+        ``(o, lse)``: ``o`` ``[n, num_heads, head_dim]`` in ``o_a``'s dtype, ``lse`` float32 ``[n, num_heads]``,
+        with ``lse = log(exp(lse_a) + exp(lse_b))`` and ``o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b``
+        (computed in float32, subtracting the larger lse first). Two empty states give 0 and ``-inf``.
+
+    Raises:
+        ValueError: wrong ranks, shapes, dtypes or devices.
+    """
+    _check_states(o_a, lse_a, "o_a", "lse_a", 3)
+    _check_states(o_b, lse_b, "o_b", "lse_b", 3)
+    if o_a.shape != o_b.shape or o_a.dtype != o_b.dtype or o_a.device != o_b.device:
+        raise ValueError(f"o_a and o_b must share shape, dtype and device, got {list(o_a.shape)} {o_a.dtype} "
+                         f"{o_a.device} and {list(o_b.shape)} {o_b.dtype} {o_b.device}")
+    n, heads, head_dim = o_a.shape
+    out = torch.empty((n, heads, head_dim), device=o_a.device, dtype=o_a.dtype)
+    lse = torch.empty((n, heads), device=o_a.device, dtype=torch.float32)
+    rows = n * heads
+    if rows == 0:
+        return out, lse
+    # Rows (token, head) must be evenly spaced to be addressed as one axis: true when the head axis is dense.
+    oa = o_a if o_a.stride(0) == heads * o_a.stride(1) else o_a.contiguous()
+    ob = o_b if o_b.stride(0) == heads * o_b.stride(1) else o_b.contiguous()
+    la, lb = lse_a.contiguous(), lse_b.contiguous()
+    block_r = 16
+    _merge_two_kernel[((rows + block_r - 1) // block_r,)](
+        oa, la, ob, lb, out, lse, rows, oa.stride(1), ob.stride(1), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_R=block_r)
+    return out, lse
+
+
+# yaie: solution-only
+@triton.jit
+def _merge_many_kernel(PART_O, PART_LSE, OUT, LSE_OUT, ITEMS, num_heads, num_states,
+                       stride_pi, stride_ps, stride_ph, stride_li, stride_ls, stride_lh,
+                       stride_ot, stride_oh, stride_lt,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                       VARLEN: tl.constexpr):
+    """One program: one output token, BLOCK_H heads; an online log-sum-exp over its states.
+
+    Fixed count (``VARLEN=False``): token ``i``'s states are ``PART[i, s]``, ``s < num_states``.
+    Variable (``VARLEN=True``, the split merge of :meth:`FlashInferPagedAttention.run`): ``ITEMS[i]`` holds
+    (destination token, first partial row, number of rows); the rows are consecutive.
+    """
+    item = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = h_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    if VARLEN:
+        token = tl.load(ITEMS + item * 3).to(tl.int64)
+        first = tl.load(ITEMS + item * 3 + 1).to(tl.int64)
+        count = tl.load(ITEMS + item * 3 + 2)
+        base_o = PART_O + first * stride_ps
+        base_l = PART_LSE + first * stride_ls
+    else:
+        token = item.to(tl.int64)
+        count = num_states
+        base_o = PART_O + token * stride_pi
+        base_l = PART_LSE + token * stride_li
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)     # the largest lse so far
+    total = tl.zeros([BLOCK_H], tl.float32)                 # sum of exp(lse_s - top)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)          # sum of exp(lse_s - top) * o_s
+    for s in range(0, count):
+        lse_s = tl.load(base_l + s * stride_ls + heads * stride_lh, mask=h_ok, other=float("-inf"))
+        o_s = tl.load(base_o + s * stride_ps + heads[:, None] * stride_ph + offs_d[None, :], mask=mask,
+                      other=0.0).to(tl.float32)
+        new_top = tl.maximum(top, lse_s)
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        alpha = tl.exp(top - shift)
+        weight = tl.exp(lse_s - shift)
+        o_s = tl.where(weight[:, None] > 0, o_s, 0.0)
+        total = total * alpha + weight
+        acc = acc * alpha[:, None] + weight[:, None] * o_s
+        top = new_top
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    lse = tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    tl.store(OUT + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=mask)
+    tl.store(LSE_OUT + token * stride_lt + heads, lse, mask=h_ok)
+
+
+# yaie: task 5
+def merge_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge many attention states per token (the states of disjoint key sets), in Triton.
+
+    Args:
+        o: ``[n, num_states, num_heads, head_dim]`` normalised outputs (float16, bfloat16 or float32),
+            last axis contiguous.
+        lse: float32 ``[n, num_states, num_heads]``, natural log; ``-inf`` marks an empty state.
+
+    Returns:
+        ``(o, lse)``: ``[n, num_heads, head_dim]`` in ``o``'s dtype and float32 ``[n, num_heads]``: the state
+        of the union of the key sets, ``lse = logsumexp_s(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s`` (an
+        online log-sum-exp over the states, in float32). Zero states, or all empty, give 0 and ``-inf``.
+
+    Raises:
+        ValueError: wrong ranks, shapes, dtypes or devices.
+    """
+    _check_states(o, lse, "o", "lse", 4)
+    n, num_states, heads, head_dim = o.shape
+    out = torch.empty((n, heads, head_dim), device=o.device, dtype=o.dtype)
+    merged = torch.empty((n, heads), device=o.device, dtype=torch.float32)
+    if n * heads == 0:
+        return out, merged
+    block_h = 16
+    _merge_many_kernel[(n, (heads + block_h - 1) // block_h)](
+        o, lse, out, merged, lse, heads, num_states,
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        out.stride(0), out.stride(1), merged.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_H=block_h, VARLEN=False)
+    return out, merged
+
+
+# ================================================================ the plan/run kernel (tasks 6 and 7)
+
+# yaie: solution-only
+@dataclass
+class _Plan:
+    """What :meth:`plan` worked out: sizes, and the work list on the device.
+
+    ``work`` int32 ``[num_work, WORK_FIELDS]``, one row per work item:
+    (first query row, query tokens in the tile, position of its first query, first key, end key,
+    page-table offset (paged) or first K/V row (contiguous), first partial row or -1, rows per partial token).
+    ``merges`` int32 ``[num_merges, 3]``: (query row, first partial row, number of partial rows).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int          # page size (0: contiguous K/V)
+    total_q: int
+    total_kv: int            # contiguous: K/V rows; paged: highest page id + 1 needed
+    causal: bool
+    scale: float
+    config: dict
+    work: torch.Tensor
+    narrow: torch.Tensor     # int32 [num_work]: 1 where the tile is a narrow (decode) tile
+    merges: torch.Tensor | None
+    num_partial_rows: int
+    host_work: list          # the work list as Python tuples (for pictures and tests)
+    num_splits: list         # per tile, how many chunks its keys were cut into
+
+
+# yaie: solution-only
+def _block_d(head_dim: int) -> int:
+    """Head dims are padded to a power of two (at least 16, the smallest tl.dot size): 96 -> 128."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+# yaie: solution-only
+@triton.jit
+def _dot(a, b, acc, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b in float32 (FP32_DOT upcasts first: the interpreter's bf16 tl.dot is broken)."""
+    if FP32_DOT:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+# yaie: solution-only
+@triton.jit
+def _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
+                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                  lo, hi, scale_log2, offs_d,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, FP32_DOT: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Fold keys ``lo .. hi-1`` of one request into the running (acc, l, m) of a tile of query rows.
+
+    MASKED=False: every key of every BLOCK_N tile is in range and seen by every row (no masks). MASKED=True:
+    the last, partial tile and (CAUSAL) keys after a row's position get score -inf.
+    Paged: key ``t`` is row ``t % PAGE_SIZE`` of page ``KV_INDICES[page_base + t // PAGE_SIZE]``, and the
+    page ids are read one tile AHEAD so a tile's K/V addresses are known before its iteration starts
+    (lesson 04: this lets Triton's pipeliner keep several K/V tiles in flight). Contiguous: key ``t`` is row
+    ``page_base + t`` of K and V.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    kh = kv_head.to(tl.int64)
+    if PAGED:
+        first = lo + offs_n
+        next_page = tl.load(KV_INDICES + page_base + first // PAGE_SIZE, mask=first < hi, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        t = start + offs_n
+        if PAGED:
+            page = next_page.to(tl.int64)
+            ahead = t + BLOCK_N
+            next_page = tl.load(KV_INDICES + page_base + ahead // PAGE_SIZE, mask=ahead < hi, other=0)
+            within = (t % PAGE_SIZE).to(tl.int64)
+            k_ptrs = K + page[:, None] * stride_kb + within[:, None] * stride_kt + kh * stride_kh + offs_d[None, :]
+            v_ptrs = V + page[:, None] * stride_vb + within[:, None] * stride_vt + kh * stride_vh + offs_d[None, :]
+        else:
+            row = (page_base + t).to(tl.int64)
+            k_ptrs = K + row[:, None] * stride_kt + kh * stride_kh + offs_d[None, :]
+            v_ptrs = V + row[:, None] * stride_vt + kh * stride_vh + offs_d[None, :]
+        if MASKED:
+            n_ok = t < hi
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+        else:
+            kv_mask = d_ok[None, :] & (offs_n[:, None] >= 0)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), FP32_DOT, PRECISION) * scale_log2
+        if MASKED:
+            keep = n_ok[None, :]
+            if CAUSAL:
+                keep = keep & (t[None, :] <= pos[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:   # a row that has seen only masked keys keeps max -inf: subtract 0 instead
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT, PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# yaie: solution-only
+@triton.jit
+def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, w, kv_head,
+                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
+                 M: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+                 FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One work item for one KV head: a tile of M packed rows (query token r // GROUP, query head
+    kv_head * GROUP + r % GROUP) against the keys ``kv_lo .. kv_hi`` of its request."""
+    q_start = tl.load(w + 0)
+    q_len = tl.load(w + 1)
+    q_pos0 = tl.load(w + 2)
+    kv_lo = tl.load(w + 3)
+    kv_hi = tl.load(w + 4)
+    page_base = tl.load(w + 5)
+    part_base = tl.load(w + 6)
+    part_stride = tl.load(w + 7)
+
+    rows = tl.arange(0, M)
+    tok = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_ok = (tok < q_len) & (rows < (M // GROUP) * GROUP)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    tok64 = (q_start + tok).to(tl.int64)
+    q = tl.load(Q + tok64[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok, other=0.0)
+    pos = q_pos0 + tok                                   # causal: each row's position among the keys
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BLOCK_D], tl.float32)
+    # Whole BLOCK_N tiles that every row sees (keys <= the first row's position) need no mask.
+    seen_by_all = kv_hi
+    if CAUSAL:
+        seen_by_all = tl.minimum(kv_hi, q_pos0 + 1)
+    full_end = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
+                                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                  kv_lo, full_end, scale_log2, offs_d, False, CAUSAL, PAGED, HEAD_DIM,
+                                  BLOCK_N, PAGE_SIZE, FP32_DOT, PRECISION)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
+                                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                  full_end, kv_hi, scale_log2, offs_d, True, CAUSAL, PAGED, HEAD_DIM,
+                                  BLOCK_N, PAGE_SIZE, FP32_DOT, PRECISION)
+
+    # The state of this tile over its keys: normalised output and natural-log lse (-inf: no keys).
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    mask = row_ok[:, None] & d_ok
+    if part_base < 0:        # the tile's keys were not split: the final answer
+        tl.store(OUT + tok64[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(LSE + tok64 * stride_lt + heads, lse, mask=row_ok)
+    else:                    # one chunk of a split tile: a partial state, merged by _merge_many_kernel
+        part = (part_base + tok * part_stride).to(tl.int64)
+        tl.store(PART_O + (part * num_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
+        tl.store(PART_LSE + part * num_heads + heads, lse, mask=row_ok)
+
+
+# yaie: solution-only
+@triton.jit
+def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_LSE,
+                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                     stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
+                     NARROW_M: tl.constexpr, WIDE_M: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     CAUSAL: tl.constexpr, PAGED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid (work items, KV heads). A decode's tile is narrow (NARROW_M rows), a prefill's wide (WIDE_M):
+    one launch runs both, each program taking the branch its work item asks for."""
+    item = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    w = WORK + item * 8
+    if tl.load(NARROW + item) != 0:
+        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, w, kv_head,
+                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                     stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
+                     NARROW_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, CAUSAL, PAGED, FP32_DOT, PRECISION)
+    else:
+        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, w, kv_head,
+                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                     stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
+                     WIDE_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, CAUSAL, PAGED, FP32_DOT, PRECISION)
+
+
+# yaie: solution-only
+def _tile_config(group: int, head_dim: int, override: dict | None = None) -> dict:
+    """Tile sizes: narrow tiles hold one decode token's group of heads (at least 16 rows, tl.dot's smallest),
+    wide tiles a prefill chunk's tokens x heads; small tiles in the interpreter (fast on a CPU)."""
+    narrow = max(16, triton.next_power_of_2(group))
+    if triton_interpreted():
+        config = dict(NARROW_M=narrow, WIDE_M=max(32, narrow), BLOCK_N=16, num_warps=1, num_stages=1)
+    else:
+        config = dict(NARROW_M=narrow, WIDE_M=max(64, narrow), BLOCK_N=64 if head_dim <= 128 else 32,
+                      num_warps=4, num_stages=2)
+    config.update(override or {})
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (asked once); 8 for the CPU interpreter (any small number)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 8
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_kv_chunk(tile_kv_lens: list[int], num_kv_heads: int, sms: int, granule: int = 64,
+                    min_chunk: int = MIN_CHUNK) -> int:
+    """The split-KV heuristic: the smallest chunk (a multiple of ``granule`` keys, at least ``min_chunk``)
+    that keeps the programs (chunks x KV heads) within one wave of ``PROGRAMS_PER_SM`` per multiprocessor.
+
+    Tiles that already make a wave are not split (returns the longest length): splitting would only add
+    merges. Otherwise cutting long key ranges into chunks gives the idle multiprocessors work.
+    """
+    longest = max(tile_kv_lens, default=0)
+    target = PROGRAMS_PER_SM * sms
+    if longest <= min_chunk or len(tile_kv_lens) * num_kv_heads >= target:
+        return max(longest, 1)
+
+    def programs(chunk: int) -> int:
+        return num_kv_heads * sum(max(1, -(-n // chunk)) for n in tile_kv_lens)
+
+    lo = max(min_chunk, granule) // granule            # in granules
+    hi = -(-longest // granule)
+    while lo < hi:                                     # smallest chunk whose programs fit the wave
+        mid = (lo + hi) // 2
+        if programs(mid * granule) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * granule
+
+
+# yaie: solution-only
+def _make_plan(q_lens, kv_lens, q_starts, bases, num_heads, num_kv_heads, head_dim, block_size, total_q,
+               total_kv, causal, scale, kv_chunk_size, config, device) -> _Plan:
+    """Cut every request's queries into tiles, cut long key ranges into chunks, and upload the work list."""
+    group = num_heads // num_kv_heads
+    config = _tile_config(group, head_dim, config)
+    narrow_m, wide_m = config["NARROW_M"], config["WIDE_M"]
+    tiles = []                                         # (q_start, q_len, pos0, kv_lo, kv_hi, base, narrow)
+    for ql, kl, q0, base in zip(q_lens, kv_lens, q_starts, bases):
+        if ql == 0:
+            continue                                   # nothing to compute (and nothing to write)
+        narrow = ql * group <= narrow_m
+        per_tile = (narrow_m if narrow else wide_m) // group
+        for t0 in range(0, ql, per_tile):
+            n = min(per_tile, ql - t0)
+            pos0 = kl - ql + t0                        # the tile's first query's position among the keys
+            hi = min(kl, pos0 + n) if causal else kl   # causal: no key after the tile's last query
+            tiles.append((q0 + t0, n, pos0, 0, hi, base, narrow))
+    if kv_chunk_size is None:
+        chunk = choose_kv_chunk([t[4] for t in tiles], num_kv_heads, num_sms(device), config["BLOCK_N"])
+    else:
+        chunk = kv_chunk_size
+    work, narrow_flags, merges, splits = [], [], [], []
+    partial_rows = 0
+    for q0, n, pos0, lo, hi, base, narrow in tiles:
+        count = max(1, -(-(hi - lo) // chunk))
+        splits.append(count)
+        if count == 1:
+            work.append((q0, n, pos0, lo, hi, base, -1, 1))
+        else:
+            # Partial rows token-major: token i's chunks are rows partial_rows + i * count + (0..count-1).
+            for s in range(count):
+                work.append((q0, n, pos0, lo + s * chunk, min(hi, lo + (s + 1) * chunk), base,
+                             partial_rows + s, count))
+            merges.extend((q0 + i, partial_rows + i * count, count) for i in range(n))
+            partial_rows += n * count
+        narrow_flags.extend([int(narrow)] * count)
+    # Longest first: the heaviest programs start in the first wave, the short ones fill the gaps.
+    order = sorted(range(len(work)), key=lambda i: -(work[i][4] - work[i][3]) * (1 if narrow_flags[i] else 4))
+    work = [work[i] for i in order]
+    narrow_flags = [narrow_flags[i] for i in order]
+    work_t = torch.tensor(work or [(0,) * WORK_FIELDS], dtype=torch.int32).reshape(-1, WORK_FIELDS)
+    return _Plan(num_heads, num_kv_heads, head_dim, block_size, total_q, total_kv, causal,
+                 head_dim ** -0.5 if scale is None else float(scale), config,
+                 work_t[: len(work)].to(device), torch.tensor(narrow_flags, dtype=torch.int32).to(device),
+                 torch.tensor(merges, dtype=torch.int32).reshape(-1, 3).to(device) if merges else None,
+                 partial_rows, work, splits)
+
+
+# yaie: solution-only
+def _run_plan(plan: _Plan, q, k, v, kv_indices, paged: bool):
+    """Launch the plan: one program per (work item, KV head), then the merge of split tiles if any."""
+    total_q, num_heads, head_dim = q.shape
+    out = torch.empty_like(q) if q.is_contiguous() else torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty((total_q, num_heads), device=q.device, dtype=torch.float32)
+    num_work = plan.work.shape[0]
+    if num_work == 0:
+        return out, lse
+    if plan.num_partial_rows:
+        part_o = torch.empty((plan.num_partial_rows, num_heads, head_dim), device=q.device, dtype=torch.float32)
+        part_lse = torch.empty((plan.num_partial_rows, num_heads), device=q.device, dtype=torch.float32)
+    else:
+        part_o, part_lse = out, lse                    # never written: unused pointers
+    cfg = plan.config
+    if paged:
+        strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    else:
+        strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
+    _plan_run_kernel[(num_work, plan.num_kv_heads)](
+        q, k, v, kv_indices, plan.work, plan.narrow, out, lse, part_o, part_lse,
+        q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), lse.stride(0),
+        num_heads, plan.scale * LOG2E,
+        NARROW_M=cfg["NARROW_M"], WIDE_M=cfg["WIDE_M"], GROUP=num_heads // plan.num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim), BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=max(plan.block_size, 1),
+        CAUSAL=plan.causal, PAGED=paged, FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if plan.merges is not None:
+        block_h = 16
+        _merge_many_kernel[(plan.merges.shape[0], (num_heads + block_h - 1) // block_h)](
+            part_o, part_lse, out, lse, plan.merges, num_heads, 0,
+            0, part_o.stride(0), part_o.stride(1), 0, part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_H=block_h, VARLEN=True)
+    return out, lse
+
+
+# yaie: solution-only
+def _check_run_inputs(plan: _Plan | None, q, k, v, paged: bool) -> None:
+    """Shape/dtype/device checks of run() against the plan: host Python only, no device sync."""
+    if plan is None:
+        raise ValueError("call plan(...) before run(...)")
+    _check_tensor("q", q, 3, "[total_q, num_heads, head_dim]")
+    rank, layout = (4, "[num_blocks, block_size, num_kv_heads, head_dim]") if paged else \
+        (3, "[total_kv, num_kv_heads, head_dim]")
+    _check_tensor("k", k, rank, layout)
+    _check_tensor("v", v, rank, layout)
+    if tuple(q.shape) != (plan.total_q, plan.num_heads, plan.head_dim):
+        raise ValueError(f"q must be [total_q, num_heads, head_dim] = {[plan.total_q, plan.num_heads, plan.head_dim]} "
+                         f"as planned, got {list(q.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {list(k.shape)} and {list(v.shape)}")
+    if paged:
+        expected = (k.shape[0], plan.block_size, plan.num_kv_heads, plan.head_dim)
+        if tuple(k.shape) != expected:
+            raise ValueError(f"the caches must be [num_blocks, block_size={plan.block_size}, num_kv_heads="
+                             f"{plan.num_kv_heads}, head_dim={plan.head_dim}] as planned, got {list(k.shape)}")
+        if plan.total_kv > k.shape[0]:
+            raise ValueError(f"the plan reads page {plan.total_kv - 1} but the cache has {k.shape[0]} blocks")
+    elif tuple(k.shape) != (plan.total_kv, plan.num_kv_heads, plan.head_dim):
+        raise ValueError(f"k and v must be [total_kv, num_kv_heads, head_dim] = "
+                         f"{[plan.total_kv, plan.num_kv_heads, plan.head_dim]} as planned, got {list(k.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share one dtype of float16, bfloat16, float32; got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device == plan.work.device):
+        raise ValueError(f"q, k, v and the plan must be on one device, got {q.device}, {k.device}, {v.device}, "
+                         f"plan on {plan.work.device}")
+    _check_device(q.device)
+
+
+# ================================================================ task 6: paged plan/run
+
+# yaie: task 6
+def paged_attention_reference_csr(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                                  kv_last_page_len: torch.Tensor, causal: bool = False,
+                                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The naive form of :class:`FlashInferPagedAttention`: gather each request's keys, plain attention.
+
+    Same CSR arguments as :meth:`FlashInferPagedAttention.plan` (see the module docstring), q
+    ``[total_q, num_heads, head_dim]``, caches ``[num_blocks, block_size, num_kv_heads, head_dim]``. Computes
+    in the inputs' dtype (pass float64 copies for a reference). Rows of a request without keys get
+    ``o = 0`` and ``lse = -inf``.
+
+    Returns:
+        ``(out, lse)``: ``out`` like q, ``lse`` ``[total_q, num_heads]`` (natural log) in q's dtype.
+    """
+    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    last = kv_last_page_len.tolist()
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=q.dtype, device=q.device)
+    for b in range(len(qo) - 1):
+        pages = kv_indices[kvp[b]:kvp[b + 1]].long()
+        kv_len = (len(pages) - 1) * block_size + last[b] if len(pages) else 0
+        ql = qo[b + 1] - qo[b]
+        if ql == 0 or kv_len == 0:
+            continue
+        k = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)   # [kv_len, heads, d]
+        v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[qo[b]:qo[b + 1]], k) * scale
+        if causal:
+            position = torch.arange(kv_len - ql, kv_len, device=q.device)
+            hidden = torch.arange(kv_len, device=q.device)[None, :] > position[:, None]
+            scores = scores.masked_fill(hidden, float("-inf"))
+        out[qo[b]:qo[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        lse[qo[b]:qo[b + 1]] = torch.logsumexp(scores, dim=-1).transpose(0, 1)
+    return out, lse
+
+
+class FlashInferPagedAttention:
+    """Attention of a ragged batch (prefill chunks and decodes, any mix) over a paged KV cache: plan once
+    per engine step, run once per layer.
+
+    ``config`` (optional) overrides the launch settings (``NARROW_M``, ``WIDE_M``, ``BLOCK_N``,
+    ``num_warps``, ``num_stages``): for benchmarks and experiments.
+    """
+
+    def __init__(self, config: dict | None = None):
+        self.config = config
+        self._plan = None
+
+    # yaie: task 6
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+             kv_last_page_len: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+             block_size: int, causal: bool = False, scale: float | None = None,
+             kv_chunk_size: int | None = None) -> None:
+        """Work out the step's work list on the host and put it on the device (once per engine step).
+
+        Args:
+            qo_indptr: int32 ``[batch + 1]``: request ``b`` owns query rows ``qo_indptr[b] : qo_indptr[b+1]``
+                (0 rows: the request is skipped).
+            kv_indptr: int32 ``[batch + 1]``: request ``b`` owns pages ``kv_indices[kv_indptr[b] : kv_indptr[b+1]]``.
+            kv_indices: int32 ``[kv_indptr[-1]]``: physical page ids (>= 0) on the device the cache lives on
+                (the kernel reads them there; the work list goes to the same device).
+            kv_last_page_len: int32 ``[batch]``: tokens in each request's last page, ``1..block_size``
+                (0 for a request with no pages).
+            num_heads, num_kv_heads, head_dim, block_size: the sizes ``run`` will get (grouped-query
+                attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``; head_dim
+                1..256, padded to a power of two inside, so 96 works).
+            causal: each request's queries are the LAST ``q_len`` of its ``kv_len`` keys (query ``i`` sees
+                keys ``0 .. kv_len - q_len + i``); needs ``q_len <= kv_len``. False: every query sees every key.
+            scale: score multiplier, default ``head_dim ** -0.5``.
+            kv_chunk_size: keys per split-KV chunk; ``None`` lets :func:`choose_kv_chunk` decide (split only
+                when the tiles are too few to fill the GPU).
+
+        The work list: each request's queries are cut into tiles (a decode's group of heads fills a narrow
+        tile of 16 rows; prefill tokens x heads fill wide ones); each tile's keys into chunks; items longest
+        first. Reads the index tensors on the host (one copy each): that is the point of planning.
+
+        Raises:
+            ValueError: offsets that are not int32 1-D, do not start at 0, decrease or disagree in length;
+                ``kv_indices`` not of length ``kv_indptr[-1]`` or holding negative ids; a last-page length
+                outside ``1..block_size`` (or not 0 without pages); bad sizes; ``causal`` with
+                ``q_len > kv_len``; a ``kv_chunk_size`` that is not an int >= 1.
+        """
+        qo = _check_indptr("qo_indptr", qo_indptr)
+        kvp = _check_indptr("kv_indptr", kv_indptr, len(qo))
+        _check_sizes(num_heads, num_kv_heads, head_dim, scale)
+        if not _is_int(block_size) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if kv_chunk_size is not None and (not _is_int(kv_chunk_size) or kv_chunk_size < 1):
+            raise ValueError(f"kv_chunk_size must be None or an int >= 1, got {kv_chunk_size!r}")
+        if not isinstance(kv_indices, torch.Tensor) or kv_indices.dtype != torch.int32 or kv_indices.dim() != 1:
+            raise ValueError("kv_indices must be a 1-D int32 tensor of page ids")
+        if kv_indices.numel() != kvp[-1]:
+            raise ValueError(f"kv_indices must hold kv_indptr[-1] = {kvp[-1]} page ids, got {kv_indices.numel()}")
+        if not isinstance(kv_last_page_len, torch.Tensor) or kv_last_page_len.dtype != torch.int32 \
+                or tuple(kv_last_page_len.shape) != (len(qo) - 1,):
+            raise ValueError(f"kv_last_page_len must be int32 [batch = {len(qo) - 1}]")
+        _check_device(kv_indices.device)
+        pages = [b - a for a, b in zip(kvp, kvp[1:])]
+        last = kv_last_page_len.tolist()
+        for b, (n, t) in enumerate(zip(pages, last)):
+            if (n > 0 and not 1 <= t <= block_size) or (n == 0 and t != 0):
+                raise ValueError(f"kv_last_page_len[{b}] = {t}: must be 1..block_size={block_size} for a request "
+                                 f"with pages, 0 without ({n} pages)")
+        ids = kv_indices.tolist()
+        if ids and min(ids) < 0:
+            raise ValueError(f"kv_indices holds a negative page id ({min(ids)})")
+        q_lens = [b - a for a, b in zip(qo, qo[1:])]
+        kv_lens = [(n - 1) * block_size + t if n else 0 for n, t in zip(pages, last)]
+        _check_causal_lengths(q_lens, kv_lens, causal)
+        self._plan = _make_plan(q_lens, kv_lens, qo[:-1], kvp[:-1], num_heads, num_kv_heads, head_dim, block_size,
+                                qo[-1], max(ids, default=-1) + 1, causal, scale, kv_chunk_size, self.config,
+                                kv_indices.device)
+        self._kv_indices = kv_indices
+
+    # yaie: task 6
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of the planned batch for one layer: one Triton launch (+ one merge launch when the plan
+        split some tile's keys). No host work beyond checking shapes and launching: no device sync.
+
+        Args:
+            q: ``[total_q, num_heads, head_dim]`` (rows as in ``qo_indptr``), float16/bfloat16/float32,
+                last axis contiguous.
+            k_cache, v_cache: one layer's cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` in q's
+                dtype, on the plan's device; only the pages the plan names are read.
+
+        Returns:
+            ``(out, lse)``: ``out`` ``[total_q, num_heads, head_dim]`` in q's dtype; ``lse`` float32
+            ``[total_q, num_heads]``, natural log of each row's softmax denominator (``-inf``: no keys).
+
+        Raises:
+            ValueError: no plan yet; shapes, dtypes or devices that differ from the plan's; a cache with
+                fewer blocks than the largest planned page id.
+        """
+        _check_run_inputs(self._plan, q, k_cache, v_cache, paged=True)
+        return _run_plan(self._plan, q, k_cache, v_cache, self._kv_indices, paged=True)
+
+
+# ================================================================ task 7: contiguous ragged plan/run
+
+# yaie: task 7
+def ragged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
+                               kv_indptr: torch.Tensor, causal: bool = False,
+                               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The naive form of :class:`FlashInferAttention`: per request, plain attention over its K/V rows.
+
+    q ``[total_q, num_heads, head_dim]``, k/v ``[total_kv, num_kv_heads, head_dim]``; request ``b`` owns
+    query rows ``qo_indptr[b]:qo_indptr[b+1]`` and key rows ``kv_indptr[b]:kv_indptr[b+1]``. Computes in
+    the inputs' dtype. Returns ``(out, lse)`` like :func:`paged_attention_reference_csr`.
+    """
+    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=q.dtype, device=q.device)
+    for b in range(len(qo) - 1):
+        ql, kl = qo[b + 1] - qo[b], kvp[b + 1] - kvp[b]
+        if ql == 0 or kl == 0:
+            continue
+        kb = k[kvp[b]:kvp[b + 1]].repeat_interleave(group, dim=1)
+        vb = v[kvp[b]:kvp[b + 1]].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[qo[b]:qo[b + 1]], kb) * scale
+        if causal:
+            position = torch.arange(kl - ql, kl, device=q.device)
+            scores = scores.masked_fill(torch.arange(kl, device=q.device)[None, :] > position[:, None], float("-inf"))
+        out[qo[b]:qo[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vb)
+        lse[qo[b]:qo[b + 1]] = torch.logsumexp(scores, dim=-1).transpose(0, 1)
+    return out, lse
+
+
+class FlashInferAttention:
+    """Plan/run attention of a ragged batch over contiguous K/V (each request's keys are consecutive rows
+    of ``[total_kv, num_kv_heads, head_dim]`` tensors): the same work list as the paged form, no pages."""
+
+    def __init__(self, config: dict | None = None):
+        self.config = config
+        self._plan = None
+
+    # yaie: task 7
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_heads: int, num_kv_heads: int,
+             head_dim: int, causal: bool = False, scale: float | None = None,
+             kv_chunk_size: int | None = None, device: str | torch.device | None = None) -> None:
+        """Build the work list once (host side) for :meth:`run`.
+
+        Args:
+            qo_indptr, kv_indptr: int32 ``[batch + 1]`` offsets of each request's query rows and K/V rows.
+            num_heads, num_kv_heads, head_dim, causal, scale, kv_chunk_size: as
+                :meth:`FlashInferPagedAttention.plan` (causal: ``q_len <= kv_len`` per request).
+            device: where ``run``'s tensors will live (default: ``kv_indptr``'s device).
+
+        Raises:
+            ValueError: as :meth:`FlashInferPagedAttention.plan` for the offsets and sizes.
+        """
+        qo = _check_indptr("qo_indptr", qo_indptr)
+        kvp = _check_indptr("kv_indptr", kv_indptr, len(qo))
+        _check_sizes(num_heads, num_kv_heads, head_dim, scale)
+        if kv_chunk_size is not None and (not _is_int(kv_chunk_size) or kv_chunk_size < 1):
+            raise ValueError(f"kv_chunk_size must be None or an int >= 1, got {kv_chunk_size!r}")
+        device = torch.device(device) if device is not None else kv_indptr.device
+        _check_device(device)
+        q_lens = [b - a for a, b in zip(qo, qo[1:])]
+        kv_lens = [b - a for a, b in zip(kvp, kvp[1:])]
+        _check_causal_lengths(q_lens, kv_lens, causal)
+        self._plan = _make_plan(q_lens, kv_lens, qo[:-1], kvp[:-1], num_heads, num_kv_heads, head_dim, 0,
+                                qo[-1], kvp[-1], causal, scale, kv_chunk_size, self.config, device)
+
+    # yaie: task 7
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of the planned batch: q ``[total_q, num_heads, head_dim]``, k/v ``[total_kv,
+        num_kv_heads, head_dim]`` (one dtype, last axis contiguous). One launch (+ merge); no sync.
+
+        Returns:
+            ``(out, lse)`` as :meth:`FlashInferPagedAttention.run`.
+
+        Raises:
+            ValueError: no plan yet; shapes, dtypes or devices that differ from the plan's.
+        """
+        _check_run_inputs(self._plan, q, k, v, paged=False)
+        return _run_plan(self._plan, q, k, v, self._plan.work, paged=False)
+
+
+# ================================================================ task 8: cascade attention
+
+class CascadeAttention:
+    """Multi-level cascade attention over a paged cache: level 0 holds the pages shared by groups of
+    requests, the last level each request's own pages; each level is one :class:`FlashInferPagedAttention`
+    plan over the SAME query rows, and the levels' states are merged with :func:`merge_state`.
+
+    A level groups the query rows by its own ``qo_indptr``: for a prefix shared by the whole batch, level 0
+    has ``qo_indptr = [0, total_q]`` (every query of every request in one multi-query "request") and the
+    prefix's pages, so they are read once for all; level 1 has the per-request ``qo_indptr`` and suffixes.
+    """
+
+    def __init__(self, config: dict | None = None):
+        self.config = config
+        self._levels = None
+
+    # yaie: task 8
+    def plan(self, qo_indptr: list[torch.Tensor], kv_indptr: list[torch.Tensor], kv_indices: list[torch.Tensor],
+             kv_last_page_len: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
+             block_size: int, causal: bool = False, scale: float | None = None) -> None:
+        """Plan every level (lists of the same length, one entry per level, outermost first).
+
+        Level ``l``'s CSR arguments are those of :meth:`FlashInferPagedAttention.plan`; all levels cover the
+        same ``total_q`` query rows. Keys of earlier levels come before the last level's keys, so every query
+        sees them whole: only the LAST level is causal (when ``causal``), queries aligned to its end. A
+        group of a level may have no pages (its state is empty, ``lse = -inf``).
+
+        Raises:
+            ValueError: lists of different lengths or empty; levels with different ``total_q``; anything
+                :meth:`FlashInferPagedAttention.plan` rejects.
+        """
+        lists = (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        if not all(isinstance(x, (list, tuple)) for x in lists) or len({len(x) for x in lists}) != 1 \
+                or not qo_indptr:
+            raise ValueError("qo_indptr, kv_indptr, kv_indices and kv_last_page_len must be lists of one "
+                             "length (>= 1), one entry per level")
+        totals = {int(t[-1]) if isinstance(t, torch.Tensor) and t.numel() else None for t in qo_indptr}
+        if len(totals) != 1:
+            raise ValueError(f"every level must cover the same query rows: qo_indptr[-1] differs ({sorted(map(str, totals))})")
+        levels = []
+        for i, args in enumerate(zip(*lists)):
+            level = FlashInferPagedAttention(self.config)
+            level.plan(*args, num_heads, num_kv_heads, head_dim, block_size,
+                       causal=causal and i == len(qo_indptr) - 1, scale=scale)
+            levels.append(level)
+        self._levels = levels
+
+    # yaie: task 8
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every level's plan and merge their states: ``(out, lse)`` as
+        :meth:`FlashInferPagedAttention.run`, over the union of all levels' keys of each query row.
+
+        Raises:
+            ValueError: no plan yet, or what :meth:`FlashInferPagedAttention.run` rejects.
+        """
+        if self._levels is None:
+            raise ValueError("call plan(...) before run(...)")
+        out, lse = self._levels[0].run(q, k_cache, v_cache)
+        for level in self._levels[1:]:
+            out_l, lse_l = level.run(q, k_cache, v_cache)
+            out, lse = merge_state(out, lse, out_l, lse_l)
+        return out, lse
