@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -209,16 +210,23 @@ class LLM:
         return SamplingParams(**values)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        rule = ("a prompt is a non-empty string or a non-empty list of token ids "
+                f"(ints in [0, {self.config.vocab_size}))")
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"the prompt is an empty string; {rule}")
             ids = self.tokenizer.encode(prompt)
             text = prompt
         else:
+            if not isinstance(prompt, (list, tuple)) or not all(_is_token_id(t) for t in prompt):
+                shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:60] + "..."
+                raise ValueError(f"{rule}; got {type(prompt).__name__} {shown}")
             ids, text = [int(t) for t in prompt], None
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size}), got {bad[:5]}")
         if not ids:
-            raise ValueError("the prompt is empty (no tokens)")
+            raise ValueError(f"the prompt is empty (no tokens); {rule}")
         context = self.config.max_position_embeddings
         if len(ids) >= context:
             raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {context} tokens "
@@ -232,8 +240,11 @@ class LLM:
         in the order of the prompts. All prompts run together through continuous batching.
         ``sampling_params``: one for all, or a list with one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
+                                        and all(_is_token_id(t) for t in prompts)):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, dict)) or not hasattr(prompts, "__iter__"):
+            raise ValueError("generate() takes a prompt (a non-empty string or list of token ids) or a list of "
+                             f"prompts; got {type(prompts).__name__}")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
@@ -399,6 +410,11 @@ def _sample_rows(logits: torch.Tensor, texts: list[_Text]) -> list[int]:
         if not text.params.greedy:
             tokens[i] = sample(logits[i], text.params, text.generator)
     return tokens
+
+
+def _is_token_id(value) -> bool:
+    """An int (Python's or numpy's), not a bool and not a float."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:
