@@ -80,18 +80,19 @@ def test_paged_step_matches_float64(use_kernels, cached, new, num_decodes):
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["gather+lesson01", "lesson04+lesson06"])
 @pytest.mark.parametrize("window", [4, 1, 11, 40])
 def test_sliding_window(monkeypatch, use_kernels, window):
-    """On the kernel path a windowed layer passes its window to lesson 04 (decodes, task 4) and lesson 06
-    (prefills, task 5); contexts 30 and 10 + 1, a prompt of 12, and a prompt of 7 after 9 cached tokens."""
+    """On the kernel path a windowed layer passes its window to lesson 04 (decodes, task 4) and to the
+    prefill kernel (lesson 05 here, as one prefill continues a cached context); contexts 30 and 10 + 1, a
+    prompt of 12, and a prompt of 7 after 9 cached tokens."""
     seed = fresh_seed()
     step, q, k_new, v_new, full_k, full_v = build_step(seed, [30, 10, 0, 9], [1, 1, 12, 7], 2, use_kernels=use_kernels)
     calls = []
-    real_call = ops.call
+    real_call_in = ops.call_in
 
-    def spy(lesson, name, *args, **kwargs):
+    def spy(lesson, which, name, *args, **kwargs):     # ops.call goes through ops.call_in too
         calls.append((lesson, name, kwargs.get("sliding_window")))
-        return real_call(lesson, name, *args, **kwargs)
+        return real_call_in(lesson, which, name, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "call", spy)
+    monkeypatch.setattr(ops, "call_in", spy)
     got = step.attend(0, q, k_new, v_new, sliding_window=window)
     for i in range(4):
         rows = slice(step.query_starts[i], step.query_starts[i + 1])
@@ -101,7 +102,8 @@ def test_sliding_window(monkeypatch, use_kernels, window):
     if not use_kernels:
         assert kernels == [], calls
     else:
-        assert kernels == [(4, "paged_attention_forward", window), (6, "flash_attention_varlen_forward", window)], calls
+        # The prompt of 7 after 9 cached tokens makes the step's prefills continue a context: lesson 05.
+        assert kernels == [(4, "paged_attention_forward", window), (5, "prefix_prefill_attention", window)], calls
 
 
 def test_bad_step():

@@ -18,6 +18,7 @@ kv_cache_manager / write_kv   lesson 03 ``KVCacheManager``           lesson 03
 paged_attention (decode)      gather + lesson 01                     lesson 04 ``paged_attention_forward``
 paged_attention (prefill)     gather + lesson 01                     lesson 06
                               ``cpu_attention_forward``              ``flash_attention_varlen_forward``
+  after a cached context      gather + lesson 01                     lesson 05 ``prefix_prefill_attention``
 attention (one sequence)      lesson 01 ``cpu_attention_forward``    lesson 01
 ============================  =====================================  ==================================
 
@@ -310,9 +311,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, lay
 
     * ``step.use_kernels`` (CUDA tensors, by default): decode rows go to lesson 04's
       ``paged_attention_forward`` (it reads the blocks through the block table); prefill rows go to
-      lesson 06's ``flash_attention_varlen_forward`` over the packed new tokens (or, for a prefill that
-      continues a cached context, over that context gathered from the blocks). A sliding-window layer
-      passes its window to both (lesson 04 task 4, lesson 06 task 5);
+      lesson 06's ``flash_attention_varlen_forward`` over the packed new tokens; prefills that continue a
+      cached context go to lesson 05's ``prefix_prefill_attention``, which reads the context through the
+      block tables (without lesson 05: lesson 06 over the context gathered from the blocks). A
+      sliding-window layer passes its window to each (lesson 04 task 4, lesson 06 task 5);
     * otherwise each sequence's K/V is gathered from its blocks and lesson 01's ``cpu_attention_forward``
       runs on it (:func:`attention`).
     """
@@ -349,8 +351,11 @@ def _gathered_attention(out, q, step, layer, seqs, sliding_window, scale) -> Non
 
 def _varlen_prefill(q, k, v, step, layer, scale, sliding_window=None) -> torch.Tensor:
     """Lesson 06 over the prefills of a step: the new tokens are packed, so no gather when they start at
-    position 0 (the engine's whole-prompt prefills); a prefill after a cached context reads that context
-    gathered from the blocks."""
+    position 0 (the engine's whole-prompt prefills). Prefills after a cached context (prefix caching) go to
+    lesson 05's prefix-prefill kernel, which reads the context through the block tables; without lesson 05
+    in this copy of the course, lesson 06 reads that context gathered from the blocks."""
+    if not step.prefills_start_empty and _prefix_prefill_available():
+        return _prefix_prefill(q, k, v, step, layer, scale, sliding_window)
     if step.prefills_start_empty:
         keys, values = k, v
     else:
@@ -360,6 +365,27 @@ def _varlen_prefill(q, k, v, step, layer, scale, sliding_window=None) -> torch.T
     window = {} if sliding_window is None else {"sliding_window": sliding_window}
     out, _ = call(6, "flash_attention_varlen_forward", q, keys, values, step.cu_seqlens_q, step.cu_seqlens_k,
                   step.max_prefill_query, step.max_prefill_context, causal=True, scale=scale, **window)
+    return out
+
+
+def _prefix_prefill_available() -> bool:
+    try:
+        lesson_module(5, 1)
+    except switch.LessonUnavailable:
+        return False
+    return True
+
+
+def _prefix_prefill(q, k, v, step, layer, scale, sliding_window=None) -> torch.Tensor:
+    """Lesson 05's ``prefix_prefill_attention`` over the prefills of a step: each prefill's cached tokens are
+    read from the paged cache through its block table (no gather), its new tokens from ``k, v``."""
+    first = step.num_decodes
+    cached = [total - new for total, new in zip(step.context_lens_list[first:], step.query_lens[first:])]
+    prefix_lens = torch.tensor(cached, dtype=torch.int32).to(step.device)
+    window = {} if sliding_window is None else {"sliding_window": sliding_window}
+    out, _ = call_in(5, 1, "prefix_prefill_attention", q, k, v, step.manager.k_cache[layer],
+                     step.manager.v_cache[layer], step.block_tables[first:], step.cu_seqlens_q, prefix_lens,
+                     step.max_prefill_query, scale=scale, validate=False, **window)
     return out
 
 
