@@ -1,15 +1,27 @@
-"""``yaie bench lesson06``: FlashAttention forward and backward beside torch SDPA's flash backend.
+"""``yaie bench lesson06``: FlashAttention forward and backward beside torch SDPA, its default and its flash backend.
 
 bf16, head dims 128 and 64, 4k to 16k tokens per sequence (16k tokens per batch), causal and not.
 FLOP counts are the usual ones: forward ``4 * batch * heads * seq^2 * head_dim`` (two matmuls), backward
 2.5 times that (five matmuls: the recomputed scores, dV, dP, dQ, dK), both halved under a causal mask.
-The same counts are used for both implementations, so the TFLOP/s ratio is the speed ratio.
+The same counts are used for every implementation, so the TFLOP/s ratio is the speed ratio.
 
-Before timing, each shape is checked once against SDPA (the same inputs): a kernel that is fast and
-wrong is reported as wrong.
+Each row is timed for:
+
+* ``yaie triton``: lesson 06's kernels (yours, or the reference with ``--solutions``);
+* ``yaie triton hopper``: the reference's Hopper variant (``solutions/kernels/flash_attention_hopper.py``),
+  only with ``--solutions`` and on a compute-capability-9 GPU;
+* ``torch SDPA default (<backend>)``: ``scaled_dot_product_attention`` with no backend forced, what a user
+  gets without asking. The backend it picks is named (on the lent H100/H200 with torch 2.11: cuDNN), read
+  from PyTorch's own dispatcher and confirmed by forcing that backend and getting the same output bits;
+* ``torch SDPA flash``: SDPA forced to its FlashAttention-2 backend.
+
+Before timing, each shape is checked once against SDPA's default (the same inputs): a kernel that is fast
+and wrong is reported as wrong. ``YAIE_BENCH_HEAD_DIMS=128`` limits the run to some head dims.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -17,22 +29,75 @@ from yaie.bench.harness import Row, bench_ms
 from yaie.switch import module
 
 LESSON = "lesson06"
+DEFAULT = "torch SDPA default"
+FLASH = "torch SDPA flash"
+OURS = "yaie triton"
+HOPPER = "yaie triton hopper"
 
 
-def shapes(quick: bool) -> list[tuple[int, int, int, int]]:
+def shapes(quick: bool, head_dims: tuple[int, ...] = (128, 64)) -> list[tuple[int, int, int, int]]:
     """(batch, heads, seq, head_dim): 16k tokens per batch, 2048-wide models (16 x 128 or 32 x 64)."""
     seqs = [4096] if quick else [4096, 8192, 16384]
     out = []
     for head_dim, heads in ((128, 16), (64, 32)):
+        if head_dim not in head_dims:
+            continue
         for seq in seqs:
             out.append((16384 // seq, heads, seq, head_dim))
     return out
+
+
+def head_dims_from_env(text: str | None) -> tuple[int, ...]:
+    """``YAIE_BENCH_HEAD_DIMS`` ("128" or "128,64"; unset: both) as a tuple; ValueError on anything else."""
+    if text is None or not text.strip():
+        return (128, 64)
+    dims = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    if not dims or any(d not in (128, 64) for d in dims):
+        raise ValueError(f"YAIE_BENCH_HEAD_DIMS must list 128 and/or 64, got {text!r}")
+    return dims
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> int:
     """Forward FLOPs: q k^T and P v, each 2 * seq^2 * head_dim per head; half of it under a causal mask."""
     flops = 4 * batch * heads * seq * seq * head_dim
     return flops // 2 if causal else flops
+
+
+def backend_name(index: int) -> str:
+    """PyTorch's SDPBackend number (what ``torch._fused_sdp_choice`` returns) as a short name."""
+    from torch.nn.attention import SDPBackend
+
+    names = {int(member.value): name for name, member in SDPBackend.__members__.items()}
+    short = {"CUDNN_ATTENTION": "cudnn", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient",
+             "MATH": "math", "OVERRIDEABLE": "overrideable", "ERROR": "none"}
+    name = names.get(int(index))
+    return short.get(name, f"backend {index}") if name is not None else f"backend {index}"
+
+
+def sdpa_default_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
+    """The backend ``scaled_dot_product_attention`` picks for these inputs when none is forced.
+
+    Asks PyTorch's dispatcher (``torch._fused_sdp_choice``, the function SDPA itself calls), then confirms
+    the answer: the default call and a call forced to that backend must give the same bits. Returns the
+    short name (``"cudnn"``, ``"flash"``, ...), with ``"?"`` appended if the confirmation failed.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    choice = int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal))
+    name = backend_name(choice)
+    member = next((m for m in SDPBackend.__members__.values() if int(m.value) == choice), None)
+    if member is None or name in ("none", "overrideable"):
+        return name + "?"
+    with torch.no_grad():
+        default_out = sdpa(q, k, v, is_causal=causal)
+        with sdpa_kernel([member]):
+            forced_out = sdpa(q, k, v, is_causal=causal)
+    return name if torch.equal(default_out, forced_out) else name + "?"
+
+
+def _sdpa_default(q, k, v, causal):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def _sdpa_flash(q, k, v, causal):
@@ -60,56 +125,93 @@ def _best_configs(fa) -> str:
     return "; ".join(parts)
 
 
+def _hopper_module(fa):
+    """The Hopper variant of the reference, when the reference runs and the GPU is a Hopper; else None."""
+    if not fa.__name__.startswith("solutions.") or torch.cuda.get_device_capability()[0] != 9:
+        return None
+    from solutions.kernels import flash_attention_hopper
+
+    return flash_attention_hopper
+
+
+def ratio_lines(rows: list[Row], baseline: str) -> list[str]:
+    """One line per (kernel, implementation) of one shape: speed over the ``baseline`` impl's (>1: faster).
+
+    ``rows`` are the rows of one shape; the baseline is matched by prefix (its name carries the backend).
+    """
+    lines = []
+    for kernel in ("flash_attention_forward", "flash_attention_backward"):
+        group = [r for r in rows if r.kernel == kernel]
+        base = next((r for r in group if r.impl.startswith(baseline)), None)
+        if base is None:
+            continue
+        for row in group:
+            if row is base:
+                continue
+            what = "forward " if kernel.endswith("forward") else "backward"
+            lines.append(f"  {what} {row.impl:<32} {row.tflops:6.1f} TFLOP/s = {base.ms / row.ms:.2f}x "
+                         f"{base.impl} ({base.tflops:.1f})")
+    return lines
+
+
 def run(args) -> list[Row]:
     fa = module(6)
+    hopper = _hopper_module(fa)
     quick = bool(getattr(args, "quick", False))
     warmup, rep = (10, 30) if quick else (25, 100)
     dtype = torch.bfloat16
     rows: list[Row] = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for batch, heads, seq, head_dim in shapes(quick):
+    for batch, heads, seq, head_dim in shapes(quick, head_dims_from_env(os.environ.get("YAIE_BENCH_HEAD_DIMS"))):
         for causal in (False, True):
             shape = f"b{batch} h{heads} s{seq} d{head_dim}" + (" causal" if causal else "")
             q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype, generator=gen)
                              for _ in range(4))
             for t in (q, k, v):
                 t.requires_grad_(True)
+            backend = sdpa_default_backend(q, k, v, causal)
+            default_name = f"{DEFAULT} ({backend})"
+            impls = {OURS: lambda: fa.flash_attention(q, k, v, causal=causal)}
+            if hopper is not None:
+                impls[HOPPER] = lambda: hopper.flash_attention(q, k, v, causal=causal)
+            impls[default_name] = lambda: _sdpa_default(q, k, v, causal)
+            impls[FLASH] = lambda: _sdpa_flash(q, k, v, causal)
 
-            def ours():
-                return fa.flash_attention(q, k, v, causal=causal)
-
-            def sdpa():
-                return _sdpa_flash(q, k, v, causal)
-
-            # Check once (this also compiles and autotunes outside the timed region).
-            out_ours, out_sdpa = ours(), sdpa()
-            grads_ours = torch.autograd.grad(out_ours, (q, k, v), dout)
-            grads_sdpa = torch.autograd.grad(out_sdpa, (q, k, v), dout)
-            errors = [_rel_err(out_ours, out_sdpa)] + [_rel_err(a, b) for a, b in zip(grads_ours, grads_sdpa)]
-            status = "ok" if max(errors) < 2e-2 else "MISMATCH"
-            print(f"{shape}: relative difference to SDPA out/dq/dk/dv = "
-                  + ", ".join(f"{e:.1e}" for e in errors) + f" [{status}]", flush=True)
-            del grads_ours, grads_sdpa
+            # Check once against SDPA's default (this also compiles and autotunes outside the timed region).
+            out_ref = impls[default_name]()
+            grads_ref = torch.autograd.grad(out_ref, (q, k, v), dout)
+            status = {}
+            for impl, fn in impls.items():
+                if impl == default_name:
+                    continue
+                out = fn()
+                grads = torch.autograd.grad(out, (q, k, v), dout)
+                errors = [_rel_err(out, out_ref)] + [_rel_err(a, b) for a, b in zip(grads, grads_ref)]
+                status[impl] = "ok" if max(errors) < 2e-2 else "MISMATCH"
+                print(f"{shape}: {impl} vs {default_name}, relative difference out/dq/dk/dv = "
+                      + ", ".join(f"{e:.1e}" for e in errors) + f" [{status[impl]}]", flush=True)
+                del out, grads
+            del out_ref, grads_ref
 
             fwd_flops = attention_flops(batch, heads, seq, head_dim, causal)
-            for impl, fn in (("yaie triton", ours), ("torch SDPA flash", sdpa)):
+            shape_rows = []
+            for impl, fn in impls.items():
                 with torch.no_grad():
                     fwd_ms = bench_ms(fn, warmup, rep)
                 out = fn()
                 bwd_ms = bench_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), warmup, rep)
-                name = impl if status == "ok" or impl != "yaie triton" else impl + " (MISMATCH)"
-                rows.append(Row(LESSON, "flash_attention_forward", name, shape, "bf16", fwd_ms, flops=fwd_flops))
-                rows.append(Row(LESSON, "flash_attention_backward", name, shape, "bf16", bwd_ms,
-                                flops=int(2.5 * fwd_flops)))
+                name = impl if status.get(impl, "ok") == "ok" else impl + " (MISMATCH)"
+                shape_rows.append(Row(LESSON, "flash_attention_forward", name, shape, "bf16", fwd_ms, flops=fwd_flops))
+                shape_rows.append(Row(LESSON, "flash_attention_backward", name, shape, "bf16", bwd_ms,
+                                      flops=int(2.5 * fwd_flops)))
                 del out
-            del q, k, v, dout, out_ours, out_sdpa
+            rows.extend(shape_rows)
+            del q, k, v, dout
             torch.cuda.empty_cache()
-            fwd = [r for r in rows[-4:] if r.kernel.endswith("forward")]
-            bwd = [r for r in rows[-4:] if r.kernel.endswith("backward")]
-            print(f"  forward  {fwd[0].tflops:6.1f} TFLOP/s vs SDPA {fwd[1].tflops:6.1f} ({fwd[1].ms / fwd[0].ms:.2f}x)\n"
-                  f"  backward {bwd[0].tflops:6.1f} TFLOP/s vs SDPA {bwd[1].tflops:6.1f} ({bwd[1].ms / bwd[0].ms:.2f}x)",
-                  flush=True)
+            print("\n".join(ratio_lines(shape_rows, DEFAULT)), flush=True)
             configs = _best_configs(fa)
             if configs:
                 print(f"  tuned: {configs}", flush=True)
+            if hopper is not None and getattr(hopper, "tuned_configs", None):
+                print(f"  hopper tuned: {hopper.tuned_configs()}", flush=True)
     return rows
