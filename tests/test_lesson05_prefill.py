@@ -36,21 +36,24 @@ def _pp():
 def _greedy(llm, chunks: list[list[int]], use_kernels: bool, new_tokens: int, block_size: int = 8):
     """Prefill a prompt in ``chunks`` (each after the previous one is cached), then decode greedily.
 
-    Returns (generated token ids, logits of the prompt's last token)."""
+    Returns (generated token ids, logits of the prompt's last token). Runs on ``llm.device`` (the GPU
+    script calls it on CUDA too)."""
     cfg = llm.config
+    dev = llm.device
     manager = ops.kv_cache_manager(64, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                   llm.model.dtype, "cpu")
+                                   llm.model.dtype, dev)
     manager.allocate(0, 0)
     seen = 0
     for chunk in chunks:
         step = PagedStep(manager, [0], [len(chunk)], 0, manager.append_slots(0, len(chunk)), use_kernels=use_kernels)
-        hidden = llm.model.forward(torch.tensor(chunk), torch.arange(seen, seen + len(chunk)), step)
+        hidden = llm.model.forward(torch.tensor(chunk, device=dev), torch.arange(seen, seen + len(chunk), device=dev),
+                                   step)
         seen += len(chunk)
     first_logits = llm.model.logits(hidden[-1:])[0]
     tokens = [int(first_logits.argmax())]
     for _ in range(new_tokens - 1):
         step = PagedStep(manager, [0], [1], 1, manager.append_slots(0, 1), use_kernels=use_kernels)
-        hidden = llm.model.forward(torch.tensor(tokens[-1:]), torch.tensor([seen]), step)
+        hidden = llm.model.forward(torch.tensor(tokens[-1:], device=dev), torch.tensor([seen], device=dev), step)
         seen += 1
         tokens.append(int(llm.model.logits(hidden)[0].argmax()))
     manager.free(0)

@@ -116,27 +116,32 @@ class Batch:
                 self.context_lens)
 
     def reference(self, scale=None, sinks=None):
-        """float64 (out [total, heads, d], lse [heads, total]) computed head by head."""
+        """float64 (out [total, heads, d], lse [heads, total]), one sequence at a time: its prefix and new
+        keys side by side, every query's visible keys picked by position."""
         ctx, new, h, hk, d, bs = self.case
-        group = h // hk
         scale = d ** -0.5 if scale is None else scale
         q, k, v = (t.detach().double().cpu() for t in (self.q, self.k, self.v))
+        kv_of_head = torch.arange(h) // (h // hk)                         # query head -> its KV head
         out = torch.zeros(q.shape, dtype=torch.float64)
         lse = torch.zeros(h, q.shape[0], dtype=torch.float64)
         start = 0
         for b, (c, n) in enumerate(zip(ctx, new)):
-            keys = torch.cat([self.prefix_k[b], k[start:start + n]])      # [c + n, hk, d], positions 0..c+n-1
-            values = torch.cat([self.prefix_v[b], v[start:start + n]])
-            for i in range(n):
-                pos = c + i
-                lo = 0 if self.window is None else max(0, pos - self.window + 1)
-                for head in range(h):
-                    scores = keys[lo:pos + 1, head // group] @ q[start + i, head] * scale
-                    if sinks is not None:
-                        scores = torch.cat([scores, sinks[head].double().cpu().reshape(1)])
-                    weights = torch.softmax(scores, dim=0)[:pos + 1 - lo]
-                    out[start + i, head] = weights @ values[lo:pos + 1, head // group]
-                    lse[head, start + i] = torch.logsumexp(scores, dim=0)
+            if n == 0:
+                continue
+            keys = torch.cat([self.prefix_k[b], k[start:start + n]])[:, kv_of_head]     # [c + n, h, d]
+            values = torch.cat([self.prefix_v[b], v[start:start + n]])[:, kv_of_head]
+            scores = torch.einsum("qhd,khd->hqk", q[start:start + n], keys) * scale     # [h, n, c + n]
+            query_pos = torch.arange(c, c + n)[:, None]
+            key_pos = torch.arange(c + n)[None, :]
+            seen = key_pos <= query_pos
+            if self.window is not None:
+                seen &= key_pos > query_pos - self.window
+            scores = torch.where(seen, scores, torch.tensor(float("-inf"), dtype=torch.float64))
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.double().cpu()[:, None, None].expand(h, n, 1)], dim=-1)
+            weights = torch.softmax(scores, dim=-1)[..., :c + n]
+            out[start:start + n] = torch.einsum("hqk,khd->qhd", weights, values)
+            lse[:, start:start + n] = torch.logsumexp(scores, dim=-1)
             start += n
         return out, lse
 
