@@ -4,6 +4,7 @@
 # benchmark (prefix prefill vs gather + SDPA and gather + lesson 06). Logs and result files go to $OUT.
 #   bash scripts/gpu_lesson05.sh            # everything
 #   QUICK=1 bash scripts/gpu_lesson05.sh    # benchmark on two shapes only
+#   GRADER_PATHS=grader/lesson05/test_prefix_prefill.py bash scripts/gpu_lesson05.sh   # part 1 checks only
 set -uo pipefail
 OUT=${OUT:-out_lesson05}
 mkdir -p "$OUT"
@@ -12,7 +13,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
 echo "== grader (reference solutions) =="
-timeout ${GRADER_TIMEOUT:-240} python3 -m pytest grader/lesson05 --solutions -q -p no:cacheprovider \
+timeout ${GRADER_TIMEOUT:-240} python3 -m pytest ${GRADER_PATHS:-grader/lesson05} --solutions -q -p no:cacheprovider \
     2>&1 | tee "$OUT/grader_gpu.log" | tail -30
 
 echo "== engine: a prompt prefilled in two steps (the second through lesson 05) vs in one step =="
