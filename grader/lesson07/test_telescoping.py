@@ -424,7 +424,7 @@ def test_autograd_through_both_products(device, seed):
     want = torch.autograd.grad(ref_out, ref_leaves, dout.double())
     for name, g, w in zip(("q", "key buffer", "value buffer"), got, want):
         assert_close(g, w, name=f"gradient of {name} through indexed_qk and indexed_pv", dtype=torch.float32,
-                     atol=1e-4, rtol=1e-4, case=case_id(cases(device)[0]),
+                     atol=5e-4, rtol=1e-4, case=case_id(cases(device)[0]),
                      hint="IndexedQK/IndexedPV.backward call your backward functions; return None for the map")
 
 

@@ -160,6 +160,37 @@ def span_sizes(index_map: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
     return sizes[index_map.long().clamp(max=n)]
 
 
+def stable_slots(index_map: torch.Tensor, n: int) -> torch.Tensor:
+    """The same caches with every entry kept in one column for as long as it lives.
+
+    Attention over a cache does not depend on the order of its entries, so any column order per row
+    is as good as oldest-first. In this one an entry that stays in the cache from one position to the
+    next keeps its column; a new entry takes a column that an entry leaving the cache freed (or the
+    first unused one). Neighbouring rows then agree in almost every column, which lets the backward's
+    scatter kernel sum a column's gradient in registers over many positions before it adds to memory.
+    Returns an int32 ``[l, c]`` map on the CPU; unused slots hold ``n``.
+    """
+    rows = index_map.clamp(max=n).to(torch.int32).cpu().tolist()
+    c = index_map.shape[1]
+    out = torch.full((len(rows), c), n, dtype=torch.int32)
+    column: dict[int, int] = {}
+    placed = [n] * c
+    for p, row in enumerate(rows):
+        alive = {r for r in row if r < n}
+        free = [j for j in range(c) if placed[j] not in alive or placed[j] == n]
+        for j in free:
+            column.pop(placed[j], None)
+            placed[j] = n
+        free.reverse()                          # pop() hands out the lowest free column first
+        for r in row:
+            if r < n and r not in column:
+                j = free.pop()
+                column[r] = j
+                placed[j] = r
+        out[p] = torch.tensor(placed, dtype=torch.int32)
+    return out
+
+
 # ---------------------------------------------------------------- naive references (gather + matmul)
 
 def indexed_qk_reference(q: torch.Tensor, k: torch.Tensor, index_map: torch.Tensor) -> torch.Tensor:
