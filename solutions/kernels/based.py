@@ -236,15 +236,126 @@ def _based_prefill_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     seq_len, value_dim,
+    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: ``BLOCK_V`` value columns of one (sequence, head), walking over the chunks in order.
+
+    Grid: (value blocks, heads, batch). q and k are scaled by ``16^(-1/4) = 1/2`` on load (exact), so
+    ``s = q.k`` and the features are ``[1, q, q_a q_b / sqrt(2)]``.
+
+    Where the state lives: the small parts in registers (order 0 ``s0 [BLOCK_V]``, order 1
+    ``s1 [16, BLOCK_V]``, the normaliser ``z0``, ``z1 [16]`` and ``z2 = sum k k^T [16, 16]``); the order-2
+    numerator state (256 rows x BLOCK_V, 64 KiB at BLOCK_V = 64) in the program's own rows of the output
+    state ``STATE_KV``, visited 16 rows at a time: held whole in registers it would spill
+    (``scripts/probe_lesson08_registers.py``). Those rows stay hot in the L1/L2 caches.
+    """
+    pid_v = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    k_base = K + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
+    o_base = O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    bh = batch.to(tl.int64) * tl.num_programs(1) + head
+    kv_base = STATE_KV + bh * (273 * value_dim)          # [273, value_dim], feature-major
+    inv_sqrt2 = 0.7071067811865476
+
+    offs_c = tl.arange(0, CHUNK)
+    offs_f = tl.arange(0, 16)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = offs_v < value_dim
+    causal = offs_c[:, None] >= offs_c[None, :]          # query row >= key column inside the chunk
+    # Rows 17 + 16 a + b of the state: the order-2 block of feature a.
+    s2_ptrs = kv_base + (17 + offs_f[:, None]) * value_dim + offs_v[None, :]
+
+    s0 = tl.zeros([BLOCK_V], dtype=tl.float32)
+    s1 = tl.zeros([16, BLOCK_V], dtype=tl.float32)
+    z0 = tl.zeros([1], dtype=tl.float32)
+    z1 = tl.zeros([16], dtype=tl.float32)
+    z2 = tl.zeros([16, 16], dtype=tl.float32)
+    for a in range(16):
+        tl.store(s2_ptrs + a * 16 * value_dim, tl.zeros([16, BLOCK_V], dtype=tl.float32), mask=v_ok[None, :])
+    tl.debug_barrier()
+
+    for start in range(0, seq_len, CHUNK):
+        rows = start + offs_c
+        row_ok = rows < seq_len
+        # Rows past the end read 0: their k and v add nothing to the sums; only the count z0 skips them.
+        q = tl.load(q_base + rows[:, None] * stride_qs + offs_f[None, :], mask=row_ok[:, None], other=0.0)
+        k = tl.load(k_base + rows[:, None] * stride_ks + offs_f[None, :], mask=row_ok[:, None], other=0.0)
+        k_t = tl.load(k_base + rows[None, :] * stride_ks + offs_f[:, None], mask=row_ok[None, :], other=0.0)
+        v = tl.load(v_base + rows[:, None] * stride_vs + offs_v[None, :],
+                    mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        q = (q * 0.5).to(v.dtype)                         # exact: a power of two
+        k = (k * 0.5).to(v.dtype)
+        k_t = (k_t * 0.5).to(v.dtype)
+        qf = q.to(tl.float32)
+        kf_t = k_t.to(tl.float32)
+
+        # Inside the chunk: the exact causal tile, w = 1 + s + s^2/2 (row >= column).
+        s = tl.dot(q, k_t, input_precision=PRECISION)                       # [CHUNK, CHUNK] fp32
+        w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
+        num = tl.dot(w.to(v.dtype), v, input_precision=PRECISION)            # [CHUNK, BLOCK_V]
+        den = tl.sum(w, 1)
+
+        # Earlier chunks, orders 0 and 1 (registers), and the normaliser's order 2: q^T z2 q / 2.
+        num = tl.dot(q, s1.to(v.dtype), num, input_precision=PRECISION) + s0[None, :]
+        qz2 = tl.dot(qf, z2, input_precision=PRECISION)
+        den += z0 + tl.sum(qf * z1[None, :], 1) + 0.5 * tl.sum(qz2 * qf, 1)
+
+        # Order 2, 16 state rows at a time: feature block a is q_a * q (16 features q_a q_b / sqrt 2).
+        # Read the rows (the state before this chunk), add their share of the output, then fold in
+        # this chunk's keys: rows += (k_a k)^T v / sqrt(2).
+        for a in range(16):
+            pick = offs_f == a
+            q_a = tl.sum(tl.where(pick[None, :], qf, 0.0), 1) * inv_sqrt2       # [CHUNK]
+            k_a = tl.sum(tl.where(pick[:, None], kf_t, 0.0), 0) * inv_sqrt2     # [CHUNK]
+            s2_a = tl.load(s2_ptrs + a * 16 * value_dim, mask=v_ok[None, :], other=0.0)   # [16, BLOCK_V]
+            num = tl.dot((qf * q_a[:, None]).to(v.dtype), s2_a.to(v.dtype), num, input_precision=PRECISION)
+            s2_a = tl.dot((kf_t * k_a[None, :]).to(v.dtype), v, s2_a, input_precision=PRECISION)
+            tl.store(s2_ptrs + a * 16 * value_dim, s2_a, mask=v_ok[None, :])
+
+        out = num / den[:, None]
+        tl.store(o_base + rows[:, None] * stride_os + offs_v[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & v_ok[None, :])
+
+        # Fold the chunk's keys into the register state.
+        s1 = tl.dot(k_t, v, s1, input_precision=PRECISION)
+        s0 += tl.sum(v.to(tl.float32), 0)
+        z0 += tl.sum(row_ok.to(tl.float32), 0)
+        z1 += tl.sum(kf_t, 1)
+        z2 = tl.dot(k_t, k, z2, input_precision=PRECISION)
+        tl.debug_barrier()      # this chunk's state rows are written before any thread reads them again
+
+    # The rest of the state, in the layout of taylor_feature_map: row 0 order 0, rows 1..16 order 1
+    # (k/2 already carries its 1/2), rows 17.. order 2 (already in place).
+    tl.store(kv_base + offs_v, s0, mask=v_ok)
+    tl.store(kv_base + (1 + offs_f[:, None]) * value_dim + offs_v[None, :], s1, mask=v_ok[None, :])
+    if pid_v == 0:
+        k_state = STATE_K + bh * 273
+        tl.store(k_state + tl.arange(0, 1), z0)
+        tl.store(k_state + 1 + offs_f, z1)
+        tl.store(k_state + 17 + offs_f[:, None] * 16 + offs_f[None, :], z2 * inv_sqrt2)
+
+
+# yaie: solution-only
+@triton.jit
+def _based_prefill_kernel_registers(
+    Q, K, V, O, STATE_KV, STATE_K,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+    seq_len, value_dim,
     CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, STORE_STATE: tl.constexpr,
     STATE_DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: ``BLOCK_V`` value columns of one (sequence, head), walking over the chunks in order.
+    """The first version of :func:`_based_prefill_kernel`, kept for comparison: the whole state in registers.
 
     Grid: (value blocks, heads, batch). The state of those columns lives in registers for the whole
     sequence: order 0 ``s0 [BLOCK_V]``, order 1 ``s1 [16, BLOCK_V]``, order 2 ``s2 [256, BLOCK_V]`` and the
     normaliser sums ``z0, z1 [16], z2 [256]``. q and k are pre-scaled by ``16^(-1/4) = 1/2`` on load,
-    so ``s = q.k`` directly and the order-2 weight is ``s^2 / 2``.
+    so ``s = q.k`` directly and the order-2 weight is ``s^2 / 2``. The order-2 features of a chunk are
+    built as ``[CHUNK, 16, 16]`` products reshaped to ``[CHUNK, 256]``. Compiled for the H100 this
+    needs far more than 255 registers per thread and spills (``scripts/probe_lesson08_registers.py``).
     """
     pid_v = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
@@ -338,6 +449,40 @@ def _block_v(value_dim: int) -> int:
     return min(64, max(16, triton.next_power_of_2(value_dim)))
 
 
+# yaie: solution-only
+def _prefill_settings(device_type: str) -> dict:
+    """The kernel variant and launch settings :func:`based_prefill` uses (chosen from the H100 sweep of
+    ``yaie bench lesson08``, bench/results/lesson08_h100.md)."""
+    return dict(variant="rows", num_warps=4)
+
+
+# yaie: solution-only
+def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int, block_v: int, num_warps: int,
+                    num_stages: int | None = None, variant: str = "rows") -> None:
+    """Launch a prefill kernel with explicit settings (the benchmark sweeps them through here).
+
+    ``variant="rows"``: :func:`_based_prefill_kernel`, whose order-2 state lives in ``state_kv`` (so that
+    tensor must be a contiguous ``[batch, heads, 273, d_v]`` float32 one, even when the caller does not
+    want the state back); ``"registers"``: :func:`_based_prefill_kernel_registers`.
+    """
+    fp32 = q.dtype == torch.float32
+    grid = (triton.cdiv(v.shape[-1], block_v), q.shape[1], q.shape[0])
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    args = (q, k, v, out, state_kv, state_k,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            q.shape[2], v.shape[-1])
+    # float32: exact products ("ieee"); float16/bfloat16: tensor-core dots accumulated in float32.
+    precision = "ieee" if fp32 else "tf32"
+    if variant == "rows":
+        _based_prefill_kernel[grid](*args, CHUNK=chunk_size, BLOCK_V=block_v, PRECISION=precision,
+                                    num_warps=num_warps, **extra)
+    else:
+        _based_prefill_kernel_registers[grid](*args, CHUNK=chunk_size, BLOCK_V=block_v, STORE_STATE=True,
+                                              STATE_DOT_FP32=fp32, PRECISION=precision,
+                                              num_warps=num_warps, **extra)
+
+
 # yaie: task 2
 def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = DEFAULT_CHUNK,
                   return_state: bool = True) -> tuple[torch.Tensor, BasedState | None]:
@@ -368,25 +513,11 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     batch, heads, seq, _ = q.shape
     value_dim = v.shape[-1]
     out = torch.empty(batch, heads, seq, value_dim, dtype=v.dtype, device=v.device)
-    if return_state:
-        state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=v.device),
-                           torch.empty(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=v.device))
-    else:
-        state = BasedState(out, out)   # not written (STORE_STATE=False)
-    block_v = _block_v(value_dim)
-    fp32 = q.dtype == torch.float32
-    grid = (triton.cdiv(value_dim, block_v), heads, batch)
-    _based_prefill_kernel[grid](
-        q, k, v, out, state.kv, state.k,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        seq, value_dim,
-        CHUNK=chunk_size, BLOCK_V=block_v, STORE_STATE=return_state,
-        # float32: exact products ("ieee"), the state stays float32 in the dots;
-        # float16/bfloat16: tensor-core dots on the input dtype, accumulated in float32.
-        STATE_DOT_FP32=fp32, PRECISION="ieee" if fp32 else "tf32",
-        num_warps=4 if block_v <= 32 else 8,
-    )
+    # The state is written by the kernel (it also serves as its working memory: see the kernel).
+    state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=v.device),
+                       torch.empty(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=v.device))
+    settings = _prefill_settings(q.device.type)
+    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size, _block_v(value_dim), **settings)
     return out, (state if return_state else None)
 
 

@@ -1,0 +1,76 @@
+"""Compile lesson 08's prefill kernels for the H100 (sm_90a) on any machine and print what ptxas reports:
+registers per thread, bytes spilled, shared memory, tensor-core instructions. No GPU needed.
+
+    python scripts/probe_lesson08_registers.py                  # both kernel variants, a few settings
+
+The "registers" variant (the whole state in registers, order-2 features built as [C, 16, 16] products)
+spills at every setting; the "rows" variant keeps the order-2 state in memory 16 rows at a time.
+Uses the ptxas bundled with triton (its newest one, which reads the PTX version triton writes).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from solutions.kernels import based  # noqa: E402
+
+
+def ptxas() -> str:
+    tools = sorted(glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas*")))
+    return next((t for t in tools if t.endswith("blackwell")), tools[0])
+
+
+def probe(kernel, consts: dict, num_warps: int, num_stages: int = 3) -> dict:
+    sig = {}
+    for name in kernel.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ("Q", "K", "V", "O"):
+            sig[name] = "*bf16"
+        elif name in ("STATE_KV", "STATE_K"):
+            sig[name] = "*fp32"
+        else:
+            sig[name] = "i32"
+    src = triton.compiler.ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    report = subprocess.run([ptxas(), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                            capture_output=True, text=True).stderr
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", report)
+    spill = re.search(r"(\d+) bytes spill stores", report)
+    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None,
+            "shared": compiled.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync")}
+
+
+def main() -> None:
+    settings = [(32, 64, 4), (64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 32, 4)]
+    for variant, kernel, extra in (("rows", based._based_prefill_kernel, {}),
+                                   ("registers", based._based_prefill_kernel_registers,
+                                    {"STORE_STATE": True, "STATE_DOT_FP32": False})):
+        for chunk, block_v, warps in settings:
+            consts = {"CHUNK": chunk, "BLOCK_V": block_v, "PRECISION": "tf32", **extra}
+            try:
+                result = probe(kernel, consts, warps)
+            except Exception as err:  # noqa: BLE001 - report and go on
+                result = f"failed: {type(err).__name__}: {str(err)[:200]}"
+            print(f"{variant:9s} chunk {chunk:3d} BV {block_v:3d} {warps} warps: {result}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

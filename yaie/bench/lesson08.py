@@ -1,0 +1,167 @@
+"""``yaie bench lesson08``: Based linear-attention prefill beside flash-linear-attention and SDPA.
+
+Shapes: batch 16, 16 heads, feature dim 16 (q, k), value dim 64, bf16, 1k to 16k tokens, causal, forward.
+
+Rows (``based_prefill``):
+
+* ``yaie triton``: :func:`based_prefill` as the engine calls it (chunk 64, the final state returned);
+* ``yaie triton (variant, chunk C, BV b, w warps[, s stages])``: the reference kernels with other launch
+  settings (reference solutions only), to judge the defaults: ``rows`` keeps the order-2 state in memory
+  16 rows at a time, ``registers`` (the first version) keeps the whole state in registers;
+* ``fla fused_chunk_based`` and ``fla parallel_based``: flash-linear-attention's Triton kernels
+  (``fla-core``, a benchmark-only extra: ``pip install -e .[bench]``). Without fla these rows are
+  skipped with a note. fla takes ``[batch, seq, heads, dim]``; it is given views of the same
+  ``[batch, heads, seq, dim]`` tensors, so its own transposes find contiguous memory and copy nothing;
+* ``torch SDPA causal (head_dim 64)``: softmax attention of the same batch with q, k, v of head dim 64
+  (what a full-attention layer of the same width costs).
+
+FLOPs: all Based rows count the same work, the linear form's ``4 * 273 * d_v`` per token and head (the
+state read ``phi(q) @ S`` and the state update ``phi(k)^T v``); SDPA rows the usual
+``4 * seq^2 * head_dim / 2`` per head under the causal mask. Within the Based rows the TFLOP/s ratio is
+the speed ratio.
+
+Each shape is checked once before timing: our output against fla's and against the float32 chunked
+reference on the first sequence; a kernel that is fast and wrong is reported as MISMATCH.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+import torch
+
+from yaie.bench.harness import Row, bench_ms
+from yaie.switch import module
+
+LESSON = "lesson08"
+DEVICE = "cuda"
+BATCH, HEADS, FEATURES, VALUE_DIM = 16, 16, 16, 64
+SWEEP = [  # (kernel variant, chunk, block_v, num_warps, num_stages or None)
+    ("rows", 32, 64, 4, None), ("rows", 64, 64, 4, None), ("rows", 64, 64, 8, None), ("rows", 128, 64, 8, None),
+    ("rows", 64, 32, 4, None), ("rows", 64, 64, 4, 2), ("registers", 32, 64, 4, None),
+    ("registers", 32, 32, 4, None), ("registers", 16, 64, 4, None),
+]
+
+
+def lengths(quick: bool) -> list[int]:
+    return [4096] if quick else [1024, 2048, 4096, 8192, 16384]
+
+
+def based_flops(batch: int, heads: int, seq: int, value_dim: int) -> int:
+    """The linear form's multiply-adds, times 2: state read and state update, 273 x d_v each, per token."""
+    return 4 * batch * heads * seq * 273 * value_dim
+
+
+def sdpa_flops(batch: int, heads: int, seq: int, head_dim: int) -> int:
+    return 4 * batch * heads * seq * seq * head_dim // 2
+
+
+def load_fla():
+    """``(fused_chunk_based, parallel_based)`` or ``(None, reason)`` when fla-core is not importable."""
+    try:
+        ops = importlib.import_module("fla.ops.based")
+        return (ops.fused_chunk_based, ops.parallel_based), None
+    except Exception as err:  # noqa: BLE001 - any import failure means: no fla rows
+        return None, f"{type(err).__name__}: {err}"
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
+
+
+def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
+    """Other launch settings of the reference kernel (needs its private launcher)."""
+    launch = getattr(based, "_launch_prefill", None)
+    if launch is None:
+        return []
+    rows = []
+    out = torch.empty_like(v)
+    kv = torch.empty(BATCH, HEADS, 273, VALUE_DIM, device=DEVICE, dtype=torch.float32)
+    ks = torch.empty(BATCH, HEADS, 273, device=DEVICE, dtype=torch.float32)
+    for variant, chunk, block_v, warps, stages in SWEEP:
+        name = (f"yaie triton ({variant}, chunk {chunk}, BV {block_v}, {warps} warps"
+                + (f", {stages} stages)" if stages else ")"))
+        try:
+            def fn():
+                launch(q, k, v, out, kv, ks, chunk, block_v, warps, stages, variant)
+            fn()
+            ref, _ = based.based_prefill(q, k, v)
+            err = _rel_err(out, ref)
+            ms = bench_ms(fn, warmup, rep)
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a finding, not a crash
+            print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
+            continue
+        print(f"  {name}: {ms:.3f} ms, rel. diff to default {err:.1e}", flush=True)
+        rows.append(Row(LESSON, "based_prefill", name, shape, "bf16", ms, flops=flops))
+    return rows
+
+
+def run(args) -> list[Row]:
+    based = module(8)
+    quick = bool(getattr(args, "quick", False))
+    warmup, rep = (10, 30) if quick else (25, 100)
+    dtype = torch.bfloat16
+    fla, why = load_fla()
+    if fla is None:
+        print(f"note: flash-linear-attention (fla-core) is not importable ({why}); its rows are skipped. "
+              "Install the benchmark extra: pip install -e .[bench]", flush=True)
+    rows: list[Row] = []
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    for seq in lengths(quick):
+        shape = f"b{BATCH} h{HEADS} s{seq} f{FEATURES} dv{VALUE_DIM}"
+        q = torch.randn(BATCH, HEADS, seq, FEATURES, device=DEVICE, dtype=dtype, generator=gen)
+        k = torch.randn(BATCH, HEADS, seq, FEATURES, device=DEVICE, dtype=dtype, generator=gen)
+        v = torch.randn(BATCH, HEADS, seq, VALUE_DIM, device=DEVICE, dtype=dtype, generator=gen)
+        flops = based_flops(BATCH, HEADS, seq, VALUE_DIM)
+
+        def ours():
+            return based.based_prefill(q, k, v)[0]
+
+        t0 = time.perf_counter()
+        out = ours()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        print(f"{shape}: first call {time.perf_counter() - t0:.1f} s (compile)", flush=True)
+        ref, _ = based.based_chunked_reference(q[:1].float(), k[:1].float(), v[:1].float())
+        errors = {"chunked reference (fp32, sequence 0)": _rel_err(out[:1], ref)}
+        impls = [("yaie triton", ours)]
+        if fla is not None:
+            fused_chunk, parallel = fla
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))     # [b, s, h, d] views of the same memory
+            impls.append(("fla fused_chunk_based", lambda: fused_chunk(qt, kt, vt)))
+            impls.append(("fla parallel_based", lambda: parallel(qt, kt, vt)))
+            for name, fn in impls[1:]:
+                try:
+                    errors[name] = _rel_err(out, fn().transpose(1, 2))
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:300]})", flush=True)
+                    impls = [i for i in impls if i[0] != name]
+        status = "ok" if all(e < 2e-2 for e in errors.values()) else "MISMATCH"
+        print("  relative difference of yaie to " + ", ".join(f"{n}: {e:.1e}" for n, e in errors.items())
+              + f" [{status}]", flush=True)
+        del out, ref
+        timed = {}
+        for name, fn in impls:
+            ms = bench_ms(fn, warmup, rep)
+            timed[name] = ms
+            label = name if status == "ok" or name != "yaie triton" else name + " (MISMATCH)"
+            rows.append(Row(LESSON, "based_prefill", label, shape, "bf16", ms, flops=flops))
+        rows.extend(_sweep_rows(based, q, k, v, shape, warmup, rep, flops))
+
+        qs, ks, vs = (torch.randn(BATCH, HEADS, seq, 64, device=DEVICE, dtype=dtype, generator=gen) for _ in range(3))
+        sdpa_ms = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
+                           warmup, rep)
+        rows.append(Row(LESSON, "based_prefill", "torch SDPA causal (head_dim 64)", shape, "bf16", sdpa_ms,
+                        flops=sdpa_flops(BATCH, HEADS, seq, 64)))
+        del qs, ks, vs
+        line = ", ".join(f"{n} {ms:.3f} ms" for n, ms in timed.items()) + f", SDPA {sdpa_ms:.3f} ms"
+        fla_best = min((ms for n, ms in timed.items() if n.startswith("fla")), default=None)
+        if fla_best is not None:
+            line += f"; yaie vs faster fla: {fla_best / timed['yaie triton']:.2f}x"
+        print("  " + line, flush=True)
+        del q, k, v
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return rows
