@@ -62,7 +62,9 @@ def test_more_requests_than_the_cache_holds(preemption, alone):
     assert preempted > 0, stats                             # and the cache really ran out
     if preemption == "swap":
         assert stats.preempted_by_swap > 0 and stats.swapped_in == stats.preempted_by_swap, stats
-    # No block leaked, on the device or the host.
+    # No block leaked, on the device or the host: what is not free is cached prefixes, unlocked.
+    held = manager.num_blocks - manager.num_free_blocks
+    assert llm.last_scheduler.prefix_cache.clear() == held
     assert manager.num_free_blocks == manager.num_blocks
     assert manager.num_free_cpu_blocks == manager.num_cpu_blocks and manager.seq_ids() == []
 

@@ -76,6 +76,7 @@ def test_fixed_buffer_decode_steps_give_the_engines_tokens(preemption):
     assert stats.preempted_by_swap + stats.preempted_by_recompute > 0, stats
     manager = scheduler.manager
     assert manager.num_blocks == 16 + 1                                     # the scratch block is extra
+    scheduler.prefix_cache.clear()                                          # cached prefixes, unlocked
     assert manager.seq_ids() == [SCRATCH_SEQ] and manager.num_free_blocks == 16
     # The next call keeps the cache and the runner (recorded graphs stay valid: same addresses).
     again = [out.token_ids for out in llm.generate(PROMPTS[:2], params[:2])]

@@ -44,7 +44,8 @@ class StepEngine:
         self._cache = llm._cache_for_run()          # held (in use) until close()
         graphs = self._cache.graphs
         self.scheduler = Scheduler(self._cache.manager, llm.preemption, llm.max_num_seqs,
-                                   llm.max_num_batched_tokens, reserved_blocks=1 if graphs is not None else 0)
+                                   llm.max_num_batched_tokens, reserved_blocks=1 if graphs is not None else 0,
+                                   prefix_cache=self._cache.prefix_cache)
         llm.last_scheduler, llm.last_graphs = self.scheduler, graphs
         self.requests: dict[int, Request] = {}      # unfinished requests by id
         self.texts: dict[int, _Text] = {}
@@ -345,7 +346,10 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         s, scheduler = self.stats, self.core.scheduler
         s.running, s.waiting, s.swapped = len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped)
-        s.blocks_used = scheduler.usable_blocks - min(scheduler.usable_blocks, self.core.manager.num_free_blocks)
+        free = self.core.manager.num_free_blocks
+        if scheduler.prefix_cache is not None:     # unlocked cached prefixes: held by no request, evictable
+            free += scheduler.prefix_cache.tree.num_evictable_blocks
+        s.blocks_used = scheduler.usable_blocks - min(scheduler.usable_blocks, free)
         s.steps = scheduler.stats.steps
         s.preemptions = scheduler.stats.preempted_by_recompute + scheduler.stats.preempted_by_swap
         now = time.monotonic()

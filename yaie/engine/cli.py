@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is a GPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: 1 for small models, where more threads only add overhead)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="prefill every prompt in full (default: reuse cached prefixes, lesson 05's radix tree)")
     p.add_argument("--solutions", default=None, metavar="SPEC",
                    help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
     return p
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.solutions is not None:
             switch.use_solutions(args.solutions)
-        llm = LLM(args.model, device=args.device, cpu_threads=args.threads)
+        llm = LLM(args.model, device=args.device, cpu_threads=args.threads,
+                  prefix_caching=not args.no_prefix_caching)
         params = llm.default_sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
                                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
         prompt = args.prompt
@@ -77,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         print(f"yaie generate: {err}", file=sys.stderr)
         return 1
+    hits = llm.prefix_cache_stats()
+    cached = (f"; prefix cache: {hits.cached_tokens} of {hits.prompt_tokens} prompt tokens reused" if hits is not None
+              else "; prefix caching off")
     print(f"[{llm.model_dir.name} on {llm.device}, {describe()}; "
-          f"{len(output.token_ids)} tokens in {elapsed:.2f}s, finish: {output.finish_reason}]",
+          f"{len(output.token_ids)} tokens in {elapsed:.2f}s, finish: {output.finish_reason}{cached}]",
           file=sys.stderr)
     return 0

@@ -23,6 +23,7 @@ import torch
 from yaie import ops
 from yaie.device import default_device
 from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
+from yaie.engine.prefix_cache import make_prefix_cache
 from yaie.engine.sampling import SamplingParams, sample
 from yaie.engine.scheduler import PREEMPTION_MODES, Request, Scheduler, StepPlan
 from yaie.model.config import ModelLoadError
@@ -125,13 +126,17 @@ class LLM:
         cuda_graphs: replay decode-only steps from CUDA graphs (:mod:`yaie.engine.cuda_graphs`); default:
             on CUDA. One block of the cache is kept back as the graphs' scratch block (``num_blocks`` counts
             the blocks requests can use).
+        prefix_caching: automatic prefix caching (lesson 05's radix tree, :mod:`yaie.engine.prefix_cache`):
+            a request whose tokens start like anything still cached (an earlier prompt, from this call or an
+            earlier one) reads those blocks and prefills only the rest. Cached prefixes are evicted, least
+            recently used first, when blocks run out. ``prefix_cache_stats()`` tells the tokens reused.
     """
 
     def __init__(self, model: str | Path | None = None, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, cpu_threads: int | None = None, *,
                  block_size: int = 16, num_blocks: int | None = None, num_cpu_blocks: int | None = None,
                  preemption: str = "recompute", max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, prefix_caching: bool = True):
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = torch.device(device) if device is not None else default_device()
         self.model = LlamaModel.from_pretrained(self.model_dir, device=self.device, dtype=dtype)
@@ -162,6 +167,7 @@ class LLM:
         if cuda_graphs and not supported:
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.cuda_graphs = supported if cuda_graphs is None else bool(cuda_graphs)
+        self.prefix_caching = bool(prefix_caching)
         self.last_scheduler: Scheduler | None = None   # the last run's scheduler (stats, manager), for tests
         self.last_graphs: DecodeGraphs | None = None   # the last run's CUDA-graph runner, for tests
         self._kept: _RunCache | None = None    # the KV cache (and graphs) kept for the next run
@@ -304,7 +310,7 @@ class LLM:
             manager, graphs = cache.manager, cache.graphs
             reserved = 1 if graphs is not None else 0
             scheduler = Scheduler(manager, self.preemption, self.max_num_seqs, self.max_num_batched_tokens,
-                                  reserved_blocks=reserved)
+                                  reserved_blocks=reserved, prefix_cache=cache.prefix_cache)
             self.last_scheduler, self.last_graphs = scheduler, graphs
             texts = {}
             for i, (ids, p) in enumerate(zip(prompt_ids, params)):
@@ -340,7 +346,7 @@ class LLM:
         first (it may hold half the GPU's memory). While another run still holds the kept cache (an
         unfinished ``stream``), this run gets a cache of its own, dropped when it ends.
         """
-        key = (self.cuda_graphs, ops.selection())
+        key = (self.cuda_graphs, ops.selection(), self.prefix_caching)
         if self._kept is not None and not self._kept.in_use:
             if self._kept.key == key and _ended_cleanly(self._kept.manager, self.num_cpu_blocks):
                 self._kept.in_use = True
@@ -349,10 +355,18 @@ class LLM:
         temporary = self._kept is not None
         manager = self.new_kv_cache(1 if self.cuda_graphs else 0)
         cache = _RunCache(manager, self._graph_runner(manager) if self.cuda_graphs else None, key,
-                          in_use=True, temporary=temporary)
+                          in_use=True, temporary=temporary,
+                          prefix_cache=make_prefix_cache(manager) if self.prefix_caching else None)
         if not temporary:
             self._kept = cache
         return cache
+
+    def prefix_cache_stats(self):
+        """Hit statistics of the prefix cache kept for the next run (requests, prompt tokens, tokens reused,
+        blocks evicted; lesson 05's ``PrefixCacheStats``), or None when prefix caching is off."""
+        if self._kept is None or self._kept.prefix_cache is None:
+            return None
+        return self._kept.prefix_cache.stats
 
     def _drop_kept(self) -> None:
         kept, self._kept = self._kept, None
@@ -366,9 +380,11 @@ class LLM:
 
     def _forward(self, manager, plan: StepPlan, texts: list[_Text], graphs: DecodeGraphs | None = None) -> list[int]:
         """One forward pass over a step's decodes and prefills; returns one sampled token per request."""
-        token_ids = [r.token_ids[-1] for r in plan.decodes] + [t for r in plan.prefills for t in r.token_ids]
-        positions = [len(r.token_ids) - 1 for r in plan.decodes] + [p for r in plan.prefills
-                                                                    for p in range(len(r.token_ids))]
+        # A prefill feeds only the tokens after its cached prefix (0 without prefix caching).
+        token_ids = [r.token_ids[-1] for r in plan.decodes] + [t for r in plan.prefills
+                                                              for t in r.token_ids[r.num_cached_tokens:]]
+        positions = [len(r.token_ids) - 1 for r in plan.decodes] + [
+            p for r in plan.prefills for p in range(r.num_cached_tokens, len(r.token_ids))]
         if graphs is not None and not plan.prefills and graphs.fits(len(plan.decodes)):
             logits = graphs.run([r.request_id for r in plan.decodes], token_ids, positions,
                                 torch.cat(plan.decode_slots))
@@ -376,7 +392,8 @@ class LLM:
                 return _sample_rows(logits, texts)
         requests = plan.decodes + plan.prefills
         step = PagedStep(manager, [r.request_id for r in requests],
-                         [1] * len(plan.decodes) + [len(r.token_ids) for r in plan.prefills], len(plan.decodes),
+                         [1] * len(plan.decodes) + [len(r.token_ids) - r.num_cached_tokens for r in plan.prefills],
+                         len(plan.decodes),
                          torch.cat(plan.decode_slots + plan.prefill_slots))
         hidden = self.model.forward(torch.tensor(token_ids, device=self.device),
                                     torch.tensor(positions, device=self.device), step)
@@ -393,6 +410,7 @@ class _RunCache:
     key: tuple
     in_use: bool = False
     temporary: bool = False     # made because another run held the kept cache: dropped after the run
+    prefix_cache: object = None  # lesson 05's radix tree over this manager (automatic prefix caching), or None
 
 
 def _ended_cleanly(manager, num_cpu_blocks: int) -> bool:

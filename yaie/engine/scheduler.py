@@ -17,6 +17,12 @@ One step (:meth:`Scheduler.schedule`), oldest request first everywhere (first co
 3. then, if no request is still swapped out, waiting requests are admitted (prefill) while their tokens
    fit in the free blocks and in the step's token budget.
 
+Prefix caching (lesson 05, ``prefix_cache``): an admitted request reads the longest cached prefix of its
+tokens from the radix tree and prefills only the rest (``Request.num_cached_tokens``); after its prefill
+its prompt goes into the tree, and when it finishes (or is preempted by recompute) everything it computed
+does. When blocks run out, unlocked cached prefixes are evicted (least recently used first) before any
+request is preempted.
+
 Preemption policies: ``"recompute"`` frees the victim's blocks and puts it back at the head of the
 waiting queue: it is re-prefilled later over prompt + tokens generated so far (cheap for short
 sequences, needs no host memory). ``"swap"`` copies its blocks to host memory (when the host has room;
@@ -47,6 +53,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     state: str = "waiting"                 # waiting, running, swapped or finished
     num_preemptions: int = 0
+    num_cached_tokens: int = 0             # of token_ids, read from the prefix cache at admission (not prefilled)
 
     @property
     def token_ids(self) -> list[int]:
@@ -92,10 +99,12 @@ class Scheduler:
         max_num_batched_tokens: prefill tokens per step; a single longer prompt still runs, alone.
         reserved_blocks: blocks of the cache that no request may count on (the CUDA-graph runner's scratch
             block): a request is refused if it needs more than ``manager.num_blocks - reserved_blocks``.
+        prefix_cache: lesson 05's ``RadixAttentionWithPagedKVCache`` over ``manager`` (automatic prefix
+            caching), or None: every request prefills all its tokens.
     """
 
     def __init__(self, manager, preemption: str = "recompute", max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 4096, reserved_blocks: int = 0):
+                 max_num_batched_tokens: int = 4096, reserved_blocks: int = 0, prefix_cache=None):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -113,6 +122,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.stats = SchedulerStats()
+        self.prefix_cache = prefix_cache
+        self._prefilled: list[Request] = []     # the last step's prefills: their prompts go into the tree next
 
     # ------------------------------------------------------------------ queues
     def add(self, request: Request) -> None:
@@ -131,8 +142,16 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         """A running request is done: give its blocks back."""
         self.running.remove(request)
-        self.manager.free(request.request_id)
+        self._free(request, cache=True)
         request.state = "finished"
+
+    def _free(self, request: Request, cache: bool) -> None:
+        """Give a request's blocks back; with a prefix cache, first put what it computed into the tree
+        (``cache``: its K/V are all written, i.e. not between ``schedule`` and the forward pass)."""
+        if self.prefix_cache is None:
+            self.manager.free(request.request_id)
+        else:
+            self.prefix_cache.free(request.request_id, request.token_ids if cache else None)
 
     def abort(self, request: Request) -> None:
         """Drop an unfinished request (its client went away), from whichever queue holds it; its blocks,
@@ -143,12 +162,13 @@ class Scheduler:
                     del queue[i]
                     break
         if self.manager.has_seq(request.request_id):   # a waiting request holds no blocks
-            self.manager.free(request.request_id)
+            self._free(request, cache=False)
         request.state = "finished"
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self._cache_prefills()
         self._schedule_decodes(plan)
         if not plan.preempted:
             self._swap_in(plan)
@@ -158,6 +178,19 @@ class Scheduler:
         self.stats.max_running = max(self.stats.max_running, len(self.running))
         return plan
 
+    def _cache_prefills(self) -> None:
+        """The prompts prefilled by the last step are computed now: put them into the prefix cache, so the
+        requests admitted from now on share them."""
+        if self.prefix_cache is not None:
+            for request in self._prefilled:
+                if request.state == "running":
+                    self.prefix_cache.cache_sequence(request.request_id, request.token_ids)
+        self._prefilled = []
+
+    def _evict_cached(self, num_blocks: int) -> bool:
+        """Evict unlocked cached prefixes until ``num_blocks`` blocks are free; False without a prefix cache."""
+        return self.prefix_cache is not None and self.prefix_cache.make_room(num_blocks)
+
     def _schedule_decodes(self, plan: StepPlan) -> None:
         for request in list(self.running):       # oldest first; victims are taken from the end
             if request.state != "running":
@@ -166,6 +199,8 @@ class Scheduler:
                 try:
                     slots = self.manager.append_slots(request.request_id, 1)
                 except self.out_of_blocks:
+                    if self._evict_cached(self.manager.num_free_blocks + 1):
+                        continue                  # a cached prefix made room: nobody is preempted
                     victim = self.running[-1]
                     self._preempt(victim, plan)
                     if victim is request:
@@ -181,12 +216,14 @@ class Scheduler:
         plan.preempted.append(request)
         seq = request.request_id
         if self.preemption == "swap" and len(self.manager.block_ids(seq)) <= self.manager.num_free_cpu_blocks:
+            if self.prefix_cache is not None:
+                self.prefix_cache.release_lock(seq)   # its blocks go to the host; the tree keeps its own
             self.manager.swap_out(seq)
             request.state = "swapped"
             _insert_by_age(self.swapped, request)
             self.stats.preempted_by_swap += 1
         else:
-            self.manager.free(seq)
+            self._free(request, cache=True)       # with a prefix cache, its re-prefill will mostly be a hit
             request.state = "waiting"
             _insert_by_age(self.waiting, request)
             self.stats.preempted_by_recompute += 1
@@ -197,7 +234,8 @@ class Scheduler:
             request = self.swapped[0]
             tokens = self.manager.num_tokens(request.request_id)
             # Its blocks come back, plus room for the slot it decodes into right away.
-            if -(-(tokens + 1) // size) > self.manager.num_free_blocks:
+            need = -(-(tokens + 1) // size)
+            if need > self.manager.num_free_blocks and not self._evict_cached(need):
                 return
             self.manager.swap_in(request.request_id)
             self.swapped.pop(0)
@@ -211,17 +249,38 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            tokens = len(request.token_ids)
-            if plan.prefills and tokens > budget:
-                return
-            if not self.manager.can_allocate(tokens):
-                return
-            plan.prefill_slots.append(self.manager.allocate(request.request_id, tokens))
+            if self.prefix_cache is not None:
+                slots = self._admit_with_prefix(request, budget, bool(plan.prefills))
+                if slots is None:
+                    return
+            else:
+                tokens = len(request.token_ids)
+                if plan.prefills and tokens > budget:
+                    return
+                if not self.manager.can_allocate(tokens):
+                    return
+                slots = self.manager.allocate(request.request_id, tokens)
+                request.num_cached_tokens = 0
+            plan.prefill_slots.append(slots)
+            self._prefilled.append(request)
             self.waiting.pop(0)
             request.state = "running"
             _insert_by_age(self.running, request)
             plan.prefills.append(request)
-            budget -= tokens
+            budget -= len(request.token_ids) - request.num_cached_tokens
+
+    def _admit_with_prefix(self, request: Request, budget: int, others: bool):
+        """Allocate a waiting request over its longest cached prefix; its new tokens' slots, or None when
+        they exceed the step's budget (``others``: prefills are already planned) or do not fit."""
+        new_tokens = len(request.token_ids) - self.prefix_cache.match(request.token_ids)
+        if others and new_tokens > budget:
+            return None
+        try:
+            found = self.prefix_cache.allocate(request.request_id, request.token_ids)   # evicts if it must
+        except self.out_of_blocks:
+            return None
+        request.num_cached_tokens = found.num_cached
+        return found.slot_mapping
 
 
 def _insert_by_age(queue: list[Request], request: Request) -> None:

@@ -1,0 +1,60 @@
+"""Automatic prefix caching: lesson 05's radix tree over the engine's lesson 03 cache.
+
+The engine (``LLM(..., prefix_caching=True)``, the default) keeps one
+``RadixAttentionWithPagedKVCache`` beside each KV cache it keeps; the scheduler
+(:mod:`yaie.engine.scheduler`) admits requests through it, so a request prefills only the tokens after
+its longest cached prefix, and the forward pass reads that prefix from the shared blocks (lesson 05's
+prefix-prefill kernel on CUDA, the gathered lesson 01 path on the CPU: :func:`yaie.ops.paged_attention`).
+
+Lesson 05's classes are the student's or the reference, as the switch says. Like lesson 03's manager,
+they keep state that lives as long as the cache, so they are probed as a whole before serving:
+
+* auto mode (``YAIE_SOLUTIONS`` not set): a stubbed method switches lesson 05 to the reference, with the
+  usual one-line notice;
+* strict mode: prefix caching is optional, so an unfinished lesson 05 turns it off (one notice line on
+  stderr saying so) instead of stopping the engine; a lesson 05 that is not in this copy at all turns it
+  off silently.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from yaie import ops, switch
+
+_CLASS = "RadixAttentionWithPagedKVCache"
+
+
+def _probe(module, manager_class) -> None:
+    """Run every method the scheduler uses once, on a tiny CPU cache of the engine's manager class."""
+    manager = manager_class(num_blocks=6, block_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
+                            dtype=torch.float32, device="cpu")
+    cache = getattr(module, _CLASS)(manager)
+    cache.allocate("probe", [1, 2, 3])
+    cache.cache_sequence("probe", [1, 2, 3])
+    cache.match([1, 2, 3, 4])
+    cache.allocate("probe-2", [1, 2, 3, 4])
+    cache.release_lock("probe-2")
+    cache.free("probe-2")
+    cache.free("probe", [1, 2, 3])
+    cache.make_room(manager.num_blocks)
+
+
+def make_prefix_cache(manager):
+    """Lesson 05's ``RadixAttentionWithPagedKVCache`` over ``manager``, or None (prefix caching off) when
+    lesson 05 is unfinished in strict mode or missing from this copy of the course."""
+    try:
+        module = ops.lesson_module(5, 0)
+    except switch.LessonUnavailable:
+        return None
+    try:
+        _probe(module, type(manager))
+    except NotImplementedError as err:
+        if not ops._auto_mode() or module.__name__.startswith("solutions."):
+            print(f"lesson 05: {_CLASS} is not implemented yet in {ops._student_path(5)} ({err}); "
+                  "prefix caching is off", file=sys.stderr, flush=True)
+            return None
+        module = ops._fallback(5, _CLASS, module, err)
+    return getattr(module, _CLASS)(manager)
