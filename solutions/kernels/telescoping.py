@@ -660,29 +660,48 @@ def indexed_pv(p: torch.Tensor, v: torch.Tensor, index_map: torch.Tensor) -> tor
 
 # ---------------------------------------------------------------- attention over the telescoping cache
 
+_MAPS: dict = {}
+
+
+def telescoping_maps(length: int, capacity: int, device) -> tuple[torch.Tensor, ...]:
+    """``(index_map, starts, ends, bias)`` for ``(length, capacity)`` on ``device``, built once and kept.
+
+    ``index_map`` has :func:`stable_slots` columns; ``bias`` is float32 ``[l, c]``: ``log(size)`` of each
+    slot's span, ``-inf`` for unused slots (what a score needs added so that a span of ``s`` tokens weighs
+    like ``s`` tokens, and an unused slot like nothing).
+    """
+    key = (int(length), int(capacity), str(torch.device(device)))
+    if key not in _MAPS:
+        index_map, starts, ends = telescoping_index_map(length, capacity)
+        index_map = stable_slots(index_map, starts.numel())
+        sizes = span_sizes(index_map, starts, ends)
+        bias = torch.where(sizes > 0, sizes.clamp(min=1).log(), torch.full_like(sizes, float("-inf")))
+        _MAPS[key] = tuple(t.to(device) for t in (index_map, starts, ends, bias))
+    return _MAPS[key]
+
+
 def telescoping_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, capacity: int,
-                          scale: float | None = None, maps: tuple | None = None) -> torch.Tensor:
+                          scale: float | None = None, use_kernels: bool = True) -> torch.Tensor:
     """Causal attention where position ``l`` sees its telescoping cache instead of all earlier tokens.
 
     Args:
-        q: ``[b, l, h * e, d]``; k, v: ``[b, l, h, d]`` (token-major, as a model's projections give them).
+        q: ``[b, l, h * e, d]``; k, v: ``[b, l, h, d]`` (token-major, as a model's projections give them;
+            query head ``j`` reads KV head ``j // e``).
         capacity: ``c``, entries per cache. scale: default ``d ** -0.5``.
-        maps: ``telescoping_index_map(l, capacity)``, if already built (it depends on ``(l, c)`` only).
+        use_kernels: the Triton kernels of tasks 3 and 4 (``False``: the gather references, plain PyTorch).
 
     An entry averaging ``s`` tokens stands for ``s`` tokens: its score gets ``+ log(s)``, so a span of
-    identical keys weighs exactly as much as the tokens it replaced. Returns ``[b, l, h * e, d]``.
+    identical keys weighs exactly as much as the tokens it replaced. Differentiable. Returns
+    ``[b, l, h * e, d]`` in ``q``'s dtype.
     """
     b, l, hq, d = q.shape
     h = k.shape[2]
     e = hq // h
     scale = d ** -0.5 if scale is None else scale
-    index_map, starts, ends = maps if maps is not None else telescoping_index_map(l, capacity)
-    index_map = index_map.to(q.device)
+    index_map, starts, ends, bias = telescoping_maps(l, capacity, q.device)
     k_buf = telescoping_buffer(k, starts, ends)
     v_buf = telescoping_buffer(v, starts, ends)
-    sizes = span_sizes(index_map, starts, ends)                               # [l, c], 0 = unused
-    bias = torch.where(sizes > 0, sizes.clamp(min=1).log(), torch.full_like(sizes, float("-inf")))
-    scores = indexed_qk(q.reshape(b, l, h, e, d), k_buf, index_map).float() * scale + bias[None, :, None, None, :]
+    qk, pv = (indexed_qk, indexed_pv) if use_kernels else (indexed_qk_reference, indexed_pv_reference)
+    scores = qk(q.reshape(b, l, h, e, d), k_buf, index_map).float() * scale + bias[None, :, None, None, :]
     weights = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = indexed_pv(weights, v_buf, index_map)
-    return out.reshape(b, l, hq, d)
+    return pv(weights, v_buf, index_map).reshape(b, l, hq, d)

@@ -301,6 +301,10 @@ class LLM:
     def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams]):
         """Generator over events ``(request, text piece, its _Text)``: one per request per step, the last
         one with ``request.state == "finished"``."""
+        if self.config.telescoping_capacity:   # lesson 07: constant-size caches, not the paged KV cache
+            from yaie.model.telescoping import run_telescoping
+            yield from run_telescoping(self, prompt_ids, params)
+            return
         previous = torch.get_num_threads()
         cache = None
         if self.device.type == "cpu" and self.cpu_threads:

@@ -45,6 +45,7 @@ class ModelConfig:
     sliding_windows: list = field(default_factory=list)   # per layer: None or the window size
     bos_token_id: int | None = None
     eos_token_ids: list = field(default_factory=list)
+    telescoping_capacity: int | None = None   # lesson 07: constant-size telescoping caches of this many entries
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -85,6 +86,7 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias") or False), sliding_windows=_sliding_windows(raw, model_type, layers),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [int(eos)],
+            telescoping_capacity=int(raw["telescoping_capacity"]) if raw.get("telescoping_capacity") else None,
         )
 
 

@@ -1,0 +1,144 @@
+"""Telescoping-attention models (lesson 07): a Llama decoder whose attention sees a constant-size cache.
+
+The weights and the layer are the Llama ones (:class:`yaie.model.llama.LlamaModel`); only the cache
+differs. A model is telescoping when its ``config.json`` holds ``"telescoping_capacity": c``: every layer
+attends, at every position, to ``c`` entries per KV head (recent tokens exact, older spans averaged, the
+spans doubling with distance; an entry averaging ``s`` tokens gets ``+ log(s)`` on its score). The
+merge rule and the kernels are lesson 07's, reached through the switch, so the student's code runs.
+
+* Prefill (a sequence's first tokens) runs the *parallel* form: every position's cache read through the
+  index map by the indexed matmul kernels (on a CPU: their gather references). The cache the sequence
+  keeps afterwards is the last position's row of the map, read from the buffer of span averages.
+* Decode runs the *recurrent* form: append the new token's key and value, merge one pair when over
+  ``c`` (:func:`telescoping_step`), attend over the ``c`` entries. The state per sequence is
+  ``layers x 2 x c x kv_heads x head_dim`` floats plus the sizes, whatever the length generated.
+
+The engine (:class:`yaie.engine.llm.LLM`) hands telescoping models to :func:`run_telescoping`: one
+sequence at a time through the same Llama forward, with a :class:`TelescopingKVCache` per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from yaie.switch import module
+
+LESSON = 7
+
+
+def _lesson():
+    return module(LESSON)
+
+
+def attend_entries(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sizes: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """One position's attention over its cache. q ``[heads, d]``; keys, values ``[k, kv_heads, d]``;
+    sizes int64 ``[k]``. Float32 math; returns ``[heads, d]`` float32."""
+    kv_heads = keys.shape[1]
+    group = q.shape[0] // kv_heads
+    qf = q.float().reshape(kv_heads, group, -1)
+    scores = torch.einsum("hed,khd->hek", qf, keys.float()) * scale + sizes.float().log()
+    weights = torch.softmax(scores, dim=-1)
+    return torch.einsum("hek,khd->hed", weights, values.float()).reshape(q.shape[0], -1)
+
+
+class TelescopingKVCache:
+    """The constant-size cache of one sequence, for every layer: ``attend`` is what the Llama layer calls.
+
+    Entries are kept in float32 (the merges average averages; bf16 would round at every merge).
+    """
+
+    def __init__(self, config, capacity: int, device: torch.device | str):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = int(capacity)
+        self.num_layers = config.num_layers
+        self.scale = config.head_dim ** -0.5
+        self.device = torch.device(device)
+        empty = torch.zeros(0, config.num_kv_heads, config.head_dim, dtype=torch.float32, device=self.device)
+        self.keys = [empty] * self.num_layers
+        self.values = [empty] * self.num_layers
+        self.sizes = [torch.zeros(0, dtype=torch.int64, device=self.device)] * self.num_layers
+        self.tokens = [0] * self.num_layers
+
+    def __len__(self) -> int:
+        """Tokens read (by completed forward passes), not entries held."""
+        return self.tokens[-1]
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache's tensors (keys, values, sizes of every layer)."""
+        return sum(t.numel() * t.element_size() for group in (self.keys, self.values, self.sizes) for t in group)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """Read the new tokens' ``k, v [t, kv_heads, d]`` into the cache; attention output ``[t, heads, d]``."""
+        if sliding_window is not None:
+            raise ValueError("telescoping models have no sliding-window layers")
+        if self.tokens[layer] == 0 and k.shape[0] > 1:
+            out = self._prefill(layer, q, k, v)
+        else:
+            out = torch.stack([self._decode(layer, q[i], k[i], v[i]) for i in range(k.shape[0])])
+        self.tokens[layer] += k.shape[0]
+        return out.to(q.dtype)
+
+    def _prefill(self, layer: int, q, k, v) -> torch.Tensor:
+        """The parallel form over the prompt, then keep the last position's cache."""
+        tele = _lesson()
+        t = k.shape[0]
+        out = tele.telescoping_attention(q[None], k[None], v[None], self.capacity, scale=self.scale,
+                                         use_kernels=q.device.type == "cuda")[0]
+        index_map, starts, ends = tele.telescoping_index_map(t, self.capacity)    # oldest first
+        rows = index_map[t - 1, :min(t, self.capacity)].long()
+        span_starts, span_ends = starts[rows], ends[rows]
+        self.keys[layer] = tele.telescoping_buffer(k[None].float(), span_starts, span_ends)[0]
+        self.values[layer] = tele.telescoping_buffer(v[None].float(), span_starts, span_ends)[0]
+        self.sizes[layer] = (span_ends - span_starts).to(self.device)
+        return out
+
+    def _decode(self, layer: int, q, k, v) -> torch.Tensor:
+        """The recurrent form: one token in (one merge when full), attention over the entries."""
+        tele = _lesson()
+        before = self.sizes[layer]
+        self.keys[layer], self.sizes[layer] = tele.telescoping_step(self.keys[layer], before, k.float(),
+                                                                    self.capacity)
+        self.values[layer], _ = tele.telescoping_step(self.values[layer], before, v.float(), self.capacity)
+        return attend_entries(q, self.keys[layer], self.values[layer], self.sizes[layer], self.scale)
+
+
+def new_cache(llm) -> TelescopingKVCache:
+    return TelescopingKVCache(llm.config, llm.config.telescoping_capacity, llm.device)
+
+
+def run_telescoping(llm, prompt_ids: list[list[int]], params: list):
+    """The engine's generation loop for telescoping models: events ``(request, text piece, its _Text)``
+    as :meth:`yaie.engine.llm.LLM._run` yields them. Sequences run one after another, each with its own
+    constant-size cache; ``llm.last_caches`` keeps them (for tests and memory measurements)."""
+    from yaie.engine.llm import _sample_rows, _Text
+    from yaie.engine.scheduler import Request
+
+    model, cfg = llm.model, llm.config
+    llm.last_caches = []
+    for i, (ids, p) in enumerate(zip(prompt_ids, params)):
+        room = cfg.max_position_embeddings - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; the model takes at most "
+                             f"{cfg.max_position_embeddings}")
+        request = Request(i, list(ids), min(p.max_tokens, room))
+        text = _Text(llm, p)
+        cache = new_cache(llm)
+        llm.last_caches.append(cache)
+        request.state = "running"
+        feed = torch.tensor(ids, dtype=torch.int64, device=llm.device)
+        position = 0
+        while True:
+            positions = torch.arange(position, position + feed.numel(), device=llm.device)
+            hidden = model.forward(feed, positions, cache)
+            token = _sample_rows(model.logits(hidden[-1:]), [text])[0]
+            position += feed.numel()
+            piece = text.push(request, token)
+            if text.finish_reason is not None:
+                request.state = "finished"
+                yield request, piece, text
+                break
+            yield request, piece, text
+            feed = torch.tensor([token], dtype=torch.int64, device=llm.device)
