@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))   # the repository (solutions/), for --attention telescoping
 from make_corpus import make_stories  # noqa: E402
 
 BOS, EOS = "<s>", "</s>"
@@ -96,6 +97,7 @@ class Block(nn.Module):
         super().__init__()
         h, d = c["hidden_size"], c["head_dim"]
         self.n_heads, self.n_kv, self.d = c["num_attention_heads"], c["num_key_value_heads"], d
+        self.telescoping = c.get("telescoping_capacity")   # --attention telescoping (lesson 07)
         self.input_layernorm = nn.RMSNorm(h, eps=c["rms_norm_eps"])
         self.post_attention_layernorm = nn.RMSNorm(h, eps=c["rms_norm_eps"])
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
@@ -114,8 +116,13 @@ class Block(nn.Module):
         v = self.v_proj(y).view(b, t, self.n_kv, self.d).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         groups = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.telescoping:   # every position attends to its telescoping cache (lesson 07's kernels on a GPU)
+            from solutions.kernels.telescoping import telescoping_attention
+            att = telescoping_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.telescoping,
+                                        use_kernels=q.is_cuda).transpose(1, 2)
+        else:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, -1))
         y = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
@@ -197,7 +204,10 @@ def train(args) -> None:
     print(f"data: {len(stories)} stories, {train_rows.numel()} tokens, tokenizer {tok.get_vocab_size()} "
           f"entries (embedding {vocab}), {t_data:.1f}s", flush=True)
 
-    model = TinyLlama(MODEL_CONFIG, vocab).to(device)
+    config = dict(MODEL_CONFIG)
+    if args.attention == "telescoping":   # constant-size caches: the engine may generate far past the window
+        config.update(telescoping_capacity=args.capacity, max_position_embeddings=32768)
+    model = TinyLlama(config, vocab).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() == 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -243,6 +253,9 @@ def train(args) -> None:
 @torch.no_grad()
 def check_with_transformers(model: TinyLlama, out: Path, ids: list[int], device) -> None:
     """The exported files, loaded by Hugging Face transformers, must give this model's logits."""
+    if model.c.get("telescoping_capacity"):
+        print("telescoping attention: transformers has no such layer; export check skipped")
+        return
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -262,7 +275,7 @@ def save(model: TinyLlama, tok, vocab: int, out: Path, log: dict) -> None:
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_act="silu",
                   attention_bias=False, mlp_bias=False, bos_token_id=bos, eos_token_id=eos,
-                  torch_dtype="bfloat16", **MODEL_CONFIG)
+                  torch_dtype="bfloat16", **model.c)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         dict(bos_token_id=bos, eos_token_id=eos, do_sample=True, temperature=0.8, top_p=0.95), indent=2) + "\n")
@@ -295,6 +308,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", choices=["full", "telescoping"], default="full",
+                   help="full causal attention, or telescoping caches of --capacity entries (lesson 07)")
+    p.add_argument("--capacity", type=int, default=64, help="entries per telescoping cache")
     train(p.parse_args())
 
 
