@@ -1,0 +1,103 @@
+"""Lesson 08 beyond its grader: the reference's other paths (the chunked PyTorch algorithm, every chunk size,
+the first kernel variant, reads that stay inside the sequence), the memory figures the notebook shows,
+and the benchmark's pieces that run without a GPU (fla stays an optional, benchmark-only dependency).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+
+import pytest
+import torch
+
+from solutions.kernels import based as ref
+from tests.helpers import ROOT
+
+
+def _qkv(seq: int, value_dim: int = 32, heads: int = 2, dtype=torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, heads, seq, 16, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(1, heads, seq, value_dim, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _exact(q, k, v):
+    return ref.based_attention_reference(q.double(), k.double(), v.double())
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_chunked_pytorch_algorithm_equals_the_quadratic_form(chunk):
+    q, k, v = _qkv(37, seed=chunk)
+    out, state = ref.based_chunked_reference(q.double(), k.double(), v.double(), chunk_size=chunk)
+    torch.testing.assert_close(out, _exact(q, k, v), atol=1e-12, rtol=1e-12)
+    phi_k = ref.taylor_feature_map(k.double())
+    torch.testing.assert_close(state.kv.double(), phi_k.transpose(-1, -2) @ v.double(), atol=1e-4, rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64, 128])
+def test_every_chunk_size_gives_the_same_answer(chunk):
+    q, k, v = _qkv(150, seed=chunk)
+    out, state = ref.based_prefill(q, k, v, chunk_size=chunk)
+    torch.testing.assert_close(out.double(), _exact(q, k, v), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(state.k.double(), ref.taylor_feature_map(k.double()).sum(-2), atol=1e-3, rtol=1e-5)
+
+
+def test_first_kernel_variant_state_in_registers():
+    """The kernel kept for comparison in the benchmark still computes the same thing."""
+    q, k, v = _qkv(40, value_dim=64)
+    out = torch.empty_like(v)
+    kv = torch.empty(1, 2, ref.EXPANDED_DIM, 64)
+    ks = torch.empty(1, 2, ref.EXPANDED_DIM)
+    ref._launch_prefill(q, k, v, out, kv, ks, 16, 64, 4, variant="registers")
+    torch.testing.assert_close(out.double(), _exact(q, k, v), atol=2e-5, rtol=1e-4)
+    phi_k = ref.taylor_feature_map(k.double())
+    torch.testing.assert_close(kv.double(), phi_k.transpose(-1, -2) @ v.double(), atol=1e-3, rtol=1e-4)
+
+
+def test_prefill_reads_nothing_past_the_sequence():
+    """Inputs that are the first rows of longer NaN-padded buffers: a read past the end would show as NaN."""
+    q, k, v = _qkv(21, value_dim=48)
+    pad = lambda t: torch.cat([t, torch.full_like(t, float("nan"))], 2)[:, :, :21]   # noqa: E731
+    out, state = ref.based_prefill(pad(q), pad(k), pad(v), chunk_size=16)
+    assert torch.isfinite(out).all() and torch.isfinite(state.kv).all() and torch.isfinite(state.k).all()
+    torch.testing.assert_close(out.double(), _exact(q, k, v), atol=2e-5, rtol=1e-4)
+
+
+def test_decode_only_grows_nothing():
+    """Decoding 50 tokens leaves the state's size unchanged and matches the quadratic form at every step."""
+    q, k, v = _qkv(50, value_dim=16)
+    state = ref.empty_state(1, 2, 16)
+    outs = [ref.based_decode_step(q[:, :, t], k[:, :, t], v[:, :, t], state) for t in range(50)]
+    torch.testing.assert_close(torch.stack(outs, 2).double(), _exact(q, k, v), atol=1e-5, rtol=1e-5)
+    assert state.kv.shape == (1, 2, 273, 16) and state.k.shape == (1, 2, 273)
+
+
+def test_state_and_kv_cache_memory_figures():
+    # One layer of 16 heads, d_v = 64: 273 * 65 float32 numbers per head, whatever the length.
+    assert ref.state_bytes(16, 64) == 16 * 273 * 65 * 4
+    # A bf16 KV cache of the same heads at head_dim 64 overtakes it after ~277 tokens.
+    kv_cache_per_token = 2 * 16 * 64 * 2
+    assert math.ceil(ref.state_bytes(16, 64) / kv_cache_per_token) == 278
+
+
+def test_weights_are_never_negative():
+    """1 + s + s^2/2 = ((1 + s)^2 + 1) / 2 >= 1/2: the normaliser cannot vanish."""
+    s = torch.linspace(-50, 50, 10001, dtype=torch.float64)
+    assert float((1 + s + s * s / 2).min()) == pytest.approx(0.5)
+
+
+def test_benchmark_pieces_without_a_gpu():
+    from yaie.bench import lesson08
+
+    assert lesson08.lengths(False) == [1024, 2048, 4096, 8192, 16384]
+    assert lesson08.based_flops(1, 1, 10, 64) == 4 * 10 * 273 * 64
+    assert lesson08.sdpa_flops(1, 1, 8, 64) == 4 * 64 * 64 // 2
+    fla, why = lesson08.load_fla()
+    assert (fla is None) == (why is not None)
+
+
+def test_fla_is_a_benchmark_only_extra():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(dep.startswith("fla") for dep in project["dependencies"])
+    assert any(dep.startswith("fla-core") for dep in project["optional-dependencies"]["bench"])
