@@ -56,3 +56,16 @@ def test_ratio_lines_compare_with_the_default():
     assert "torch SDPA flash" in lines[1] and "0.50x" in lines[1]
     assert lines[2].lstrip().startswith("backward")
     assert lesson06.ratio_lines(rows, "no such impl") == []
+
+
+def test_best_configs_rank_by_total_time_and_drop_failures():
+    a, b, c = (128, 128, 8, 2, False), (128, 64, 8, 3, True), (128, 64, 8, 4, False)
+    rows = [
+        {"config": a, "ms": 1.0, "status": "ok"}, {"config": a, "ms": 2.0, "status": "ok"},
+        {"config": b, "ms": 0.5, "status": "ok"}, {"config": b, "ms": 1.0, "status": "ok"},
+        {"config": c, "ms": 0.1, "status": "ok"}, {"config": c, "ms": None, "status": "error"},
+        {"config": None, "ms": 0.01, "status": "ok"},          # a baseline row
+    ]
+    assert lesson06.best_configs(rows) == [b, a]
+    assert lesson06.best_configs(rows, 1) == [b]
+    assert lesson06.config_text(b) == "128,64,8,3,1"

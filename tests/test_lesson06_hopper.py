@@ -1,0 +1,187 @@
+"""Lesson 06's Hopper variant (``solutions/kernels/flash_attention_hopper.py``): same function as the reference.
+
+On the CPU the fast kernel runs in the Triton interpreter (float16; its tensor descriptors work there) on
+small ragged, grouped-query, causal and cached-context shapes; on a GPU (``gpu`` marker) bfloat16 and
+float16 at the grader's GPU sizes and past the autotuning threshold, where the FlashAttention rule applies:
+the largest error against float64 may be at most twice PyTorch's own in that dtype plus rounding.
+Outputs are NaN-poisoned before the kernel writes them. Inputs the fast kernel does not take must reach the
+reference and give its answer.
+"""
+
+from __future__ import annotations
+
+from yaie.device import prepare_triton
+
+prepare_triton()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from solutions.kernels import flash_attention as ref  # noqa: E402
+from solutions.kernels import flash_attention_hopper as fast  # noqa: E402
+from yaie.model.testing import fresh_seed  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_HOPPER = DEVICE == "cuda" and fast.is_hopper(torch.device("cuda"))
+
+# (batch, heads, kv_heads, seq_q, seq_k, head_dim, causal): lengths off the block sizes on purpose.
+CPU_CASES = [
+    (1, 4, 2, 45, 45, 64, True),      # grouped-query, causal
+    (1, 2, 1, 19, 50, 32, True),      # new tokens after a cached context
+    (2, 2, 2, 33, 21, 16, False),     # seq_q > seq_k without a mask
+    (1, 2, 2, 70, 40, 64, False),
+]
+GPU_CASES = [
+    (2, 8, 8, 300, 300, 128, True),
+    (1, 8, 2, 513, 513, 64, False),
+    (2, 4, 1, 128, 700, 128, True),
+    (1, 4, 4, 1000, 1000, 64, True),
+    (1, 4, 2, 2100, 2100, 128, True),   # past 1024 tokens: the autotuned path
+    (1, 4, 4, 1500, 1500, 128, False),
+]
+
+
+@pytest.fixture
+def seed() -> int:
+    """Fresh random inputs for every run (pytest prints the value when a test fails)."""
+    return fresh_seed()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output buffer starts as NaN, so an element the kernel never writes fails the comparison."""
+    monkeypatch.setattr(fast, "_new_output", lambda q: torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device))
+
+
+def inputs(case, dtype, seed, strided_q=False):
+    b, h, hk, sq, sk, d, _ = case
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    if strided_q:   # the engine's [batch, seq, heads, head_dim] seen as [batch, heads, seq, head_dim]
+        q = torch.randn(b, sq, h, d, device=DEVICE, generator=gen).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(b, h, sq, d, device=DEVICE, generator=gen).to(dtype)
+    k = torch.randn(b, hk, sk, d, device=DEVICE, generator=gen).to(dtype)
+    v = torch.randn(b, hk, sk, d, device=DEVICE, generator=gen).to(dtype)
+    return q, k, v
+
+
+def max_err(got, exact) -> float:
+    got = got.double()
+    return float("inf") if torch.isnan(got).any() else float((got - exact).abs().max())
+
+
+def check_flash_rule(got, exact, lowp, what):
+    """Largest |got - exact| <= 2 x largest |torch in that dtype - exact| + the rounding of exact."""
+    err = max_err(got, exact)
+    bound = 2 * max_err(lowp, exact) + float((exact.to(got.dtype).double() - exact).abs().max())
+    assert err <= bound, f"{what}: largest error {err:.3g} > allowed {bound:.3g} (FlashAttention rule)"
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter cases; GPU cases below")
+@pytest.mark.parametrize("index", range(len(CPU_CASES)))
+def test_fast_kernel_matches_float64_in_the_interpreter(poisoned, seed, index):
+    case = CPU_CASES[index]
+    causal = case[-1]
+    q, k, v = inputs(case, torch.float16, seed, strided_q=index == 0)
+    assert fast.fast_path_reason(q, k, v) is None, "these inputs must take the fast kernel"
+    out, lse = fast.flash_attention_forward(q, k, v, causal=causal)
+    exact, exact_lse = ref.attention_reference(q.double(), k.double(), v.double(), causal)
+    lowp, _ = ref.attention_reference(q.float(), k.float(), v.float(), causal)
+    check_flash_rule(out, exact, lowp.half(), f"out, case {case}")
+    assert max_err(lse, exact_lse) < 1e-4, f"lse, case {case}"
+
+
+def varlen_inputs(lens_q, lens_k, heads, kv_heads, head_dim, dtype, seed):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(sum(lens_q), heads, head_dim, device=DEVICE, generator=gen).to(dtype)
+    k = torch.randn(sum(lens_k), kv_heads, head_dim, device=DEVICE, generator=gen).to(dtype)
+    v = torch.randn(sum(lens_k), kv_heads, head_dim, device=DEVICE, generator=gen).to(dtype)
+
+    def offsets(lens):
+        return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    return q, k, v, offsets(lens_q), offsets(lens_k)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_varlen_matches_each_sequence(poisoned, seed, causal):
+    if DEVICE == "cuda" and not ON_HOPPER:
+        pytest.skip("the fast kernel runs on Hopper GPUs only")
+    scale_up = 8 if DEVICE == "cuda" else 1
+    lens_k = [40 * scale_up, 7 * scale_up, 33 * scale_up, 1]
+    lens_q = [40 * scale_up, 3 * scale_up, 20 * scale_up, 1]     # whole prompts, and new tokens after a context
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 4, 2, 64, dtype, seed)
+    out, lse = fast.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+    for b in range(len(lens_q)):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[rq], k[rk], v[rk]))
+        exact, exact_lse = ref.attention_reference(qs.double(), ks.double(), vs.double(), causal)
+        lowp, _ = ref.attention_reference(qs.float(), ks.float(), vs.float(), causal)
+        check_flash_rule(out[rq].transpose(0, 1)[None], exact, lowp.to(dtype), f"sequence {b} of {lens_q}/{lens_k}")
+        assert max_err(lse[:, rq][None], exact_lse) < 1e-4, f"lse of sequence {b}"
+
+
+def test_inputs_the_fast_kernel_does_not_take_get_the_reference(seed):
+    case = (1, 2, 2, 20, 20, 40, True)
+    q, k, v = inputs(case, torch.float16, seed)
+    assert "head_dim 40" in fast.fast_path_reason(q, k, v)
+    assert "dtype" in fast.fast_path_reason(q.float(), k.float(), v.float())
+    q32, k32, v32 = inputs((1, 2, 2, 20, 20, 32, True), torch.float32, seed)
+    for args in ((q, k, v), (q32, k32, v32)):
+        out, lse = fast.flash_attention_forward(*args, causal=True)
+        want, want_lse = ref.flash_attention_forward(*args, causal=True)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    # A sliding window is the reference's too.
+    q, k, v, cu_q, cu_k = varlen_inputs([9, 12], [9, 12], 2, 2, 32, torch.float16, seed)
+    out, _ = fast.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 12, 12, causal=True, sliding_window=4)
+    want, _ = ref.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 12, 12, causal=True, sliding_window=4)
+    assert torch.equal(out, want)
+
+
+def test_bad_input_raises_value_error(seed):
+    q, k, v = inputs((1, 4, 2, 8, 8, 16, False), torch.float16, seed)
+    with pytest.raises(ValueError):
+        fast.flash_attention_forward(q[0], k, v)
+    with pytest.raises(ValueError):
+        fast.flash_attention_forward(q, k, v[:, :, :4])
+    with pytest.raises(ValueError):
+        fast.flash_attention_forward(q, k, v, scale=0.0)
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 5], [4, 6], 2, 2, 16, torch.float16, seed)
+    with pytest.raises(ValueError):
+        fast.flash_attention_varlen_forward(q, k, v, cu_q.long(), cu_k, 5, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="the fast kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("index, dtype", [(i, torch.bfloat16) for i in range(len(GPU_CASES))]
+                         + [(i, torch.float16) for i in (0, 1)], ids=lambda x: str(x).replace("torch.", ""))
+def test_fast_kernel_flash_rule_on_hopper(poisoned, seed, index, dtype):
+    case = GPU_CASES[index]
+    causal = case[-1]
+    q, k, v = inputs(case, dtype, seed, strided_q=index == 1)
+    assert fast.fast_path_reason(q, k, v) is None
+    out, lse = fast.flash_attention_forward(q, k, v, causal=causal)
+    exact, exact_lse = ref.attention_reference(q.double(), k.double(), v.double(), causal)
+    lowp, _ = ref.attention_reference(q, k, v, causal)
+    check_flash_rule(out, exact, lowp, f"out, case {case}, {dtype}")
+    assert max_err(lse, exact_lse) < 1e-3, f"lse, case {case}, {dtype}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="the fast kernel runs on Hopper GPUs only")
+def test_autograd_uses_the_fast_forward_and_the_reference_backward(seed):
+    q, k, v = inputs((1, 4, 2, 300, 300, 128, True), torch.bfloat16, seed)
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = fast.flash_attention(*leaves, causal=True)
+    grads = torch.autograd.grad(out, leaves, dout)
+    exact_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    exact_out, _ = ref.attention_reference(*exact_leaves, True)
+    exact_grads = torch.autograd.grad(exact_out, exact_leaves, dout.double())
+    low_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    low_out, _ = ref.attention_reference(*low_leaves, True)
+    low_grads = torch.autograd.grad(low_out, low_leaves, dout)
+    check_flash_rule(out, exact_out.detach(), low_out.detach(), "out")
+    for name, got, exact, low in zip(("dq", "dk", "dv"), grads, exact_grads, low_grads):
+        check_flash_rule(got, exact, low, name)
