@@ -6,7 +6,7 @@ and the benchmark's pieces that run without a GPU (fla stays an optional, benchm
 from __future__ import annotations
 
 import math
-import tomllib
+import re
 
 import pytest
 import torch
@@ -98,6 +98,7 @@ def test_benchmark_pieces_without_a_gpu():
 
 
 def test_fla_is_a_benchmark_only_extra():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert not any(dep.startswith("fla") for dep in project["dependencies"])
-    assert any(dep.startswith("fla-core") for dep in project["optional-dependencies"]["bench"])
+    text = (ROOT / "pyproject.toml").read_text()      # (tomllib is Python 3.11+; the course supports 3.10)
+    main = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
+    bench = re.search(r"^bench = \[(.*?)^\]", text, re.S | re.M).group(1)
+    assert "fla" not in main and '"fla-core"' in bench
