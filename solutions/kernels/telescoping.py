@@ -104,7 +104,7 @@ def telescoping_step(entries: torch.Tensor, sizes: torch.Tensor, new_entry: torc
     Args:
         entries: ``[k, *feature]`` the cache before the step, oldest first (``k <= capacity``; ``k = 0``
             for an empty cache). Any float dtype; the feature shape is anything (``[d]``, ``[h, d]``).
-        sizes: int64 ``[k]``: how many tokens each entry averages.
+        sizes: int64 ``[k]``: how many tokens each entry averages (on ``entries``' device or the CPU).
         new_entry: ``[*feature]`` the new token's key (or value), same dtype and device as ``entries``.
         capacity: ``c >= 1``, the most entries the cache keeps.
 
@@ -138,7 +138,8 @@ def telescoping_step(entries: torch.Tensor, sizes: torch.Tensor, new_entry: torc
     if entries.shape[0] <= capacity:
         return entries, sizes
     i = choose_merge(sizes.tolist())
-    w = sizes[i:i + 2].to(entries.dtype).reshape(2, *([1] * (entries.dim() - 1)))
+    # sizes may live on the CPU (the merge position is chosen there without a device sync).
+    w = sizes[i:i + 2].to(entries.device, entries.dtype).reshape(2, *([1] * (entries.dim() - 1)))
     merged = (entries[i:i + 2] * w).sum(0) / w.sum(0)
     entries = torch.cat([entries[:i], merged.unsqueeze(0), entries[i + 2:]])
     sizes = torch.cat([sizes[:i], sizes[i:i + 2].sum().reshape(1), sizes[i + 2:]])

@@ -43,10 +43,9 @@ def shapes(quick: bool) -> list[tuple[int, int, str]]:
     """(batch, length, map kind)."""
     if quick:
         return [(1, 4096, "telescoping"), (1, 4096, "oldest-first"), (4, 4096, "telescoping")]
-    out = []
-    for length in (4096, 16384):
-        out += [(1, length, "telescoping"), (1, length, "oldest-first"), (1, length, "random"),
-                (2, length, "telescoping"), (4, length, "telescoping")]
+    out = [(b, length, "telescoping") for length in (4096, 16384) for b in (1, 4)]
+    out += [(2, 4096, "telescoping"), (2, 16384, "telescoping")]
+    out += [(1, length, kind) for length in (4096, 16384) for kind in ("oldest-first", "random")]
     return out
 
 

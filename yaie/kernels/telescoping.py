@@ -92,7 +92,7 @@ def telescoping_step(entries: torch.Tensor, sizes: torch.Tensor, new_entry: torc
     Args:
         entries: ``[k, *feature]`` the cache before the step, oldest first (``k <= capacity``; ``k = 0``
             for an empty cache). Any float dtype; the feature shape is anything (``[d]``, ``[h, d]``).
-        sizes: int64 ``[k]``: how many tokens each entry averages.
+        sizes: int64 ``[k]``: how many tokens each entry averages (on ``entries``' device or the CPU).
         new_entry: ``[*feature]`` the new token's key (or value), same dtype and device as ``entries``.
         capacity: ``c >= 1``, the most entries the cache keeps.
 

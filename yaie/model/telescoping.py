@@ -33,11 +33,12 @@ def _lesson():
 def attend_entries(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sizes: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """One position's attention over its cache. q ``[heads, d]``; keys, values ``[k, kv_heads, d]``;
-    sizes int64 ``[k]``. Float32 math; returns ``[heads, d]`` float32."""
+    sizes int64 ``[k]`` (any device). Float32 math; returns ``[heads, d]`` float32."""
     kv_heads = keys.shape[1]
     group = q.shape[0] // kv_heads
     qf = q.float().reshape(kv_heads, group, -1)
-    scores = torch.einsum("hed,khd->hek", qf, keys.float()) * scale + sizes.float().log()
+    bias = sizes.to(keys.device, torch.float32).log()
+    scores = torch.einsum("hed,khd->hek", qf, keys.float()) * scale + bias
     weights = torch.softmax(scores, dim=-1)
     return torch.einsum("hek,khd->hed", weights, values.float()).reshape(q.shape[0], -1)
 
@@ -58,7 +59,8 @@ class TelescopingKVCache:
         empty = torch.zeros(0, config.num_kv_heads, config.head_dim, dtype=torch.float32, device=self.device)
         self.keys = [empty] * self.num_layers
         self.values = [empty] * self.num_layers
-        self.sizes = [torch.zeros(0, dtype=torch.int64, device=self.device)] * self.num_layers
+        # Sizes stay on the CPU: the merge rule reads them there every step, without a device sync.
+        self.sizes = [torch.zeros(0, dtype=torch.int64)] * self.num_layers
         self.tokens = [0] * self.num_layers
 
     def __len__(self) -> int:
@@ -92,7 +94,7 @@ class TelescopingKVCache:
         span_starts, span_ends = starts[rows], ends[rows]
         self.keys[layer] = tele.telescoping_buffer(k[None].float(), span_starts, span_ends)[0]
         self.values[layer] = tele.telescoping_buffer(v[None].float(), span_starts, span_ends)[0]
-        self.sizes[layer] = (span_ends - span_starts).to(self.device)
+        self.sizes[layer] = (span_ends - span_starts).cpu()
         return out
 
     def _decode(self, layer: int, q, k, v) -> torch.Tensor:
