@@ -173,6 +173,14 @@ def test_evicts_least_recently_used_leaves_first():
            "the end of a leaf", got,
            "order leaves by last_access (a split keeps the old time on the lower part); take blocks from the "
            "end of the leaf's edge")
+    # A match makes a prefix recent again: the branch inserted later goes first.
+    tree = L.RadixAttentionBlock(1)
+    tree.insert([1, 2], [1, 2])
+    tree.insert([4, 5], [4, 5])
+    tree.match_prefix([1, 2, 9])
+    got = tree.evict(2)
+    expect(got == [5, 4], "evict(2) after inserting [1,2] then [4,5] and matching [1,2,9]", "[5, 4]", got,
+           "match_prefix sets last_access on every node of the path it walks: [1, 2] is the most recently used")
     # Partial eviction of a leaf trims its edge from the end, and what is left still matches.
     tree = L.RadixAttentionBlock(2)
     tree.insert(seq("aa", "bb", "cc"), [0, 1, 2])
@@ -329,7 +337,8 @@ def test_second_request_reuses_the_cached_prompt(device):
     expect(same.num_cached == 12, "the same 16-token prompt again: its last token is always computed",
            "12 (3 whole blocks of tokens[:-1])", same.num_cached,
            "match tokens[:-1]: the last token's logits pick the next token, so it must be run")
-    expect(cache.match(prompt) == 12, "match(prompt)", 12, cache.match(prompt))
+    expect(cache.match(prompt) == 12, "match(prompt) of the cached 16-token prompt: its last token is always computed",
+           12, cache.match(prompt), "match tokens[:-1]")
     cache.free("a", prompt)
     cache.free("b")
     cache.free("c")
