@@ -4,6 +4,7 @@
     yaie bench lesson02 --solutions        # the reference kernels (solutions/...)
     yaie bench lesson02 --out /tmp/res --quick
     yaie bench engine --out bench/results  # engine tokens/s beside transformers (yaie/bench/engine.py)
+    yaie bench serve --out bench/results   # the OpenAI server under load beside LLM.generate (yaie/bench/serve.py)
 
 The command measures the GPU's copy bandwidth and matmul rate once (:func:`harness.measure_peaks`),
 imports ``yaie.bench.lessonNN`` and calls its ``run(args) -> list[Row]``, then writes
@@ -49,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from yaie.bench import engine
         return engine.main(argv[1:])
+    if argv[:1] == ["serve"]:   # the server under load beside offline LLM.generate (yaie/bench/serve.py)
+        import torch
+        if not torch.cuda.is_available() and "--device" not in argv:
+            print(NO_GPU_MESSAGE)
+            return 2
+        from yaie.bench import serve
+        return serve.main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         name = lesson_module_name(args.lesson)

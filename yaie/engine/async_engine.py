@@ -69,6 +69,25 @@ class StepEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def warm_up(self) -> int:
+        """Record the decode step's CUDA graph of every batch bucket now, before any client comes: a
+        recording takes a while, and in a running batch it would stall every stream. One round of dummy
+        one-token requests per bucket (a prefill, then one decode step of exactly that many). Returns the
+        buckets warmed (0 without graphs)."""
+        graphs = self._cache.graphs
+        if graphs is None:
+            return 0
+        warmed = 0
+        for size in graphs.buckets:
+            if size > min(self.scheduler.usable_blocks, self.scheduler.max_num_seqs):
+                break
+            for _ in range(size):
+                self.add([0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            while self.has_unfinished():
+                self.step()
+            warmed += 1
+        return warmed
+
     def step(self) -> list[tuple[Request, str, _Text]]:
         """One forward pass; one event ``(request, new text, its _Text)`` per request in the batch.
         A finished request (``text.finish_reason`` set) has given its blocks back already."""
@@ -177,11 +196,13 @@ class EngineStats:
 class AsyncEngine:
     """One background thread that owns a :class:`StepEngine` and steps it while requests are unfinished.
 
-    ``start()`` before use, ``shutdown()`` after (both from any thread). ``submit`` is a coroutine.
+    ``start()`` before use (it returns once the CUDA graphs are recorded, ``warm_up``), ``shutdown()``
+    after (both from any thread). ``submit`` is a coroutine.
     """
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, warm_up: bool = True):
         self.llm = llm
+        self.warm_up = warm_up          # record every CUDA graph before serving (StepEngine.warm_up)
         self.stats = EngineStats()
         self.core: StepEngine | None = None     # the engine thread's; read it only for tests and metrics
         self._lock = threading.Lock()
@@ -247,6 +268,12 @@ class AsyncEngine:
             self._started.set()
             return
         self.stats.blocks_total = self.core.scheduler.usable_blocks
+        try:
+            if self.warm_up:
+                self.core.warm_up()
+        except Exception:  # noqa: BLE001 (graphs that cannot record: the engine runs those steps eagerly)
+            traceback.print_exc()
+            self.core.abort_all()
         self._started.set()
         try:
             while True:

@@ -208,6 +208,7 @@ class Reply:
         self.tokens = [0] * choices
         self.prompt_tokens = prompt_tokens
         self.error: str | None = None
+        self._templates: dict[int, list[str]] = {}
 
     def take(self, event) -> None:
         if event.error is not None:
@@ -240,6 +241,16 @@ class Reply:
             chunk["usage"] = usage
         return "data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
+    def _text_chunk(self, index: int, text: str) -> str:
+        """The chunk of one piece of text (no finish yet): the most frequent message, built from a template
+        made once per choice (one ``json.dumps`` of the text per token instead of the whole chunk)."""
+        template = self._templates.get(index)
+        if template is None:
+            marker = "\x00"
+            choice = self._choice(index, marker, None)
+            template = self._templates[index] = self._chunk([choice]).split(json.dumps(marker))
+        return template[0] + json.dumps(text, ensure_ascii=False) + template[1]
+
     def _choice(self, index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
         if not self.chat:
             return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -258,8 +269,10 @@ class Reply:
                                                      type="server_error").body()) + "\n\n"
                 return
             self.take(event)
-            if event.text or event.finish_reason is not None:
+            if event.finish_reason is not None:
                 yield self._chunk([self._choice(event.index, event.text, event.finish_reason)])
+            elif event.text:
+                yield self._text_chunk(event.index, event.text)
         if self.include_usage:
             yield self._chunk([], self.usage())
         yield "data: [DONE]\n\n"

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The OpenAI server on the lent GPU, in one call (everything it writes lands in $OUT):
+#   OUT=out bash scripts/gpu_serve.sh
+#   OUT=/tmp/x BENCH_ARGS="--size tiny --device cpu --concurrency 1,4 --new-tokens 16" bash scripts/gpu_serve.sh  # CPU dry run
+# 1. `yaie serve` on the bundled model (CUDA): the docs' curl commands (models, completion, streamed chat,
+#    a bad request, metrics);
+# 2. yaie bench serve: the random ~1.1B Llama, bf16; C = 1, 4, 16, 64 streaming clients beside offline
+#    LLM.generate on the same requests -> $OUT/serve_<gpu>.{json,md}.
+# fastapi, uvicorn and pydantic are not on the GPU image: they travel as wheels in .whl/ (ignored by git;
+# fetch them with `pip download` as /work/.library/device/README.md explains) and are installed here.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+: "${OUT:?set OUT to the output folder}"
+if ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/{fastapi,starlette,uvicorn,pydantic,pydantic_core,annotated_types,typing_inspection,typing_extensions,opentelemetry_api}-*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{
+  echo "== $(date -u +%FT%TZ) commit ${YAIE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, fastapi, uvicorn; print('torch', torch.__version__, 'triton', triton.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__)"
+  echo "== yaie serve (bundled model, CUDA) and the docs' curl commands"
+  YAIE_SOLUTIONS=all python3 -m yaie.cli serve --port 8000 --log-level warning &
+  server=$!
+  for _ in $(seq 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+  curl -s http://127.0.0.1:8000/v1/models; echo
+  curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{
+    "model": "tiny-stories", "prompt": "Once upon a time, there was a little fox named",
+    "max_tokens": 48, "temperature": 0.8, "seed": 1}'; echo
+  curl -sN http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{
+    "model": "tiny-stories", "messages": [{"role": "user", "content": "Tom had a red kite."}],
+    "max_tokens": 12, "stream": true}'
+  curl -s -w ' HTTP %{http_code}\n' http://127.0.0.1:8000/v1/completions -d '{"model": "tiny-stories", "prompt": "hi", "temperature": -1}'
+  curl -s http://127.0.0.1:8000/metrics | grep -v '^#'
+  kill -INT $server; wait $server
+  echo "== yaie bench serve (server rc $?)"
+  YAIE_SOLUTIONS=all timeout 420 python3 -m yaie.cli bench serve --out "$OUT" ${BENCH_ARGS:---size 1b}
+  echo "== done (rc $?)"
+} 2>&1 | grep -v "Loading weights\|Writing model shards" | tee "$OUT/serve_gpu_log.txt"

@@ -1,0 +1,291 @@
+"""``yaie bench serve``: the OpenAI server under load, beside offline ``LLM.generate`` on the same requests.
+
+    yaie bench serve --out bench/results                         # on a CUDA GPU: the ~1B random Llama, bf16
+    python -m yaie.bench.serve --out /tmp/x --size tiny --device cpu --concurrency 1,4 --new-tokens 16  # dry run
+
+The model is :mod:`yaie.bench.engine`'s random Llama (``--size 1b``: 1.1B parameters), written once with
+``save_pretrained``. For each concurrency C, C clients each send ``--requests-per-client`` requests one
+after the other: ``--prompt-len`` random token ids, ``--new-tokens`` tokens generated, greedy,
+end-of-sequence ignored (so every request has the same length and the C clients move in step).
+
+* offline: the same requests through ``LLM.generate`` in this process, C prompts per call (one call per
+  round of the clients), after a warm-up round;
+* served: ``yaie serve`` in a subprocess (same engine settings), C asyncio clients (httpx) streaming
+  ``POST /v1/completions`` with ``stream_options.include_usage``, after a warm-up round. Per request:
+  time to first token (TTFT: request sent to the first text chunk) and inter-token latency (ITL: gaps
+  between text chunks); throughput is generated tokens (the usage counts) over the wall time of all rounds.
+
+Serving overhead = 1 - served tokens/s / offline tokens/s (target <= 10% at C = 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from yaie.bench.engine import COMMON, CONFIGS, build_model
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100) by linear interpolation between the sorted values."""
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+# ----------------------------------------------------------------------------- offline
+def run_offline(llm, prompts: list[list[int]], warm: list[list[int]], new_tokens: int, device: str) -> dict:
+    """``prompts`` in rounds of ``len(warm)`` (the concurrency), one ``generate`` call each, after a warm-up
+    round on ``warm``."""
+    from yaie.engine import SamplingParams
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    concurrency = len(warm)
+    rounds = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
+    llm.generate(warm, SamplingParams(max_tokens=min(new_tokens, 8), temperature=0, ignore_eos=True))
+    _sync(device)
+    start = time.perf_counter()
+    tokens = 0
+    for batch in rounds:
+        tokens += sum(len(o.token_ids) for o in llm.generate(batch, params))
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    return dict(tokens=tokens, seconds=elapsed, tokens_per_s=tokens / elapsed)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- served
+async def one_request(client, url: str, model: str, prompt: list[int], new_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    arrivals, usage = [], None
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                raise RuntimeError(f"server error: {chunk['error']}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                arrivals.append(time.perf_counter())
+    if usage is None or not arrivals:
+        raise RuntimeError("a stream ended without text or usage")
+    return dict(ttft=arrivals[0] - sent, itl=[b - a for a, b in zip(arrivals, arrivals[1:])],
+                tokens=usage["completion_tokens"])
+
+
+async def run_clients(url: str, model: str, prompts: list[list[int]], warm: list[list[int]], new_tokens: int,
+                      timeout: float) -> dict:
+    """``len(warm)`` clients (the concurrency), each sending its share of ``prompts`` one after the other,
+    after a warm-up round on ``warm``."""
+    import httpx
+    concurrency = len(warm)
+    per_client = [prompts[c::concurrency] for c in range(concurrency)]
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
+        async def client_loop(mine):
+            return [await one_request(client, url, model, p, new_tokens) for p in mine]
+
+        warm_up = [one_request(client, url, model, p, min(new_tokens, 8)) for p in warm]
+        await asyncio.wait_for(asyncio.gather(*warm_up), timeout)
+        start = time.perf_counter()
+        results = await asyncio.wait_for(asyncio.gather(*(client_loop(m) for m in per_client)), timeout)
+        elapsed = time.perf_counter() - start
+    done = [r for rs in results for r in rs]
+    tokens = sum(r["tokens"] for r in done)
+    ttft = [r["ttft"] for r in done]
+    itl = [g for r in done for g in r["itl"]]
+    return dict(requests=len(done), tokens=tokens, seconds=elapsed, tokens_per_s=tokens / elapsed,
+                ttft_p50_ms=1e3 * percentile(ttft, 50), ttft_p99_ms=1e3 * percentile(ttft, 99),
+                itl_p50_ms=1e3 * percentile(itl, 50) if itl else None,
+                itl_p99_ms=1e3 * percentile(itl, 99) if itl else None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m yaie.server`` on a free loopback port; waits (bounded) for /health, stops it at the end."""
+
+    def __init__(self, model_dir: str, args: list[str], startup_s: float = 300):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, YAIE_SOLUTIONS=os.environ.get("YAIE_SOLUTIONS", "all"))
+        self.proc = subprocess.Popen([sys.executable, "-m", "yaie.server", "--model", model_dir,
+                                      "--port", str(self.port), "--log-level", "warning", *args], env=env)
+        self.startup_s = startup_s
+
+    def __enter__(self):
+        import httpx
+        deadline = time.monotonic() + self.startup_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"the server did not answer /health in {self.startup_s} s")
+            time.sleep(0.5)
+
+    def metrics(self) -> dict:
+        import httpx
+
+        from yaie.server.app import parse_prometheus
+        return parse_prometheus(httpx.get(self.url + "/metrics", timeout=10).text)
+
+    def __exit__(self, *exc):
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+# ----------------------------------------------------------------------------- the run
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="yaie bench serve", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="where to write serve_<gpu>.{json,md} (default: bench/results)")
+    p.add_argument("--size", default="1b", choices=sorted(CONFIGS))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=300, help="seconds one concurrency level may take")
+    args = p.parse_args(argv)
+
+    os.environ.setdefault("YAIE_SOLUTIONS", "all")
+    from yaie.bench.harness import ROOT, environment, gpu_slug
+    from yaie.engine import LLM
+
+    dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    gen = torch.Generator().manual_seed(1)
+    vocab = CONFIGS[args.size]["vocab_size"]
+
+    def random_prompts(count):
+        return [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(count)]
+
+    # Each level its own prompts, and its warm-up round others again: no prompt is ever in the prefix cache.
+    prompts = {c: random_prompts(c * args.requests_per_client) for c in levels}
+    warm_prompts = {c: random_prompts(c) for c in levels}
+    # One cache size for both: every request of the largest level at once, with room to spare.
+    num_blocks = max(levels) * -(-(args.prompt_len + args.new_tokens) // 16) + 64
+    engine_args = ["--device", args.device, "--num-blocks", str(num_blocks)]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        hf = build_model(args.size, Path(folder), args.device, dtype)
+        del hf
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        llm = LLM(folder, device=args.device, dtype=dtype, num_blocks=num_blocks)
+        parameters = llm.num_parameters()
+        offline = {}
+        for c in levels:
+            offline[c] = run_offline(llm, prompts[c], warm_prompts[c], args.new_tokens, args.device)
+            print(f"offline  C={c:<3d} {offline[c]['tokens_per_s']:9.1f} tok/s", flush=True)
+        del llm
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        with ServerProcess(folder, engine_args) as server:
+            model = Path(folder).name
+            for c in levels:
+                served = asyncio.run(run_clients(server.url, model, prompts[c], warm_prompts[c], args.new_tokens,
+                                                 args.timeout))
+                row = dict(concurrency=c, offline_tokens_per_s=offline[c]["tokens_per_s"],
+                           offline_seconds=offline[c]["seconds"], **{f"served_{k}": v for k, v in served.items()})
+                row["overhead"] = 1 - row["served_tokens_per_s"] / row["offline_tokens_per_s"]
+                rows.append(row)
+                print(f"served   C={c:<3d} {served['tokens_per_s']:9.1f} tok/s  overhead {100 * row['overhead']:5.1f}%  "
+                      f"TTFT p50 {served['ttft_p50_ms']:.1f} ms p99 {served['ttft_p99_ms']:.1f} ms  "
+                      f"ITL p50 {served['itl_p50_ms'] or 0:.2f} ms p99 {served['itl_p99_ms'] or 0:.2f} ms", flush=True)
+            final = server.metrics()
+    env = environment()
+    for name in ("fastapi", "uvicorn", "httpx"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            env[name] = None
+    report = dict(environment=env, model=dict(size=args.size, parameters=parameters, dtype=dtype_name,
+                                              config=CONFIGS[args.size] | COMMON, init="random (seed 0)"),
+                  workload=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, concurrency=levels,
+                                requests_per_client=args.requests_per_client, sampling="greedy, ignore_eos",
+                                kv_block_size=16, num_blocks=num_blocks),
+                  rows=rows, server_metrics_at_end=final)
+    out = Path(args.out) if args.out else ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    slug = gpu_slug() if args.device == "cuda" else "cpu"
+    (out / f"serve_{slug}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"serve_{slug}.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+def markdown(report: dict) -> str:
+    env, model, work = report["environment"], report["model"], report["workload"]
+    cfg = model["config"]
+
+    def ms(v):
+        return f"{v:.1f}" if v is not None else "n/a"
+
+    lines = [
+        f"# The OpenAI server under load vs offline LLM.generate ({env['gpu'] or 'CPU'})", "",
+        f"Model: random Llama, hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+        f"{cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads, vocab {cfg['vocab_size']} "
+        f"({model['parameters'] / 1e9:.2f}B parameters), {model['dtype']}.",
+        f"Workload: C clients, {work['requests_per_client']} requests each one after the other; "
+        f"{work['prompt_len']} random prompt tokens, {work['new_tokens']} new tokens, greedy, end-of-sequence "
+        f"ignored; the server streams (`POST /v1/completions`, SSE); offline runs the same requests through "
+        f"`LLM.generate`, C prompts per call. KV cache: {work['num_blocks']} blocks of {work['kv_block_size']} "
+        "for both. Throughput: generated tokens over the wall time of all rounds, after a warm-up round.",
+        f"Versions: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, fastapi {env.get('fastapi')}, "
+        f"uvicorn {env.get('uvicorn')}, httpx {env.get('httpx')}; commit {env['git_commit']}; {env['date_utc']}.",
+        f"Command: `{env['command']}`", "",
+        "| clients | offline tok/s | served tok/s | overhead | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        lines.append(f"| {r['concurrency']} | {r['offline_tokens_per_s']:.0f} | {r['served_tokens_per_s']:.0f} | "
+                     f"{100 * r['overhead']:.1f}% | {ms(r['served_ttft_p50_ms'])} | {ms(r['served_ttft_p99_ms'])} | "
+                     f"{ms(r['served_itl_p50_ms'])} | {ms(r['served_itl_p99_ms'])} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
