@@ -79,6 +79,13 @@ def to_vector_k_layout(k_cache: torch.Tensor) -> torch.Tensor:
     whole 128-byte lines. It is the layout vLLM's paged kernels use for their K cache; V keeps the
     token-major layout (it is read row by row in ``p @ v``).
 
+    Measured (bench/results/lesson05_h100.md): in THIS kernel the layout is 2.2 to 2.7x slower than lesson
+    03's. A Triton program loads a whole ``[BLOCK_N, head_dim]`` tile, and its threads split the tile along
+    the head dimension first: in lesson 03's layout a token's 256 bytes (head_dim 128, bf16) are contiguous,
+    so a warp's 16-byte loads fill whole lines; in the vector layout the 16 chunks of one token lie
+    ``block_size * 16`` bytes apart, and each load instruction touches 16 different lines. The layout pays
+    off for kernels whose threads walk tokens, not head dims, as vLLM's CUDA decode kernel does.
+
     Raises:
         ValueError: not a 4-D cache, or ``head_dim`` not a multiple of ``x``.
     """
@@ -573,15 +580,18 @@ def _tune_bucket(n: int) -> int:
 
 # yaie: solution-only
 def _fixed_config(block_d: int, exact_fp32: bool, max_query_len: int) -> dict:
-    """Blocks without autotuning: small in the interpreter; on a GPU lesson 06's forward defaults
-    (128 query rows, 8 warps: two warp groups for Hopper's wgmma), 64 rows for short queries."""
+    """Blocks without autotuning: small in the interpreter; on a GPU the autotuner's choices on the H100
+    benchmark (bench/results/lesson05_h100.md): 128 x 128 tiles with 8 warps for long queries, 128 x 32
+    with 4 warps for a few hundred new tokens; 64 query rows for very short ones."""
     if triton_interpreted():
         return dict(BLOCK_M=16, BLOCK_N=16)
     if exact_fp32 or block_d > 128:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if max_query_len <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    if max_query_len >= 1024:
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)
 
 
 # yaie: solution-only

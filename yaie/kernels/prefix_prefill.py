@@ -82,6 +82,13 @@ def to_vector_k_layout(k_cache: torch.Tensor) -> torch.Tensor:
     whole 128-byte lines. It is the layout vLLM's paged kernels use for their K cache; V keeps the
     token-major layout (it is read row by row in ``p @ v``).
 
+    Measured (bench/results/lesson05_h100.md): in THIS kernel the layout is 2.2 to 2.7x slower than lesson
+    03's. A Triton program loads a whole ``[BLOCK_N, head_dim]`` tile, and its threads split the tile along
+    the head dimension first: in lesson 03's layout a token's 256 bytes (head_dim 128, bf16) are contiguous,
+    so a warp's 16-byte loads fill whole lines; in the vector layout the 16 chunks of one token lie
+    ``block_size * 16`` bytes apart, and each load instruction touches 16 different lines. The layout pays
+    off for kernels whose threads walk tokens, not head dims, as vLLM's CUDA decode kernel does.
+
     Raises:
         ValueError: not a 4-D cache, or ``head_dim`` not a multiple of ``x``.
     """
