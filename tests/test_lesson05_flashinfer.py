@@ -35,6 +35,8 @@ def test_work_list_tiles_decodes_narrow_and_prefills_wide():
     prefill = [w for w in work if w[0] > 0]
     assert [(w[0], w[1], w[2], w[4]) for w in prefill] == [(1, 8, 5, 13), (9, 8, 13, 21), (17, 4, 21, 25)]
     assert all(w[6] == -1 for w in work)                # nothing split: every tile writes its final answer
+    _, full = plan_of([1, 20], [30, 25], causal=False, chunk=10_000)
+    assert all(w[2] == fi.NO_MASK and w[4] == 30 if w[0] == 0 else w[2] == fi.NO_MASK for w in full._plan.host_work)
 
 
 def test_split_tiles_write_partial_rows_and_a_merge_list():
@@ -44,7 +46,8 @@ def test_split_tiles_write_partial_rows_and_a_merge_list():
     merges = plan.merges.tolist()
     assert merges == [[0, 0, 3]]                        # query row 0: partial rows 0..2
     split_items = sorted(w for w in plan.host_work if w[6] >= 0)
-    assert [(w[3], w[4], w[6], w[7]) for w in split_items] == [(0, 16, 0, 3), (16, 32, 1, 3), (32, 40, 2, 3)]
+    assert [(w[3], w[4], w[6]) for w in split_items] == [(0, 16, 0), (16, 32, 1), (32, 40, 2)]
+    assert plan.part_rows.tolist()[0] == 0
 
 
 def test_work_list_runs_longest_first():
@@ -53,18 +56,27 @@ def test_work_list_runs_longest_first():
     assert lengths == sorted(lengths, reverse=True)
 
 
-@pytest.mark.parametrize("tiles,kv_heads,sms,expected", [
-    ([4096] * 32, 8, 132, 4096),          # 256 programs: one wave already, no split
-    ([4096] * 4, 8, 132, 512),            # 32 programs -> 8 chunks each = 256
-    ([8192] * 4, 8, 132, 1024),
-    ([100, 200], 8, 132, 200),            # short: never below MIN_CHUNK, so no split
-    ([100_000], 1, 132, 384),             # one long tile: about 2 programs per SM
+@pytest.mark.parametrize("tiles,kv_heads,sms,expected,splits", [
+    ([4096] * 32, 8, 132, 4032, 1),       # 256 programs already make a wave: round(4096 / 4032) = 1, no split
+    ([4096] * 4, 8, 132, 512, 8),         # 32 programs -> 8 chunks each = 256
+    ([8192] * 4, 8, 132, 1024, 8),
+    ([100, 200], 8, 132, 200, 1),         # short: never below MIN_CHUNK, so no split
+    ([100_000], 1, 132, 384, 260),        # one long tile: about 2 programs per SM
 ])
-def test_kv_chunk_heuristic(tiles, kv_heads, sms, expected):
+def test_kv_chunk_heuristic(tiles, kv_heads, sms, expected, splits):
     chunk = fi.choose_kv_chunk(tiles, kv_heads, sms)
     assert chunk == expected
-    programs = kv_heads * sum(-(-n // chunk) for n in tiles)
-    assert programs <= max(len(tiles) * kv_heads, fi.PROGRAMS_PER_SM * sms)
+    counts = [fi._chunks(n, chunk, False)[0] for n in tiles]
+    assert max(counts) == splits
+    assert kv_heads * sum(counts) <= max(len(tiles) * kv_heads, fi.PROGRAMS_PER_SM * sms)
+
+
+def test_cascade_heuristic_splits_the_shared_prefix_not_the_suffixes():
+    """Decode of 64 requests over an 8k shared prefix: the prefix tiles (4 x 64 rows) would be stragglers
+    beside 64 short suffix tiles, so they are cut; the suffixes are not."""
+    tiles = [8192] * 4 + [256] * 64
+    chunk = fi.choose_kv_chunk(tiles, 8, 132)
+    assert [fi._chunks(n, chunk, False)[0] for n in (8192, 256)] == [5, 1]
 
 
 def test_plan_copies_what_it_needs():
@@ -100,6 +112,23 @@ def test_decodes_match_lesson04():
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
+def test_cascade_plan_is_one_work_list_with_consecutive_partial_rows():
+    """Two levels over 3 query rows: each row has one state per level, in consecutive partial rows."""
+    bs = 8
+    levels = ([torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 1, 2, 3], dtype=torch.int32)],
+              [torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1, 2, 3], dtype=torch.int32)],
+              [torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2, 3, 4], dtype=torch.int32)],
+              [torch.tensor([bs], dtype=torch.int32), torch.tensor([3, 8, 1], dtype=torch.int32)])
+    cascade = fi.CascadeAttention()
+    cascade.plan(*levels, 4, 2, 16, bs, causal=True)
+    plan = cascade._plan
+    assert plan.merges.tolist() == [[0, 0, 2], [1, 2, 2], [2, 4, 2]]
+    assert plan.part_rows.tolist() == [0, 2, 4, 1, 3, 5]      # level 0 first, then level 1
+    assert len(plan.host_work) == 1 + 3 and all(w[6] == 0 for w in plan.host_work)
+    prefix_item = [w for w in plan.host_work if w[1] == 3][0]
+    assert prefix_item[2] == fi.NO_MASK and prefix_item[4] == 16  # level 0: no mask, 2 full pages
+
+
 def test_merge_states_with_zero_states_is_empty():
     o, lse = fi.merge_states(torch.randn(3, 0, 2, 16), torch.randn(3, 0, 2))
     assert torch.equal(o, torch.zeros_like(o)) and bool(torch.isinf(lse).all())
@@ -113,6 +142,7 @@ def test_bench_sections_run_on_the_cpu(monkeypatch):
     for name, value in (("NUM_HEADS", 4), ("NUM_KV_HEADS", 1), ("HEAD_DIM", 16), ("BLOCK_SIZE", 8)):
         monkeypatch.setattr(bench, name, value)
     monkeypatch.setattr(bench, "bench_ms", lambda fn, *args: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "_timed_graph", lambda *args, **kwargs: None)     # CUDA graphs: GPU only
     printed = []
     monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(map(str, a))))
     gen = torch.Generator().manual_seed(0)

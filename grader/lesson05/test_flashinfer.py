@@ -336,7 +336,7 @@ def test_paged_plan_run_float32(device, seed, case_index, causal):
 
 
 @task(6, "FlashInferPagedAttention")
-@pytest.mark.parametrize("chunk", [5, 16, 64])
+@pytest.mark.parametrize("chunk", [7, 16, 64])
 def test_paged_split_kv(device, seed, chunk):
     """Long key ranges cut into chunks (split-KV): every chunking gives the same answer."""
     case = cases(device)[0 if device == "cpu" else 1]
@@ -368,7 +368,7 @@ def test_paged_plan_run_low_precision(device, seed, dtype, case_index):
 @task(6, "FlashInferPagedAttention")
 def test_paged_plan_once_run_every_layer(device, seed):
     """One plan serves every layer: run it on two layers' caches (same pages, other numbers) and queries."""
-    case = cases(device)[1]
+    case = cases(device)[0]
     layer0 = Batch(case, torch.float32, device, seed)
     layer1 = Batch(case, torch.float32, device, seed + 1000, layout_seed=seed)   # same pages, other numbers
     wrapper = L.FlashInferPagedAttention()

@@ -72,6 +72,7 @@ MAX_HEAD_DIM = 256
 PROGRAMS_PER_SM = 2          # programs per multiprocessor the split heuristic aims at (lesson 04's choice)
 MIN_CHUNK = 256              # the fewest keys a split-KV chunk gets from the heuristic
 WORK_FIELDS = 8              # int32 numbers per work item (see _Plan)
+NO_MASK = 1 << 30            # the "position" of a query that sees every key (no causal mask)
 
 
 # ---------------------------------------------------------------- input checks (given)
@@ -334,8 +335,9 @@ class _Plan:
     """What :meth:`plan` worked out: sizes, and the work list on the device.
 
     ``work`` int32 ``[num_work, WORK_FIELDS]``, one row per work item:
-    (first query row, query tokens in the tile, position of its first query, first key, end key,
-    page-table offset (paged) or first K/V row (contiguous), first partial row or -1, rows per partial token).
+    (first query row, query tokens in the tile, position of its first query (``NO_MASK``: no causal mask),
+    first key, end key, page-table offset (paged) or first K/V row (contiguous), which of the rows' partial
+    states this is (-1: the only state, written to the output), offset into ``part_rows``).
     ``merges`` int32 ``[num_merges, 3]``: (query row, first partial row, number of partial rows).
     """
 
@@ -345,15 +347,15 @@ class _Plan:
     block_size: int          # page size (0: contiguous K/V)
     total_q: int
     total_kv: int            # contiguous: K/V rows; paged: highest page id + 1 needed
-    causal: bool
     scale: float
     config: dict
     work: torch.Tensor
     narrow: torch.Tensor     # int32 [num_work]: 1 where the tile is a narrow (decode) tile
     merges: torch.Tensor | None
+    part_rows: torch.Tensor | None   # int32 [levels * total_q]: first partial row of each (level, query row)
     num_partial_rows: int
     host_work: list          # the work list as Python tuples (for pictures and tests)
-    num_splits: list         # per tile, how many chunks its keys were cut into
+    num_splits: list         # per tile (level by level), how many chunks its keys were cut into
 
 
 # yaie: solution-only
@@ -378,17 +380,21 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
 def _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   lo, hi, scale_log2, offs_d,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, FP32_DOT: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Fold keys ``lo .. hi-1`` of one request into the running (acc, l, m) of a tile of query rows.
 
-    MASKED=False: every key of every BLOCK_N tile is in range and seen by every row (no masks). MASKED=True:
-    the last, partial tile and (CAUSAL) keys after a row's position get score -inf.
+    Keys past ``hi`` (the last, partial tile) and keys after a row's position ``pos`` get score -inf (the
+    plan gives rows without a causal mask a position past every key).
     Paged: key ``t`` is row ``t % PAGE_SIZE`` of page ``KV_INDICES[page_base + t // PAGE_SIZE]``, and the
     page ids are read one tile AHEAD so a tile's K/V addresses are known before its iteration starts
     (lesson 04: this lets Triton's pipeliner keep several K/V tiles in flight). Contiguous: key ``t`` is row
     ``page_base + t`` of K and V.
+
+    One loop with masks everywhere (not a mask-free loop for the inner tiles plus a masked one for the
+    edges, as lesson 06 does): the kernel already has a narrow and a wide copy of this loop, and the
+    masks cost little next to the loads; two copies more would double the compile time.
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -409,24 +415,14 @@ def _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
             row = (page_base + t).to(tl.int64)
             k_ptrs = K + row[:, None] * stride_kt + kh * stride_kh + offs_d[None, :]
             v_ptrs = V + row[:, None] * stride_vt + kh * stride_vh + offs_d[None, :]
-        if MASKED:
-            n_ok = t < hi
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-        else:
-            kv_mask = d_ok[None, :] & (offs_n[:, None] >= 0)
+        n_ok = t < hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), FP32_DOT, PRECISION) * scale_log2
-        if MASKED:
-            keep = n_ok[None, :]
-            if CAUSAL:
-                keep = keep & (t[None, :] <= pos[:, None])
-            s = tl.where(keep, s, float("-inf"))
+        s = tl.where(n_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:   # a row that has seen only masked keys keeps max -inf: subtract 0 instead
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_safe = m_new
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no visible key yet: subtract 0
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -437,11 +433,11 @@ def _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
 
 # yaie: solution-only
 @triton.jit
-def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, w, kv_head,
+def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, kv_head,
                  stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                  stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
                  M: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
                  FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """One work item for one KV head: a tile of M packed rows (query token r // GROUP, query head
     kv_head * GROUP + r % GROUP) against the keys ``kv_lo .. kv_hi`` of its request."""
@@ -451,8 +447,8 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, w, kv_head,
     kv_lo = tl.load(w + 3)
     kv_hi = tl.load(w + 4)
     page_base = tl.load(w + 5)
-    part_base = tl.load(w + 6)
-    part_stride = tl.load(w + 7)
+    slot = tl.load(w + 6)
+    rows_at = tl.load(w + 7)
 
     rows = tl.arange(0, M)
     tok = rows // GROUP
@@ -468,18 +464,9 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, w, kv_head,
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BLOCK_D], tl.float32)
-    # Whole BLOCK_N tiles that every row sees (keys <= the first row's position) need no mask.
-    seen_by_all = kv_hi
-    if CAUSAL:
-        seen_by_all = tl.minimum(kv_hi, q_pos0 + 1)
-    full_end = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
                                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                  kv_lo, full_end, scale_log2, offs_d, False, CAUSAL, PAGED, HEAD_DIM,
-                                  BLOCK_N, PAGE_SIZE, FP32_DOT, PRECISION)
-    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
-                                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                  full_end, kv_hi, scale_log2, offs_d, True, CAUSAL, PAGED, HEAD_DIM,
+                                  kv_lo, kv_hi, scale_log2, offs_d, PAGED, HEAD_DIM,
                                   BLOCK_N, PAGE_SIZE, FP32_DOT, PRECISION)
 
     # The state of this tile over its keys: normalised output and natural-log lse (-inf: no keys).
@@ -488,39 +475,39 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, w, kv_head,
     lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     mask = row_ok[:, None] & d_ok
-    if part_base < 0:        # the tile's keys were not split: the final answer
+    if slot < 0:             # the only state of these rows: the final answer
         tl.store(OUT + tok64[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=mask)
         tl.store(LSE + tok64 * stride_lt + heads, lse, mask=row_ok)
-    else:                    # one chunk of a split tile: a partial state, merged by _merge_many_kernel
-        part = (part_base + tok * part_stride).to(tl.int64)
+    else:                    # one of several states of these rows, merged by _merge_many_kernel
+        part = (tl.load(PART_ROWS + rows_at + q_start + tok, mask=row_ok, other=0) + slot).to(tl.int64)
         tl.store(PART_O + (part * num_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
         tl.store(PART_LSE + part * num_heads + heads, lse, mask=row_ok)
 
 
 # yaie: solution-only
 @triton.jit
-def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_LSE,
+def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_LSE, PART_ROWS,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
                      NARROW_M: tl.constexpr, WIDE_M: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                     CAUSAL: tl.constexpr, PAGED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                     PAGED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (work items, KV heads). A decode's tile is narrow (NARROW_M rows), a prefill's wide (WIDE_M):
     one launch runs both, each program taking the branch its work item asks for."""
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     w = WORK + item * 8
     if tl.load(NARROW + item) != 0:
-        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, w, kv_head,
+        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, kv_head,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
-                     NARROW_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, CAUSAL, PAGED, FP32_DOT, PRECISION)
+                     NARROW_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, FP32_DOT, PRECISION)
     else:
-        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, w, kv_head,
+        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, kv_head,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
-                     WIDE_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, CAUSAL, PAGED, FP32_DOT, PRECISION)
+                     WIDE_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, FP32_DOT, PRECISION)
 
 
 # yaie: solution-only
@@ -532,7 +519,7 @@ def _tile_config(group: int, head_dim: int, override: dict | None = None) -> dic
         config = dict(NARROW_M=narrow, WIDE_M=max(32, narrow), BLOCK_N=16, num_warps=1, num_stages=1)
     else:
         config = dict(NARROW_M=narrow, WIDE_M=max(64, narrow), BLOCK_N=64 if head_dim <= 128 else 32,
-                      num_warps=4, num_stages=2)
+                      num_warps=4, num_stages=3)
     config.update(override or {})
     return config
 
@@ -552,39 +539,38 @@ def num_sms(device: torch.device) -> int:
 
 def choose_kv_chunk(tile_kv_lens: list[int], num_kv_heads: int, sms: int, granule: int = 64,
                     min_chunk: int = MIN_CHUNK) -> int:
-    """The split-KV heuristic: the smallest chunk (a multiple of ``granule`` keys, at least ``min_chunk``)
-    that keeps the programs (chunks x KV heads) within one wave of ``PROGRAMS_PER_SM`` per multiprocessor.
+    """The split-KV heuristic: about how many keys one program should take so that the batch's work shares
+    out evenly over one wave of ``PROGRAMS_PER_SM`` programs per multiprocessor.
 
-    Tiles that already make a wave are not split (returns the longest length): splitting would only add
-    merges. Otherwise cutting long key ranges into chunks gives the idle multiprocessors work.
+    Every KV head of every tile reads its keys: ``num_kv_heads * sum(tile_kv_lens)`` key reads in all, over
+    ``PROGRAMS_PER_SM * sms`` programs at a time. A tile much longer than that share would still be running
+    when the others are done (a straggler), so it is cut into about ``length / chunk`` chunks. Returns the
+    chunk (a multiple of ``granule``, at least ``min_chunk``: a chunk's fixed costs, loading q and writing a
+    partial state to merge, must stay small); a tile splits into ``max(1, round(length / chunk))`` equal
+    chunks. A batch of many short tiles gets a chunk longer than any tile: nothing is split.
     """
     longest = max(tile_kv_lens, default=0)
     target = PROGRAMS_PER_SM * sms
-    if longest <= min_chunk or len(tile_kv_lens) * num_kv_heads >= target:
-        return max(longest, 1)
-
-    def programs(chunk: int) -> int:
-        return num_kv_heads * sum(max(1, -(-n // chunk)) for n in tile_kv_lens)
-
-    lo = max(min_chunk, granule) // granule            # in granules
-    hi = -(-longest // granule)
-    while lo < hi:                                     # smallest chunk whose programs fit the wave
-        mid = (lo + hi) // 2
-        if programs(mid * granule) <= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo * granule
+    share = -(-num_kv_heads * sum(tile_kv_lens) // target)           # key reads per program, ideally
+    chunk = max(min_chunk, -(-share // granule) * granule)
+    return chunk if chunk < longest else max(longest, 1)
 
 
 # yaie: solution-only
-def _make_plan(q_lens, kv_lens, q_starts, bases, num_heads, num_kv_heads, head_dim, block_size, total_q,
-               total_kv, causal, scale, kv_chunk_size, config, device) -> _Plan:
-    """Cut every request's queries into tiles, cut long key ranges into chunks, and upload the work list."""
-    group = num_heads // num_kv_heads
-    config = _tile_config(group, head_dim, config)
-    narrow_m, wide_m = config["NARROW_M"], config["WIDE_M"]
-    tiles = []                                         # (q_start, q_len, pos0, kv_lo, kv_hi, base, narrow)
+def _chunks(length: int, chunk: int, exact: bool) -> tuple[int, int]:
+    """(number of chunks, keys per chunk) of a tile of ``length`` keys: ``exact`` (a chunk size the caller
+    asked for) cuts every ``chunk`` keys; otherwise ``max(1, round(length / chunk))`` equal chunks."""
+    if exact or length == 0:
+        return max(1, -(-length // chunk)), chunk
+    count = max(1, round(length / chunk))
+    return count, -(-length // count)
+
+
+# yaie: solution-only
+def _tiles(q_lens, kv_lens, q_starts, bases, causal, group, narrow_m, wide_m) -> list[tuple]:
+    """Cut every request's queries into tiles: (first query row, tokens, first position, 0, end key, page base,
+    narrow). Rows without a causal mask get a position past every key (the kernel masks ``key > position``)."""
+    tiles = []
     for ql, kl, q0, base in zip(q_lens, kv_lens, q_starts, bases):
         if ql == 0:
             continue                                   # nothing to compute (and nothing to write)
@@ -592,38 +578,76 @@ def _make_plan(q_lens, kv_lens, q_starts, bases, num_heads, num_kv_heads, head_d
         per_tile = (narrow_m if narrow else wide_m) // group
         for t0 in range(0, ql, per_tile):
             n = min(per_tile, ql - t0)
-            pos0 = kl - ql + t0                        # the tile's first query's position among the keys
-            hi = min(kl, pos0 + n) if causal else kl   # causal: no key after the tile's last query
+            if causal:
+                pos0 = kl - ql + t0                    # the tile's first query's position among the keys
+                hi = min(kl, pos0 + n)                 # no key after the tile's last query
+            else:
+                pos0, hi = NO_MASK, kl
             tiles.append((q0 + t0, n, pos0, 0, hi, base, narrow))
+    return tiles
+
+
+# yaie: solution-only
+def _make_plan(levels, num_heads, num_kv_heads, head_dim, block_size, total_q, total_kv, scale, kv_chunk_size,
+               config, device) -> _Plan:
+    """Build the work list of one or more levels (each a list of tiles over the same query rows).
+
+    Every tile's keys are cut into chunks (``kv_chunk_size``, or :func:`choose_kv_chunk`); a query row
+    then has one state per chunk of each level. A row with a single state is written straight to the output;
+    the others get consecutive partial rows (``PART_ROWS[level * total_q + row]`` is the first one of
+    ``row``'s states of that level) and an entry of the merge list.
+    """
+    group = num_heads // num_kv_heads
+    config = _tile_config(group, head_dim, config)
+    tiles = [_tiles(*level, group, config["NARROW_M"], config["WIDE_M"]) for level in levels]
     if kv_chunk_size is None:
-        chunk = choose_kv_chunk([t[4] for t in tiles], num_kv_heads, num_sms(device), config["BLOCK_N"])
+        flat = [t[4] for level in tiles for t in level]
+        chunk = choose_kv_chunk(flat, num_kv_heads, num_sms(device), config["BLOCK_N"])
     else:
         chunk = kv_chunk_size
-    work, narrow_flags, merges, splits = [], [], [], []
-    partial_rows = 0
-    for q0, n, pos0, lo, hi, base, narrow in tiles:
-        count = max(1, -(-(hi - lo) // chunk))
-        splits.append(count)
-        if count == 1:
-            work.append((q0, n, pos0, lo, hi, base, -1, 1))
-        else:
-            # Partial rows token-major: token i's chunks are rows partial_rows + i * count + (0..count-1).
-            for s in range(count):
-                work.append((q0, n, pos0, lo + s * chunk, min(hi, lo + (s + 1) * chunk), base,
-                             partial_rows + s, count))
-            merges.extend((q0 + i, partial_rows + i * count, count) for i in range(n))
-            partial_rows += n * count
-        narrow_flags.extend([int(narrow)] * count)
+    cuts = [[_chunks(t[4] - t[3], chunk, kv_chunk_size is not None) for t in level]
+            for level in tiles]
+    counts = [[count for count, _ in level] for level in cuts]
+    states = [0] * total_q                             # states of each query row, over all levels
+    for level, level_counts in zip(tiles, counts):
+        for (q0, n, *_), count in zip(level, level_counts):
+            for i in range(q0, q0 + n):
+                states[i] += count
+    # Partial rows, token-major: row i's states are consecutive; level by level, chunk by chunk.
+    first_row, merges, partial_rows = [0] * total_q, [], 0
+    for i, count in enumerate(states):
+        if count > 1:
+            first_row[i] = partial_rows
+            merges.append((i, partial_rows, count))
+            partial_rows += count
+    part_rows = []                                     # [levels * total_q]: a row's first partial of a level
+    taken = [0] * total_q
+    for level, level_counts in zip(tiles, counts):
+        at = list(first_row)
+        for (q0, n, *_), count in zip(level, level_counts):
+            for i in range(q0, q0 + n):
+                at[i] += taken[i]
+                taken[i] += count
+        part_rows.extend(at)
+    work, narrow_flags = [], []
+    for index, (level, level_cuts) in enumerate(zip(tiles, cuts)):
+        for (q0, n, pos0, lo, hi, base, narrow), (count, size) in zip(level, level_cuts):
+            direct = all(states[i] == 1 for i in range(q0, q0 + n))
+            for c in range(count):
+                work.append((q0, n, pos0, lo + c * size, min(hi, lo + (c + 1) * size), base,
+                             -1 if direct else c, index * total_q))
+                narrow_flags.append(int(narrow))
     # Longest first: the heaviest programs start in the first wave, the short ones fill the gaps.
     order = sorted(range(len(work)), key=lambda i: -(work[i][4] - work[i][3]) * (1 if narrow_flags[i] else 4))
     work = [work[i] for i in order]
     narrow_flags = [narrow_flags[i] for i in order]
     work_t = torch.tensor(work or [(0,) * WORK_FIELDS], dtype=torch.int32).reshape(-1, WORK_FIELDS)
-    return _Plan(num_heads, num_kv_heads, head_dim, block_size, total_q, total_kv, causal,
+    return _Plan(num_heads, num_kv_heads, head_dim, block_size, total_q, total_kv,
                  head_dim ** -0.5 if scale is None else float(scale), config,
                  work_t[: len(work)].to(device), torch.tensor(narrow_flags, dtype=torch.int32).to(device),
                  torch.tensor(merges, dtype=torch.int32).reshape(-1, 3).to(device) if merges else None,
-                 partial_rows, work, splits)
+                 torch.tensor(part_rows or [0], dtype=torch.int32).to(device) if merges else None,
+                 partial_rows, work, [c for level in counts for c in level])
 
 
 # yaie: solution-only
@@ -647,13 +671,15 @@ def _run_plan(plan: _Plan, q, k, v, kv_indices, paged: bool):
         strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
     _plan_run_kernel[(num_work, plan.num_kv_heads)](
         q, k, v, kv_indices, plan.work, plan.narrow, out, lse, part_o, part_lse,
+        plan.part_rows if plan.part_rows is not None else plan.work,
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), lse.stride(0),
         num_heads, plan.scale * LOG2E,
         NARROW_M=cfg["NARROW_M"], WIDE_M=cfg["WIDE_M"], GROUP=num_heads // plan.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim), BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=max(plan.block_size, 1),
-        CAUSAL=plan.causal, PAGED=paged, FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+        PAGED=paged, FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"] if q.element_size() <= 2 else min(cfg["num_stages"], 2))   # fp32 tiles: 2x smem
     if plan.merges is not None:
         block_h = 16
         _merge_many_kernel[(plan.merges.shape[0], (num_heads + block_h - 1) // block_h)](
@@ -696,6 +722,37 @@ def _check_run_inputs(plan: _Plan | None, q, k, v, paged: bool) -> None:
         raise ValueError(f"q, k, v and the plan must be on one device, got {q.device}, {k.device}, {v.device}, "
                          f"plan on {plan.work.device}")
     _check_device(q.device)
+
+
+# yaie: solution-only
+def _read_paged_level(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, block_size, causal, page_offset=0):
+    """Check one CSR description of a paged batch and read it on the host. Returns ((q_lens, kv_lens,
+    first query rows, first entries in kv_indices + page_offset, causal), total_q, highest page id + 1)."""
+    qo = _check_indptr("qo_indptr", qo_indptr)
+    kvp = _check_indptr("kv_indptr", kv_indptr, len(qo))
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if not isinstance(kv_indices, torch.Tensor) or kv_indices.dtype != torch.int32 or kv_indices.dim() != 1:
+        raise ValueError("kv_indices must be a 1-D int32 tensor of page ids")
+    if kv_indices.numel() != kvp[-1]:
+        raise ValueError(f"kv_indices must hold kv_indptr[-1] = {kvp[-1]} page ids, got {kv_indices.numel()}")
+    if not isinstance(kv_last_page_len, torch.Tensor) or kv_last_page_len.dtype != torch.int32 \
+            or tuple(kv_last_page_len.shape) != (len(qo) - 1,):
+        raise ValueError(f"kv_last_page_len must be int32 [batch = {len(qo) - 1}]")
+    _check_device(kv_indices.device)
+    pages = [b - a for a, b in zip(kvp, kvp[1:])]
+    last = kv_last_page_len.tolist()
+    for b, (n, t) in enumerate(zip(pages, last)):
+        if (n > 0 and not 1 <= t <= block_size) or (n == 0 and t != 0):
+            raise ValueError(f"kv_last_page_len[{b}] = {t}: must be 1..block_size={block_size} for a request "
+                             f"with pages, 0 without ({n} pages)")
+    ids = kv_indices.tolist()
+    if ids and min(ids) < 0:
+        raise ValueError(f"kv_indices holds a negative page id ({min(ids)})")
+    q_lens = [b - a for a, b in zip(qo, qo[1:])]
+    kv_lens = [(n - 1) * block_size + t if n else 0 for n, t in zip(pages, last)]
+    _check_causal_lengths(q_lens, kv_lens, causal)
+    return (q_lens, kv_lens, qo[:-1], [b + page_offset for b in kvp[:-1]], causal), qo[-1], max(ids, default=-1) + 1
 
 
 # ================================================================ task 6: paged plan/run
@@ -786,36 +843,13 @@ class FlashInferPagedAttention:
                 outside ``1..block_size`` (or not 0 without pages); bad sizes; ``causal`` with
                 ``q_len > kv_len``; a ``kv_chunk_size`` that is not an int >= 1.
         """
-        qo = _check_indptr("qo_indptr", qo_indptr)
-        kvp = _check_indptr("kv_indptr", kv_indptr, len(qo))
         _check_sizes(num_heads, num_kv_heads, head_dim, scale)
-        if not _is_int(block_size) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if kv_chunk_size is not None and (not _is_int(kv_chunk_size) or kv_chunk_size < 1):
             raise ValueError(f"kv_chunk_size must be None or an int >= 1, got {kv_chunk_size!r}")
-        if not isinstance(kv_indices, torch.Tensor) or kv_indices.dtype != torch.int32 or kv_indices.dim() != 1:
-            raise ValueError("kv_indices must be a 1-D int32 tensor of page ids")
-        if kv_indices.numel() != kvp[-1]:
-            raise ValueError(f"kv_indices must hold kv_indptr[-1] = {kvp[-1]} page ids, got {kv_indices.numel()}")
-        if not isinstance(kv_last_page_len, torch.Tensor) or kv_last_page_len.dtype != torch.int32 \
-                or tuple(kv_last_page_len.shape) != (len(qo) - 1,):
-            raise ValueError(f"kv_last_page_len must be int32 [batch = {len(qo) - 1}]")
-        _check_device(kv_indices.device)
-        pages = [b - a for a, b in zip(kvp, kvp[1:])]
-        last = kv_last_page_len.tolist()
-        for b, (n, t) in enumerate(zip(pages, last)):
-            if (n > 0 and not 1 <= t <= block_size) or (n == 0 and t != 0):
-                raise ValueError(f"kv_last_page_len[{b}] = {t}: must be 1..block_size={block_size} for a request "
-                                 f"with pages, 0 without ({n} pages)")
-        ids = kv_indices.tolist()
-        if ids and min(ids) < 0:
-            raise ValueError(f"kv_indices holds a negative page id ({min(ids)})")
-        q_lens = [b - a for a, b in zip(qo, qo[1:])]
-        kv_lens = [(n - 1) * block_size + t if n else 0 for n, t in zip(pages, last)]
-        _check_causal_lengths(q_lens, kv_lens, causal)
-        self._plan = _make_plan(q_lens, kv_lens, qo[:-1], kvp[:-1], num_heads, num_kv_heads, head_dim, block_size,
-                                qo[-1], max(ids, default=-1) + 1, causal, scale, kv_chunk_size, self.config,
-                                kv_indices.device)
+        level, total_q, pages_needed = _read_paged_level(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                                         block_size, causal)
+        self._plan = _make_plan([level], num_heads, num_kv_heads, head_dim, block_size, total_q, pages_needed,
+                                scale, kv_chunk_size, self.config, kv_indices.device)
         self._kv_indices = kv_indices
 
     # yaie: task 6
@@ -907,8 +941,8 @@ class FlashInferAttention:
         q_lens = [b - a for a, b in zip(qo, qo[1:])]
         kv_lens = [b - a for a, b in zip(kvp, kvp[1:])]
         _check_causal_lengths(q_lens, kv_lens, causal)
-        self._plan = _make_plan(q_lens, kv_lens, qo[:-1], kvp[:-1], num_heads, num_kv_heads, head_dim, 0,
-                                qo[-1], kvp[-1], causal, scale, kv_chunk_size, self.config, device)
+        self._plan = _make_plan([(q_lens, kv_lens, qo[:-1], kvp[:-1], causal)], num_heads, num_kv_heads, head_dim, 0,
+                                qo[-1], kvp[-1], scale, kv_chunk_size, self.config, device)
 
     # yaie: task 7
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -929,17 +963,23 @@ class FlashInferAttention:
 
 class CascadeAttention:
     """Multi-level cascade attention over a paged cache: level 0 holds the pages shared by groups of
-    requests, the last level each request's own pages; each level is one :class:`FlashInferPagedAttention`
-    plan over the SAME query rows, and the levels' states are merged with :func:`merge_state`.
+    requests, the last level each request's own pages. Every level describes the SAME query rows in the CSR
+    form of :meth:`FlashInferPagedAttention.plan`; a query row's attention is the merge (task 5) of its
+    states over every level's keys.
 
     A level groups the query rows by its own ``qo_indptr``: for a prefix shared by the whole batch, level 0
     has ``qo_indptr = [0, total_q]`` (every query of every request in one multi-query "request") and the
     prefix's pages, so they are read once for all; level 1 has the per-request ``qo_indptr`` and suffixes.
+
+    The reference puts every level's tiles into ONE work list: one launch computes all the states (each
+    query row's states land in consecutive partial rows) and one merge launch combines them. (Running one
+    :class:`FlashInferPagedAttention` per level and :func:`merge_state` on their outputs is the same math in
+    more launches, with each level's output rounded to q's dtype before the merge.)
     """
 
     def __init__(self, config: dict | None = None):
         self.config = config
-        self._levels = None
+        self._plan = None
 
     # yaie: task 8
     def plan(self, qo_indptr: list[torch.Tensor], kv_indptr: list[torch.Tensor], kv_indices: list[torch.Tensor],
@@ -961,30 +1001,33 @@ class CascadeAttention:
                 or not qo_indptr:
             raise ValueError("qo_indptr, kv_indptr, kv_indices and kv_last_page_len must be lists of one "
                              "length (>= 1), one entry per level")
-        totals = {int(t[-1]) if isinstance(t, torch.Tensor) and t.numel() else None for t in qo_indptr}
-        if len(totals) != 1:
-            raise ValueError(f"every level must cover the same query rows: qo_indptr[-1] differs ({sorted(map(str, totals))})")
-        levels = []
+        _check_sizes(num_heads, num_kv_heads, head_dim, scale)
+        levels, totals, pages_needed, offset = [], set(), 0, 0
         for i, args in enumerate(zip(*lists)):
-            level = FlashInferPagedAttention(self.config)
-            level.plan(*args, num_heads, num_kv_heads, head_dim, block_size,
-                       causal=causal and i == len(qo_indptr) - 1, scale=scale)
+            level, total_q, needed = _read_paged_level(*args, block_size, causal and i == len(qo_indptr) - 1,
+                                                       page_offset=offset)
             levels.append(level)
-        self._levels = levels
+            totals.add(total_q)
+            pages_needed = max(pages_needed, needed)
+            offset += args[2].numel()
+        if len(totals) != 1:
+            raise ValueError(f"every level must cover the same query rows: qo_indptr[-1] differs ({sorted(totals)})")
+        devices = {t.device for t in kv_indices}
+        if len(devices) != 1:
+            raise ValueError(f"every level's kv_indices must be on one device, got {sorted(map(str, devices))}")
+        # One work list for all levels: one launch computes every level's states, one merge combines them.
+        self._kv_indices = torch.cat(list(kv_indices))
+        self._plan = _make_plan(levels, num_heads, num_kv_heads, head_dim, block_size, totals.pop(), pages_needed,
+                                scale, None, self.config, self._kv_indices.device)
 
     # yaie: task 8
     def run(self, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run every level's plan and merge their states: ``(out, lse)`` as
-        :meth:`FlashInferPagedAttention.run`, over the union of all levels' keys of each query row.
+        """Attention of every query row over the union of all levels' keys: ``(out, lse)`` as
+        :meth:`FlashInferPagedAttention.run` (reference: one launch for all levels' states, one merge launch).
 
         Raises:
             ValueError: no plan yet, or what :meth:`FlashInferPagedAttention.run` rejects.
         """
-        if self._levels is None:
-            raise ValueError("call plan(...) before run(...)")
-        out, lse = self._levels[0].run(q, k_cache, v_cache)
-        for level in self._levels[1:]:
-            out_l, lse_l = level.run(q, k_cache, v_cache)
-            out, lse = merge_state(out, lse, out_l, lse_l)
-        return out, lse
+        _check_run_inputs(self._plan, q, k_cache, v_cache, paged=True)
+        return _run_plan(self._plan, q, k_cache, v_cache, self._kv_indices, paged=True)

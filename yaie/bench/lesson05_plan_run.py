@@ -153,6 +153,58 @@ def _timed(rows, kernel, impl, shape, fn, moved, warmup, rep, flops=None):
               flush=True)
 
 
+def _timed_graph(rows, kernel, impl, shape, fn, moved, warmup, rep, flops=None):
+    """The same call replayed from a CUDA graph: GPU time without the host's Python and launch work."""
+    from yaie.bench.lesson04 import graphed
+
+    try:
+        replay = graphed(fn)
+    except Exception as err:  # noqa: BLE001 - not every call captures; say so and go on
+        print(f"  {impl}: capture failed ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})",
+              flush=True)
+        return
+    _timed(rows, kernel, impl, shape, replay, moved, warmup, rep, flops)
+
+
+def _profile(label, fn):
+    """Print the GPU kernels one call runs and their device times (torch profiler), and its host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    host = _host_ms(fn, 20)
+    torch.cuda.synchronize()
+    print(f"  profile of {label}: host time of one call {host:.3f} ms; GPU kernels (5 calls):", flush=True)
+    for event in sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))[:6]:
+        total = getattr(event, "device_time_total", 0)
+        if total > 0:
+            print(f"    {event.key[:70]:70s} {event.count:4d} calls, {total / max(event.count, 1):8.1f} us each",
+                  flush=True)
+
+
+def reference_rows(batch: "PagedBatch", requests) -> torch.Tensor:
+    """float64 attention of the queries of ``requests`` (causal: the last q_len of each request's keys)."""
+    outs = []
+    group = NUM_HEADS // NUM_KV_HEADS
+    starts = _offsets(batch.q_lens)
+    for r in requests:
+        n, ql = batch.kv_lens[r], batch.q_lens[r]
+        pos = torch.arange(n, device=batch.device)
+        table = torch.tensor(batch.tables[r], device=batch.device)
+        k = batch.k_cache[table[pos // batch.block_size], pos % batch.block_size].double().repeat_interleave(group, 1)
+        v = batch.v_cache[table[pos // batch.block_size], pos % batch.block_size].double().repeat_interleave(group, 1)
+        q = batch.q[starts[r]: starts[r] + ql].double()
+        s = torch.einsum("ihd,jhd->hij", q, k) * HEAD_DIM ** -0.5
+        visible = torch.arange(n, device=batch.device)[None, :] <= torch.arange(n - ql, n, device=batch.device)[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v))
+    return torch.cat(outs)
+
+
 def _host_ms(fn, repeats=20) -> float:
     times = []
     for _ in range(repeats):
@@ -221,14 +273,23 @@ def mixed_step(rows, fi, pa, pp, decodes, ctx, prefills, new, cached, gen, warmu
 
     base = torch.cat([decode_launch(), prefill_launch()])
     err = _rel_err(out, base)
-    status = "ok" if err < 2e-2 else "MISMATCH"
-    print(f"  plan/run vs the two baseline kernels: relative difference {err:.1e} [{status}]; plan (host) "
-          f"{plan_ms:.3f} ms; {wrapper._plan.work.shape[0]} work items x {NUM_KV_HEADS} KV heads", flush=True)
+    exact = reference_rows(batch, [0, decodes - 1, *pre_rows])     # two decodes and the prefills, float64
+    rows_checked = torch.cat([torch.arange(b, b + 1) for b in (0, decodes - 1)]
+                             + [torch.arange(decodes + i * new, decodes + (i + 1) * new) for i in range(prefills)])
+    ours_err = _rel_err(out[rows_checked.to(out.device)], exact)
+    base_err = _rel_err(base[rows_checked.to(out.device)], exact)
+    status = "ok" if ours_err < 1e-2 else "MISMATCH"
+    print(f"  relative error vs float64 (2 decodes + the prefills): plan/run {ours_err:.1e} [{status}], "
+          f"the two baseline kernels {base_err:.1e}; plan/run vs baseline {err:.1e}; plan (host) {plan_ms:.3f} ms; "
+          f"{wrapper._plan.work.shape[0]} work items x {NUM_KV_HEADS} KV heads", flush=True)
     tag = "" if status == "ok" else " (MISMATCH)"
     _timed(rows, "mixed_step", "yaie plan/run (1 launch)" + tag, shape,
            lambda: wrapper.run(batch.q, batch.k_cache, batch.v_cache), moved, warmup, rep, flops)
     _timed(rows, "mixed_step", f"lesson 04 decode + {prefill_name} (2 launches)", shape, two_launches, moved,
            warmup, rep, flops)
+    _timed_graph(rows, "mixed_step", "yaie plan/run (CUDA graph)" + tag, shape,
+                 lambda: wrapper.run(batch.q, batch.k_cache, batch.v_cache), moved, warmup, rep, flops)
+    _timed_graph(rows, "mixed_step", "2 launches (CUDA graph)", shape, two_launches, moved, warmup, rep, flops)
     _timed(rows, "mixed_step", "lesson 04 decode alone", shape, decode_launch, None, warmup, rep)
     _timed(rows, "mixed_step", f"{prefill_name} alone", shape, prefill_launch, None, warmup, rep)
     for name, part in (("decodes", dec_rows), ("prefills", pre_rows)):
@@ -255,7 +316,7 @@ def mixed_step(rows, fi, pa, pp, decodes, ctx, prefills, new, cached, gen, warmu
     torch.cuda.empty_cache()
 
 
-def cascade_decode(rows, fi, pa, batch_size, prefix, own, gen, warmup, rep):
+def cascade_decode(rows, fi, pa, batch_size, prefix, own, gen, warmup, rep, profile=False):
     kv_lens = [prefix + own] * batch_size
     batch = PagedBatch([1] * batch_size, kv_lens, gen, shared=prefix)
     shape = f"b{batch_size} shared prefix {prefix} + {own} own, h{NUM_HEADS}/{NUM_KV_HEADS} d{HEAD_DIM}"
@@ -284,6 +345,12 @@ def cascade_decode(rows, fi, pa, batch_size, prefix, own, gen, warmup, rep):
            per_request + qo, warmup, rep)
     _timed(rows, "cascade_decode", "yaie plan/run, 1 level (prefix read per request)", shape,
            lambda: single.run(batch.q, batch.k_cache, batch.v_cache), per_request + qo, warmup, rep)
+    _timed_graph(rows, "cascade_decode", "yaie cascade (CUDA graph)", shape,
+                 lambda: cascade.run(batch.q, batch.k_cache, batch.v_cache), cascade_bytes + qo, warmup, rep)
+    _timed_graph(rows, "cascade_decode", "lesson 04 paged decode (CUDA graph)", shape, decode, per_request + qo,
+                 warmup, rep)
+    if profile:
+        _profile(f"cascade {shape}", lambda: cascade.run(batch.q, batch.k_cache, batch.v_cache))
     _summary(rows, shape, "cascade_decode", "yaie cascade (2 levels)", "lesson 04")
     del batch
     torch.cuda.empty_cache()
@@ -297,8 +364,7 @@ def _summary(rows, shape, kernel, ours, theirs_mark):
               f"({group[theirs[0]] / group[ours]:.2f}x)", flush=True)
 
 
-VARIANTS = [dict(WIDE_M=128, num_warps=8), dict(num_stages=3), dict(WIDE_M=128, num_warps=8, num_stages=3),
-            dict(BLOCK_N=32)]
+VARIANTS = [dict(num_stages=2), dict(WIDE_M=128, num_warps=8), dict(BLOCK_N=32), dict(BLOCK_N=128, num_stages=2)]
 
 
 def run(args) -> list[Row]:
@@ -316,8 +382,8 @@ def run(args) -> list[Row]:
     rows: list[Row] = []
     for shape in mixed_shapes(quick):
         mixed_step(rows, fi, pa, pp, *shape, gen, warmup, rep, [] if quick else VARIANTS)
-    for shape in cascade_shapes(quick):
-        cascade_decode(rows, fi, pa, *shape, gen, warmup, rep)
+    for index, shape in enumerate(cascade_shapes(quick)):
+        cascade_decode(rows, fi, pa, *shape, gen, warmup, rep, profile=index == 0)
     return rows
 
 

@@ -75,6 +75,7 @@ MAX_HEAD_DIM = 256
 PROGRAMS_PER_SM = 2          # programs per multiprocessor the split heuristic aims at (lesson 04's choice)
 MIN_CHUNK = 256              # the fewest keys a split-KV chunk gets from the heuristic
 WORK_FIELDS = 8              # int32 numbers per work item (see _Plan)
+NO_MASK = 1 << 30            # the "position" of a query that sees every key (no causal mask)
 
 
 # ---------------------------------------------------------------- input checks (given)
@@ -224,29 +225,21 @@ def num_sms(device: torch.device) -> int:
 
 def choose_kv_chunk(tile_kv_lens: list[int], num_kv_heads: int, sms: int, granule: int = 64,
                     min_chunk: int = MIN_CHUNK) -> int:
-    """The split-KV heuristic: the smallest chunk (a multiple of ``granule`` keys, at least ``min_chunk``)
-    that keeps the programs (chunks x KV heads) within one wave of ``PROGRAMS_PER_SM`` per multiprocessor.
+    """The split-KV heuristic: about how many keys one program should take so that the batch's work shares
+    out evenly over one wave of ``PROGRAMS_PER_SM`` programs per multiprocessor.
 
-    Tiles that already make a wave are not split (returns the longest length): splitting would only add
-    merges. Otherwise cutting long key ranges into chunks gives the idle multiprocessors work.
+    Every KV head of every tile reads its keys: ``num_kv_heads * sum(tile_kv_lens)`` key reads in all, over
+    ``PROGRAMS_PER_SM * sms`` programs at a time. A tile much longer than that share would still be running
+    when the others are done (a straggler), so it is cut into about ``length / chunk`` chunks. Returns the
+    chunk (a multiple of ``granule``, at least ``min_chunk``: a chunk's fixed costs, loading q and writing a
+    partial state to merge, must stay small); a tile splits into ``max(1, round(length / chunk))`` equal
+    chunks. A batch of many short tiles gets a chunk longer than any tile: nothing is split.
     """
     longest = max(tile_kv_lens, default=0)
     target = PROGRAMS_PER_SM * sms
-    if longest <= min_chunk or len(tile_kv_lens) * num_kv_heads >= target:
-        return max(longest, 1)
-
-    def programs(chunk: int) -> int:
-        return num_kv_heads * sum(max(1, -(-n // chunk)) for n in tile_kv_lens)
-
-    lo = max(min_chunk, granule) // granule            # in granules
-    hi = -(-longest // granule)
-    while lo < hi:                                     # smallest chunk whose programs fit the wave
-        mid = (lo + hi) // 2
-        if programs(mid * granule) <= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo * granule
+    share = -(-num_kv_heads * sum(tile_kv_lens) // target)           # key reads per program, ideally
+    chunk = max(min_chunk, -(-share // granule) * granule)
+    return chunk if chunk < longest else max(longest, 1)
 
 
 # ================================================================ task 6: paged plan/run
@@ -392,17 +385,23 @@ class FlashInferAttention:
 
 class CascadeAttention:
     """Multi-level cascade attention over a paged cache: level 0 holds the pages shared by groups of
-    requests, the last level each request's own pages; each level is one :class:`FlashInferPagedAttention`
-    plan over the SAME query rows, and the levels' states are merged with :func:`merge_state`.
+    requests, the last level each request's own pages. Every level describes the SAME query rows in the CSR
+    form of :meth:`FlashInferPagedAttention.plan`; a query row's attention is the merge (task 5) of its
+    states over every level's keys.
 
     A level groups the query rows by its own ``qo_indptr``: for a prefix shared by the whole batch, level 0
     has ``qo_indptr = [0, total_q]`` (every query of every request in one multi-query "request") and the
     prefix's pages, so they are read once for all; level 1 has the per-request ``qo_indptr`` and suffixes.
+
+    The reference puts every level's tiles into ONE work list: one launch computes all the states (each
+    query row's states land in consecutive partial rows) and one merge launch combines them. (Running one
+    :class:`FlashInferPagedAttention` per level and :func:`merge_state` on their outputs is the same math in
+    more launches, with each level's output rounded to q's dtype before the merge.)
     """
 
     def __init__(self, config: dict | None = None):
         self.config = config
-        self._levels = None
+        self._plan = None
 
     def plan(self, qo_indptr: list[torch.Tensor], kv_indptr: list[torch.Tensor], kv_indices: list[torch.Tensor],
              kv_last_page_len: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -422,8 +421,8 @@ class CascadeAttention:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run every level's plan and merge their states: ``(out, lse)`` as
-        :meth:`FlashInferPagedAttention.run`, over the union of all levels' keys of each query row.
+        """Attention of every query row over the union of all levels' keys: ``(out, lse)`` as
+        :meth:`FlashInferPagedAttention.run` (reference: one launch for all levels' states, one merge launch).
 
         Raises:
             ValueError: no plan yet, or what :meth:`FlashInferPagedAttention.run` rejects.
