@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Lesson 08 on the lent GPU, in one call: the grader on the reference (GPU bf16 checks included), the
-# benchmark against flash-linear-attention and SDPA, then (unless SKIP_TRAIN=1) the tiny Based model's
-# training beside the full-attention one. Logs and result files go to $OUT (or ./out_lesson08).
+# benchmark against flash-linear-attention and SDPA, then (unless SKIP_TRAIN=1) the tiny Based model
+# trained beside the full-attention one and measured in the engine (scripts/gpu_lesson08_train.sh).
+# Everything printed goes to $OUT/lesson08_gpu.log (or ./out_lesson08); result files beside it.
 #   bash scripts/gpu_lesson08.sh
 #   QUICK=1 SKIP_TRAIN=1 bash scripts/gpu_lesson08.sh
 # fla-core (the benchmark's baseline) is installed from wheels in .whl/ when they are there (the GPU
@@ -9,25 +10,26 @@
 set -uo pipefail
 OUT=${OUT:-out_lesson08}
 mkdir -p "$OUT"
+LOG="$OUT/lesson08_gpu.log"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -c "import fla; print('fla-core', fla.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+{
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "import fla; print('fla-core', fla.__version__)" 2>&1 | tail -1
 
 echo "== grader (reference solutions) =="
-timeout ${GRADER_TIMEOUT:-150} python3 -m pytest grader/lesson08 --solutions -q -p no:cacheprovider \
-    2>&1 | tee "$OUT/grader_gpu.log" | tail -25
+timeout ${GRADER_TIMEOUT:-150} python3 -m pytest grader/lesson08 --solutions -q -p no:cacheprovider 2>&1
 
 echo "== benchmark =="
-timeout ${BENCH_TIMEOUT:-300} python3 -m yaie.cli bench lesson08 --solutions --out "$OUT" ${QUICK:+--quick} \
-    2>&1 | tee "$OUT/bench.log" | grep -v "^|"
+timeout ${BENCH_TIMEOUT:-300} python3 -m yaie.cli bench lesson08 --solutions --out "$OUT" ${QUICK:+--quick} 2>&1
 
-if [ -z "${SKIP_TRAIN:-}" ] && [ -f scripts/gpu_lesson08_train.sh ]; then
-    echo "== tiny Based model =="
-    timeout ${TRAIN_TIMEOUT:-240} bash scripts/gpu_lesson08_train.sh "$OUT" 2>&1 | tee "$OUT/train.log" | tail -40
+if [ -z "${SKIP_TRAIN:-}" ]; then
+    echo "== tiny Based model beside the full-attention one =="
+    timeout ${TRAIN_TIMEOUT:-300} bash scripts/gpu_lesson08_train.sh "$OUT" 2>&1
 fi
 ls -la "$OUT"
+} 2>&1 | tee "$LOG"

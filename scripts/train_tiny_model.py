@@ -48,6 +48,7 @@ BOS, EOS = "<s>", "</s>"
 HELD_OUT_SEED = 1
 HELD_OUT_TEST_STORIES = 48
 
+BASED_LAYERS = [0, 2, 4]    # --attention based: these layers are Based linear attention, the others windowed
 MODEL_CONFIG = dict(
     hidden_size=256, intermediate_size=640, num_hidden_layers=6, num_attention_heads=8,
     num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-5,
@@ -93,16 +94,24 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Block(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, c: dict, index: int = 0):
         super().__init__()
         h, d = c["hidden_size"], c["head_dim"]
         self.n_heads, self.n_kv, self.d = c["num_attention_heads"], c["num_key_value_heads"], d
         self.telescoping = c.get("telescoping_capacity")   # --attention telescoping (lesson 07)
+        # --attention based (lesson 08): Based linear attention in c["based_layers"], a sliding window elsewhere
+        self.based = index in c.get("based_layers", [])
+        self.window = c.get("sliding_window") if c.get("based_layers") and not self.based else None
         self.input_layernorm = nn.RMSNorm(h, eps=c["rms_norm_eps"])
         self.post_attention_layernorm = nn.RMSNorm(h, eps=c["rms_norm_eps"])
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        if self.based:   # q, k of based_feature_dim per head; one value head per query head
+            self.feat = c["based_feature_dim"]
+            self.q_proj = nn.Linear(h, self.n_heads * self.feat, bias=False)
+            self.k_proj = nn.Linear(h, self.n_heads * self.feat, bias=False)
+            self.v_proj = nn.Linear(h, self.n_heads * d, bias=False)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         self.gate_proj = nn.Linear(h, c["intermediate_size"], bias=False)
         self.up_proj = nn.Linear(h, c["intermediate_size"], bias=False)
@@ -111,6 +120,10 @@ class Block(nn.Module):
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
         y = self.input_layernorm(x)
+        if self.based:
+            x = x + self.o_proj(self.based_attention(y).transpose(1, 2).reshape(b, t, -1))
+            y = self.post_attention_layernorm(x)
+            return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
         q = self.q_proj(y).view(b, t, self.n_heads, self.d).transpose(1, 2)
         k = self.k_proj(y).view(b, t, self.n_kv, self.d).transpose(1, 2)
         v = self.v_proj(y).view(b, t, self.n_kv, self.d).transpose(1, 2)
@@ -120,6 +133,11 @@ class Block(nn.Module):
             from solutions.kernels.telescoping import telescoping_attention
             att = telescoping_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.telescoping,
                                         use_kernels=q.is_cuda).transpose(1, 2)
+        elif self.window:   # exact attention over the last `window` tokens
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            pos = torch.arange(t, device=x.device)
+            seen = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
         else:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -128,12 +146,26 @@ class Block(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
 
 
+    def based_attention(self, y):
+        """Based linear attention in the quadratic form (differentiable; float32): w = 1 + s + s^2/2,
+        s = q.k / sqrt(feature_dim), j <= i, normalised by the sum of the weights. [b, heads, t, d]."""
+        b, t, _ = y.shape
+        q = self.q_proj(y).view(b, t, self.n_heads, self.feat).transpose(1, 2).float()
+        k = self.k_proj(y).view(b, t, self.n_heads, self.feat).transpose(1, 2).float()
+        v = self.v_proj(y).view(b, t, self.n_heads, self.d).transpose(1, 2).float()
+        with torch.autocast(y.device.type, enabled=False):   # sums of many positive weights: float32
+            s = q @ k.transpose(-1, -2) / math.sqrt(self.feat)
+            w = (1 + s + 0.5 * s * s).tril()
+            out = (w @ v) / w.sum(-1, keepdim=True)
+        return out.to(y.dtype)
+
+
 class TinyLlama(nn.Module):
     def __init__(self, c: dict, vocab_size: int):
         super().__init__()
         self.c = c
         self.embed_tokens = nn.Embedding(vocab_size, c["hidden_size"])
-        self.layers = nn.ModuleList(Block(c) for _ in range(c["num_hidden_layers"]))
+        self.layers = nn.ModuleList(Block(c, n) for n in range(c["num_hidden_layers"]))
         self.norm = nn.RMSNorm(c["hidden_size"], eps=c["rms_norm_eps"])
         for name, p in self.named_parameters():
             if p.dim() == 2:
@@ -207,6 +239,9 @@ def train(args) -> None:
     config = dict(MODEL_CONFIG)
     if args.attention == "telescoping":   # constant-size caches: the engine may generate far past the window
         config.update(telescoping_capacity=args.capacity, max_position_embeddings=32768)
+    if args.attention == "based":   # constant-size state and window: the engine may generate far past the window
+        config.update(based_layers=BASED_LAYERS, based_feature_dim=16, sliding_window=args.based_window,
+                      max_position_embeddings=32768)
     model = TinyLlama(config, vocab).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() == 2]
@@ -253,8 +288,8 @@ def train(args) -> None:
 @torch.no_grad()
 def check_with_transformers(model: TinyLlama, out: Path, ids: list[int], device) -> None:
     """The exported files, loaded by Hugging Face transformers, must give this model's logits."""
-    if model.c.get("telescoping_capacity"):
-        print("telescoping attention: transformers has no such layer; export check skipped")
+    if model.c.get("telescoping_capacity") or model.c.get("based_layers"):
+        print("telescoping or Based attention: transformers has no such layer; export check skipped")
         return
     try:
         from transformers import AutoModelForCausalLM
@@ -308,8 +343,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention", choices=["full", "telescoping"], default="full",
-                   help="full causal attention, or telescoping caches of --capacity entries (lesson 07)")
+    p.add_argument("--attention", choices=["full", "telescoping", "based"], default="full",
+                   help="full causal attention, telescoping caches of --capacity entries (lesson 07), or "
+                        "Based linear attention beside sliding-window layers of --based-window tokens (lesson 08)")
+    p.add_argument("--based-window", type=int, default=64, help="window of the non-Based layers of a Based model")
     p.add_argument("--capacity", type=int, default=64, help="entries per telescoping cache")
     train(p.parse_args())
 

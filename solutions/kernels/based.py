@@ -47,7 +47,9 @@ decode, 4 input checks (``ValueError``).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -235,12 +237,12 @@ def _based_prefill_kernel(
     Q, K, V, O, STATE_KV, STATE_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-    seq_len, value_dim,
+    seq_len, value_dim, tune_len,
     CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: ``BLOCK_V`` value columns of one (sequence, head), walking over the chunks in order.
 
-    Grid: (value blocks, heads, batch). q and k are scaled by ``16^(-1/4) = 1/2`` on load (exact), so
+    Grid: (value blocks, heads, batch); ``tune_len`` (unused) keys the autotuner. q and k are scaled by ``16^(-1/4) = 1/2`` on load (exact), so
     ``s = q.k`` and the features are ``[1, q, q_a q_b / sqrt(2)]``.
 
     Where the state lives: the small parts in registers (order 0 ``s0 [BLOCK_V]``, order 1
@@ -450,20 +452,31 @@ def _block_v(value_dim: int) -> int:
 
 
 # yaie: solution-only
-def _prefill_settings(device_type: str) -> dict:
-    """The kernel variant and launch settings :func:`based_prefill` uses (chosen from the H100 sweep of
-    ``yaie bench lesson08``, bench/results/lesson08_h100.md)."""
-    return dict(variant="rows", num_warps=4)
+def _use_autotune(dtype: torch.dtype, length: int) -> bool:
+    """Autotune the chunk and warps on a GPU for fp16/bf16 sequences longer than 512 (unless
+    YAIE_BASED_AUTOTUNE=0); elsewhere (the interpreter, short prompts, float32) fixed settings."""
+    if triton_interpreted() or os.environ.get("YAIE_BASED_AUTOTUNE", "1") == "0":
+        return False
+    return dtype != torch.float32 and length > 512
 
 
 # yaie: solution-only
-def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int, block_v: int, num_warps: int,
+@functools.cache
+def _tuned_prefill():
+    """The autotuned prefill kernel (GPU only): the chunk and the warps, retuned per length bucket."""
+    configs = [triton.Config({"CHUNK": c}, num_warps=w) for c, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
+    return triton.autotune(configs=configs, key=["tune_len", "value_dim", "BLOCK_V"])(_based_prefill_kernel)
+
+
+# yaie: solution-only
+def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int | None, block_v: int, num_warps: int = 4,
                     num_stages: int | None = None, variant: str = "rows") -> None:
     """Launch a prefill kernel with explicit settings (the benchmark sweeps them through here).
 
     ``variant="rows"``: :func:`_based_prefill_kernel`, whose order-2 state lives in ``state_kv`` (so that
     tensor must be a contiguous ``[batch, heads, 273, d_v]`` float32 one, even when the caller does not
-    want the state back); ``"registers"``: :func:`_based_prefill_kernel_registers`.
+    want the state back); ``"registers"``: :func:`_based_prefill_kernel_registers`. ``chunk_size=None``:
+    the autotuned kernel (rows variant; the chunk and warps are its choice).
     """
     fp32 = q.dtype == torch.float32
     grid = (triton.cdiv(v.shape[-1], block_v), q.shape[1], q.shape[0])
@@ -471,20 +484,22 @@ def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int, block_v: i
     args = (q, k, v, out, state_kv, state_k,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            q.shape[2], v.shape[-1])
+            q.shape[2], v.shape[-1], 1 << max(q.shape[2] - 1, 0).bit_length())
     # float32: exact products ("ieee"); float16/bfloat16: tensor-core dots accumulated in float32.
     precision = "ieee" if fp32 else "tf32"
-    if variant == "rows":
+    if chunk_size is None:
+        _tuned_prefill()[grid](*args, BLOCK_V=block_v, PRECISION=precision)
+    elif variant == "rows":
         _based_prefill_kernel[grid](*args, CHUNK=chunk_size, BLOCK_V=block_v, PRECISION=precision,
                                     num_warps=num_warps, **extra)
     else:
-        _based_prefill_kernel_registers[grid](*args, CHUNK=chunk_size, BLOCK_V=block_v, STORE_STATE=True,
+        _based_prefill_kernel_registers[grid](*args[:-1], CHUNK=chunk_size, BLOCK_V=block_v, STORE_STATE=True,
                                               STATE_DOT_FP32=fp32, PRECISION=precision,
                                               num_warps=num_warps, **extra)
 
 
 # yaie: task 2
-def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = DEFAULT_CHUNK,
+def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
                   return_state: bool = True) -> tuple[torch.Tensor, BasedState | None]:
     """Causal Based attention over whole sequences with the chunked Triton kernel.
 
@@ -496,7 +511,8 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
         q, k: ``[batch, heads, seq, 16]``; v: ``[batch, heads, seq, d_v]`` (d_v up to 256; 64 and 128 are
             the usual ones); one dtype: float16, bfloat16 or float32; any strides; CUDA, or CPU under the
             Triton interpreter.
-        chunk_size: tokens per chunk, a power of two from 16 to 128.
+        chunk_size: tokens per chunk, 16, 32, 64 or 128; ``None``: the implementation's choice (the reference
+            uses 64, or autotunes on a GPU for long fp16/bf16 sequences).
         return_state: also return the state after the last token (for decoding on).
     Returns:
         ``(out, state)``: ``out [batch, heads, seq, d_v]`` in the inputs' dtype (``out_i`` as in
@@ -508,7 +524,7 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     check_based_inputs(q, k, v)
     # The kernel reads rows of q, k, v with unit stride along the last dimension.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if not isinstance(chunk_size, int) or chunk_size not in (16, 32, 64, 128):
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size not in (16, 32, 64, 128)):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size!r}")
     batch, heads, seq, _ = q.shape
     value_dim = v.shape[-1]
@@ -516,8 +532,9 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     # The state is written by the kernel (it also serves as its working memory: see the kernel).
     state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=v.device),
                        torch.empty(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=v.device))
-    settings = _prefill_settings(q.device.type)
-    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size, _block_v(value_dim), **settings)
+    if chunk_size is None and not _use_autotune(q.dtype, seq):
+        chunk_size = DEFAULT_CHUNK
+    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size, _block_v(value_dim))
     return out, (state if return_state else None)
 
 

@@ -26,7 +26,7 @@ from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
 from yaie.engine.prefix_cache import make_prefix_cache
 from yaie.engine.sampling import SamplingParams, sample
 from yaie.engine.scheduler import PREEMPTION_MODES, Request, Scheduler, StepPlan
-from yaie.model.config import ModelLoadError
+from yaie.model.config import ModelLoadError, load_config
 from yaie.model.llama import LlamaModel
 from yaie.model.paged import PagedStep
 from yaie.model.tokenizer import StreamDecoder, Tokenizer
@@ -139,7 +139,10 @@ class LLM:
                  cuda_graphs: bool | None = None, prefix_caching: bool = True):
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = torch.device(device) if device is not None else default_device()
-        self.model = LlamaModel.from_pretrained(self.model_dir, device=self.device, dtype=dtype)
+        model_class = LlamaModel
+        if load_config(self.model_dir).based_layers:   # lesson 08: Based linear attention + windowed layers
+            from yaie.model.based import BasedModel as model_class
+        self.model = model_class.from_pretrained(self.model_dir, device=self.device, dtype=dtype)
         self.tokenizer = Tokenizer(self.model_dir)
         self.config = self.model.config
         self.generation_config = _read_generation_config(self.model_dir)
@@ -304,6 +307,10 @@ class LLM:
         if self.config.telescoping_capacity:   # lesson 07: constant-size caches, not the paged KV cache
             from yaie.model.telescoping import run_telescoping
             yield from run_telescoping(self, prompt_ids, params)
+            return
+        if self.config.based_layers:   # lesson 08: a constant-size state per sequence, not the paged KV cache
+            from yaie.model.based import run_based
+            yield from run_based(self, prompt_ids, params)
             return
         previous = torch.get_num_threads()
         cache = None

@@ -50,7 +50,9 @@ decode, 4 input checks (``ValueError``).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -170,7 +172,7 @@ def check_based_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state:
     raise NotImplementedError('lesson 08, task 4: implement check_based_inputs in yaie/kernels/based.py')
 
 
-def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = DEFAULT_CHUNK,
+def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
                   return_state: bool = True) -> tuple[torch.Tensor, BasedState | None]:
     """Causal Based attention over whole sequences with the chunked Triton kernel.
 
@@ -182,7 +184,8 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
         q, k: ``[batch, heads, seq, 16]``; v: ``[batch, heads, seq, d_v]`` (d_v up to 256; 64 and 128 are
             the usual ones); one dtype: float16, bfloat16 or float32; any strides; CUDA, or CPU under the
             Triton interpreter.
-        chunk_size: tokens per chunk, a power of two from 16 to 128.
+        chunk_size: tokens per chunk, 16, 32, 64 or 128; ``None``: the implementation's choice (the reference
+            uses 64, or autotunes on a GPU for long fp16/bf16 sequences).
         return_state: also return the state after the last token (for decoding on).
     Returns:
         ``(out, state)``: ``out [batch, heads, seq, d_v]`` in the inputs' dtype (``out_i`` as in

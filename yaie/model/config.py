@@ -46,6 +46,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list = field(default_factory=list)
     telescoping_capacity: int | None = None   # lesson 07: constant-size telescoping caches of this many entries
+    based_layers: list = field(default_factory=list)   # lesson 08: layers of Based linear attention (the rest windowed)
+    based_feature_dim: int = 16                        # lesson 08: width of a Based layer's q and k per head
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -75,6 +77,8 @@ class ModelConfig:
         layers = int(need("num_hidden_layers"))
         attention_bias = bool(raw.get("attention_bias") or False)
         eos = raw.get("eos_token_id")
+        based = _based_settings(raw, layers, source)   # lesson 08: its windows replace the family's
+        windows = based.pop("sliding_windows", None) or _sliding_windows(raw, model_type, layers)
         return cls(
             model_type=model_type, vocab_size=int(need("vocab_size")), hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")), num_layers=layers, num_heads=heads,
@@ -83,11 +87,25 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=bool(raw.get("mlp_bias") or False), sliding_windows=_sliding_windows(raw, model_type, layers),
+            mlp_bias=bool(raw.get("mlp_bias") or False), sliding_windows=windows,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [int(eos)],
             telescoping_capacity=int(raw["telescoping_capacity"]) if raw.get("telescoping_capacity") else None,
+            **based,
         )
+
+
+def _based_settings(raw: dict, layers: int, source: str) -> dict:
+    """Lesson 08: ``based_layers`` (Based linear attention) and the sliding window of the other layers."""
+    based = [int(n) for n in raw.get("based_layers") or []]
+    if not based:
+        return {}
+    if any(not 0 <= n < layers for n in based):
+        raise ModelLoadError(f"{source}: based_layers {based} must be layer numbers below {layers}")
+    if len(based) < layers and not raw.get("sliding_window"):
+        raise ModelLoadError(f"{source}: a Based model's other layers need a sliding_window")
+    return dict(based_layers=based, based_feature_dim=int(raw.get("based_feature_dim") or 16),
+                sliding_windows=[None if n in based else int(raw["sliding_window"]) for n in range(layers)])
 
 
 def _rope_settings(raw: dict) -> tuple[float, dict | None]:

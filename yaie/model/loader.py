@@ -36,6 +36,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out),
             p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
         })
+        if n in cfg.based_layers:   # lesson 08: q and k of a Based layer are based_feature_dim wide per head
+            feat = cfg.num_heads * cfg.based_feature_dim
+            shapes.update({p + "self_attn.q_proj.weight": (feat, h), p + "self_attn.k_proj.weight": (feat, h),
+                           p + "self_attn.v_proj.weight": (q_out, h)})
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
                            p + "self_attn.v_proj.bias": (kv_out,)})
