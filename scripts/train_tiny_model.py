@@ -131,6 +131,8 @@ class Block(nn.Module):
         groups = self.n_heads // self.n_kv
         if self.telescoping:   # every position attends to its telescoping cache (lesson 07's kernels on a GPU)
             from solutions.kernels.telescoping import telescoping_attention
+            # RoPE's float32 tables promote q and k under autocast; the kernels take one dtype (v's: bf16 there).
+            q, k = q.to(v.dtype), k.to(v.dtype)
             att = telescoping_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.telescoping,
                                         use_kernels=q.is_cuda).transpose(1, 2)
         elif self.window:   # exact attention over the last `window` tokens

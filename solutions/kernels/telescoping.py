@@ -692,16 +692,16 @@ def telescoping_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap
         use_kernels: the Triton kernels of tasks 3 and 4 (``False``: the gather references, plain PyTorch).
 
     An entry averaging ``s`` tokens stands for ``s`` tokens: its score gets ``+ log(s)``, so a span of
-    identical keys weighs exactly as much as the tokens it replaced. Differentiable. Returns
-    ``[b, l, h * e, d]`` in ``q``'s dtype.
+    identical keys weighs exactly as much as the tokens it replaced. Differentiable. Computes in ``q``'s
+    dtype (``k`` and ``v`` are cast to it) and returns ``[b, l, h * e, d]`` in it.
     """
     b, l, hq, d = q.shape
     h = k.shape[2]
     e = hq // h
     scale = d ** -0.5 if scale is None else scale
     index_map, starts, ends, bias = telescoping_maps(l, capacity, q.device)
-    k_buf = telescoping_buffer(k, starts, ends)
-    v_buf = telescoping_buffer(v, starts, ends)
+    k_buf = telescoping_buffer(k, starts, ends).to(q.dtype)       # the kernels take one dtype
+    v_buf = telescoping_buffer(v, starts, ends).to(q.dtype)
     qk, pv = (indexed_qk, indexed_pv) if use_kernels else (indexed_qk_reference, indexed_pv_reference)
     scores = qk(q.reshape(b, l, h, e, d), k_buf, index_map).float() * scale + bias[None, :, None, None, :]
     weights = torch.softmax(scores, dim=-1).to(q.dtype)
