@@ -4,7 +4,8 @@
 # engine's memory per sequence while it generates from the telescoping one; then the indexed-matmul
 # benchmark against PyTorch gather + matmul with what time is left. Logs and results go to $OUT.
 #   bash scripts/gpu_lesson07.sh                          # everything, in about TOTAL_S seconds
-#   SECTIONS="grader bench" bash scripts/gpu_lesson07.sh  # a part
+#   SECTIONS="grader bench" bash scripts/gpu_lesson07.sh  # a part (at most 8 files come back: run
+#   SECTIONS=train TOTAL_S=300 bash scripts/gpu_lesson07.sh   #   "train" on its own)
 #   QUICK=1 bash scripts/gpu_lesson07.sh                  # benchmark on 3 shapes
 set -uo pipefail
 OUT=${OUT:-out_lesson07}
@@ -23,15 +24,17 @@ if [[ " $SECTIONS " == *" grader "* ]]; then
 fi
 
 if [[ " $SECTIONS " == *" train "* ]]; then
+    # At most 8 files come back from $OUT: the telescoping model's 5 files, both training logs and the
+    # engine's memory record. The full-attention model (the comparison) stays on the machine.
     echo "== training: full attention and telescoping tiny models, same data, steps and seed =="
     for attn in full telescoping; do
+        dest="$OUT/tiny-$attn"; [[ $attn == full ]] && dest=/tmp/tiny-full
         timeout ${TRAIN_TIMEOUT:-150} python3 scripts/train_tiny_model.py --attention "$attn" \
-            --out "$OUT/tiny-$attn" ${TRAIN_ARGS:---steps 2000} 2>&1 | tee "$OUT/train_$attn.log" | grep -v "^step" | tail -6
-        cp "$OUT/train_$attn.log" "$OUT/tiny-$attn/train_output.txt" 2>/dev/null
+            --out "$dest" ${TRAIN_ARGS:---steps 2000} 2>&1 | tee "$OUT/train_$attn.log" | grep -v "^step" | tail -6
     done
     echo "== engine memory per sequence (telescoping model) =="
     timeout ${ENGINE_TIMEOUT:-100} python3 scripts/gpu_lesson07_engine.py --model "$OUT/tiny-telescoping" \
-        --tokens ${ENGINE_TOKENS:-16384} --out "$OUT/engine_memory.json" 2>&1 | tee "$OUT/engine_memory.log" | tail -8
+        --tokens ${ENGINE_TOKENS:-16384} --out "$OUT/engine_memory.json" 2>&1 | tail -8
 fi
 
 if [[ " $SECTIONS " == *" bench "* ]]; then
