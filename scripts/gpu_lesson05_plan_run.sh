@@ -4,6 +4,8 @@
 # one launch vs lesson 04 + prefix prefill; cascade decode vs lesson 04). Logs and results go to $OUT.
 #   bash scripts/gpu_lesson05_plan_run.sh            # everything (about 4 minutes)
 #   QUICK=1 bash scripts/gpu_lesson05_plan_run.sh    # one shape per section, no launch-setting variants
+# The results name the commit from `git rev-parse`; where the lent machine's .git lags the tree it was sent,
+# pass the right one: YAIE_GIT_COMMIT=<hash> bash scripts/gpu_lesson05_plan_run.sh
 set -uo pipefail
 OUT=${OUT:-out_lesson05_plan_run}
 mkdir -p "$OUT"
