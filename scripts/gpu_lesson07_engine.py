@@ -7,7 +7,8 @@ Loads the model as the engine does (:class:`yaie.engine.llm.LLM`, which hands te
 1024 and after ``--tokens`` generated tokens (and at a few points between):
 
 * the bytes the sequence's cache holds (keys, values and sizes of every layer);
-* ``torch.cuda.memory_allocated()`` above what was allocated before the prompt (on a GPU);
+* ``torch.cuda.memory_allocated()`` above what was allocated before the prompt (on a GPU), or the
+  process's resident memory (on a CPU);
 * what a full KV cache of the same model would hold at that length (layers x 2 x tokens x kv heads x
   head dim x 2 bytes in bf16), for comparison.
 
@@ -29,6 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from yaie.engine.llm import LLM  # noqa: E402
 from yaie.engine.sampling import SamplingParams  # noqa: E402
 from yaie.switch import use_solutions  # noqa: E402
+
+
+def _rss_bytes() -> int | None:
+    """The process's resident memory (Linux), for CPU runs."""
+    try:
+        import os
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def main() -> int:
@@ -68,6 +78,8 @@ def main() -> int:
                 torch.cuda.synchronize()
                 row["allocated_above_start_bytes"] = torch.cuda.memory_allocated() - base
                 row["peak_above_start_bytes"] = torch.cuda.max_memory_allocated() - base
+            else:
+                row["process_rss_bytes"] = _rss_bytes()
             records.append(row)
             print(json.dumps(row), flush=True)
             if args.out:   # after every record: a run cut short still leaves what it measured
