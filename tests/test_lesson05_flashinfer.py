@@ -163,3 +163,96 @@ def _prefix_prefill():
     except ImportError:
         return None
     return prefix_prefill if hasattr(prefix_prefill, "prefix_prefill_attention") else None
+
+
+# ---------------------------------------------------------------- the engine path (opt-in: YAIE_PLAN_RUN=1)
+
+def test_engine_step_through_plan_run_matches_float64(monkeypatch):
+    """``ops.paged_attention`` with ``step.plan_run``: decodes, whole-prompt prefills and a prefill after a
+    cached context in ONE step give float64 attention, planned once and run once per layer."""
+    from tests.test_ops_paged import build_step, reference
+    from yaie import ops
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    step, q, k_new, v_new, full_k, full_v = build_step(1234, [5, 17, 0, 6], [1, 1, 9, 5], 2, use_kernels=True)
+    step.plan_run = True
+    plans, runs = [], []
+    real = fi.FlashInferPagedAttention
+
+    class Spy(real):
+        def plan(self, *args, **kwargs):
+            plans.append(args)
+            return super().plan(*args, **kwargs)
+
+        def run(self, *args, **kwargs):
+            runs.append(1)
+            return super().run(*args, **kwargs)
+
+    monkeypatch.setattr(fi, "FlashInferPagedAttention", Spy)
+    others = []
+    real_call_in = ops.call_in
+    monkeypatch.setattr(ops, "call_in", lambda *a, **k: others.append(a[:3]) or real_call_in(*a, **k))
+    got = step.attend(0, q, k_new, v_new)
+    again = ops.paged_attention(q, k_new, v_new, step, 0)        # a second "layer": the same plan
+    assert len(plans) == 1 and len(runs) == 2 and not others, others     # no lesson 04/06 launch
+    torch.testing.assert_close(again, got)
+    for i in range(4):
+        rows = slice(step.query_starts[i], step.query_starts[i + 1])
+        torch.testing.assert_close(got[rows].double(), reference(q[rows], full_k[i], full_v[i]), atol=2e-5, rtol=1e-5)
+    window = ops.paged_attention(q, k_new, v_new, step, 0, sliding_window=4)   # windows: the old path
+    assert len(runs) == 2 and others and window.shape == got.shape
+
+
+def _mixed_greedy(llm, prompts, plan_run: bool, new_tokens: int, block_size: int = 8, use_kernels: bool = True):
+    """Prefill prompt 0, then in every later step decode the running sequences while prompt 1 prefills in
+    the same step (a mixed step), then decode both; returns each sequence's greedy tokens."""
+    from yaie import ops
+    from yaie.model.paged import PagedStep
+
+    cfg = llm.config
+    manager = ops.kv_cache_manager(64, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, llm.model.dtype, "cpu")
+    tokens = [[], []]
+    for seq in (0, 1):
+        manager.allocate(seq, 0)
+
+    def forward(seqs, feeds, num_decodes):
+        lens = [len(f) for f in feeds]
+        positions = [p for s, f in zip(seqs, feeds) for p in range(manager.num_tokens(s), manager.num_tokens(s) + len(f))]
+        slots = torch.cat([manager.append_slots(s, n) for s, n in zip(seqs, lens)])
+        step = PagedStep(manager, seqs, lens, num_decodes, slots, use_kernels=use_kernels, plan_run=plan_run)
+        hidden = llm.model.forward(torch.tensor([t for f in feeds for t in f]), torch.tensor(positions), step)
+        logits = llm.model.logits(hidden[torch.tensor(step.last_token_rows)])
+        for s, row in zip(seqs, logits):
+            tokens[s].append(int(row.argmax()))
+
+    forward([0], [prompts[0]], 0)                                  # prompt 0 alone
+    forward([0, 1], [tokens[0][-1:], prompts[1]], 1)               # decode 0 + prefill 1: one mixed step
+    for _ in range(new_tokens - 1):
+        forward([0, 1], [tokens[0][-1:], tokens[1][-1:]], 2)
+    return tokens
+
+
+def test_engine_mixed_steps_token_identical_with_and_without_plan_run(monkeypatch, tmp_path):
+    """A tiny random Llama, greedy: a mixed step (a decode beside a prefill) and decodes give the same tokens
+    through plan/run as through lesson 04 + lesson 06 (the kernel path) and as the gather + lesson 01 path."""
+    pytest.importorskip("transformers")
+    from yaie.engine import LLM
+    from yaie.model.testing import save_random_model, single_thread
+
+    from yaie import ops
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    planned = []
+    real = ops._plan_run_attention
+    monkeypatch.setattr(ops, "_plan_run_attention", lambda *a: planned.append(1) or real(*a))
+    save_random_model("llama", tmp_path, seed=7)
+    with single_thread():
+        llm = LLM(tmp_path, device="cpu")
+        gen = torch.Generator().manual_seed(7)
+        prompts = [[1] + torch.randint(3, llm.config.vocab_size, (n,), generator=gen).tolist() for n in (13, 21)]
+        with_plan = _mixed_greedy(llm, prompts, True, 4)
+        assert len(planned) == 5 * llm.config.num_layers          # every step, every layer through plan/run
+        without = _mixed_greedy(llm, prompts, False, 4)
+        gathered = _mixed_greedy(llm, prompts, False, 4, use_kernels=False)
+    assert len(planned) == 5 * llm.config.num_layers
+    assert with_plan == without == gathered, (with_plan, without, gathered)

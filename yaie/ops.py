@@ -316,8 +316,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, lay
       block tables (without lesson 05: lesson 06 over the context gathered from the blocks). A
       sliding-window layer passes its window to each (lesson 04 task 4, lesson 06 task 5);
     * otherwise each sequence's K/V is gathered from its blocks and lesson 01's ``cpu_attention_forward``
-      runs on it (:func:`attention`).
+      runs on it (:func:`attention`);
+    * ``step.plan_run`` (opt-in: ``YAIE_PLAN_RUN=1``; not for sliding-window layers): lesson 05's
+      ``FlashInferPagedAttention`` runs decodes and prefills together in one launch per layer, planned once
+      per step (:func:`_plan_run_attention`).
     """
+    if step.plan_run and sliding_window is None and _plan_run_available():
+        return _plan_run_attention(q, step, layer, scale)
     out = torch.empty_like(q)
     decodes = step.num_decodes
     if decodes:
@@ -387,6 +392,51 @@ def _prefix_prefill(q, k, v, step, layer, scale, sliding_window=None) -> torch.T
                      step.manager.v_cache[layer], step.block_tables[first:], step.cu_seqlens_q, prefix_lens,
                      step.max_prefill_query, scale=scale, validate=False, **window)
     return out
+
+
+def _plan_run_available() -> bool:
+    try:
+        lesson_module(5, 2)
+    except switch.LessonUnavailable:
+        return False
+    return True
+
+
+def _plan_run_attention(q, step, layer, scale) -> torch.Tensor:
+    """Lesson 05's plan/run attention over a whole step. The first layer plans (the step's page table in
+    CSR form: every sequence's blocks, its new tokens the last ``query_len`` of its keys, causal); every
+    layer runs that plan on its own cache: one launch for the decodes and the prefills together."""
+    key = (q.shape[1], q.shape[2], scale)
+    wrapper = step.attention_plans.get(key)
+    if wrapper is not None:
+        out, _ = wrapper.run(q, step.manager.k_cache[layer], step.manager.v_cache[layer])
+        return out
+    module = lesson_module(5, 2)
+    try:
+        wrapper, out = _plan_step(module, q, step, layer, scale)
+    except NotImplementedError as err:
+        module = _fallback(5, "FlashInferPagedAttention", module, err, 2)
+        wrapper, out = _plan_step(module, q, step, layer, scale)
+    step.attention_plans[key] = wrapper
+    return out
+
+
+def _plan_step(module, q, step, layer, scale):
+    """Plan the step with ``module``'s ``FlashInferPagedAttention`` and run it for ``layer``: (wrapper, out)."""
+    size = step.manager.block_size
+    pages = [-(-n // size) for n in step.context_lens_list]
+    indices = [b for seq, n in zip(step.seq_ids, pages) for b in step.manager.block_ids(seq)[:n]]
+    last = [total - (n - 1) * size if n else 0 for total, n in zip(step.context_lens_list, pages)]
+    kv_indptr = [0]
+    for n in pages:
+        kv_indptr.append(kv_indptr[-1] + n)
+    k_cache, v_cache = step.manager.k_cache[layer], step.manager.v_cache[layer]
+    wrapper = module.FlashInferPagedAttention()
+    wrapper.plan(torch.tensor(step.query_starts, dtype=torch.int32), torch.tensor(kv_indptr, dtype=torch.int32),
+                 torch.tensor(indices, dtype=torch.int32).to(step.device), torch.tensor(last, dtype=torch.int32),
+                 q.shape[1], k_cache.shape[2], q.shape[2], size, causal=True, scale=scale)
+    out, _ = wrapper.run(q, k_cache, v_cache)
+    return wrapper, out
 
 
 def write_kv(manager, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ sequence, packed (no padding)::
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 
 import torch
@@ -28,10 +29,15 @@ class PagedStep:
         num_decodes: how many of ``seq_ids`` (the first ones) decode.
         slot_mapping: int64 ``[num_tokens]`` on the cache's device: the cache slot of every new token.
         use_kernels: run lessons 04 (decode) and 06 (prefill); default: on CUDA.
+        plan_run: with ``use_kernels``, run the whole step (decodes and prefills together) through lesson
+            05's plan/run attention instead: planned once for the step, one launch per layer
+            (:func:`yaie.ops.paged_attention`); default: the environment variable ``YAIE_PLAN_RUN=1``.
     """
 
+    plan_run = False          # CUDA-graph steps (StaticDecodeStep) never plan
+
     def __init__(self, manager, seq_ids: list, query_lens: list[int], num_decodes: int,
-                 slot_mapping: torch.Tensor, use_kernels: bool | None = None):
+                 slot_mapping: torch.Tensor, use_kernels: bool | None = None, plan_run: bool | None = None):
         if len(seq_ids) != len(query_lens) or not seq_ids:
             raise ValueError("a step needs one query length per sequence and at least one sequence")
         if any(n != 1 for n in query_lens[:num_decodes]):
@@ -44,6 +50,10 @@ class PagedStep:
         self.slot_mapping = slot_mapping
         self.device = manager.device
         self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
+        if plan_run is None:
+            plan_run = os.environ.get("YAIE_PLAN_RUN", "") == "1"
+        self.plan_run = bool(plan_run) and self.use_kernels
+        self.attention_plans: dict = {}       # lesson 05 plans of this step, by (heads, head_dim, scale)
         # Tokens each sequence holds once this step's tokens are written (cached context + new tokens).
         self.context_lens_list = [manager.num_tokens(s) for s in self.seq_ids]
         self._slots: dict[int, torch.Tensor] = {}     # context_slots, per sequence, built on first use
