@@ -256,3 +256,48 @@ def test_engine_mixed_steps_token_identical_with_and_without_plan_run(monkeypatc
         gathered = _mixed_greedy(llm, prompts, False, 4, use_kernels=False)
     assert len(planned) == 5 * llm.config.num_layers
     assert with_plan == without == gathered, (with_plan, without, gathered)
+
+
+def test_engine_shared_prefix_decodes_through_cascade(monkeypatch, tmp_path):
+    """Two samples forked from one 40-token prompt (5 shared blocks of 8) decode side by side: with plan/run
+    on, the step goes through the cascade (the shared blocks are level 0), and the greedy tokens are those
+    of the kernel path without it."""
+    pytest.importorskip("transformers")
+    from yaie import ops
+    from yaie.engine import LLM
+    from yaie.model.paged import PagedStep
+    from yaie.model.testing import save_random_model, single_thread
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    monkeypatch.setattr(ops, "CASCADE_MIN_SHARED_TOKENS", 16)
+    cascades = []
+    real_run = fi.CascadeAttention.run
+    monkeypatch.setattr(fi.CascadeAttention, "run", lambda self, *a: cascades.append(self._plan) or real_run(self, *a))
+    save_random_model("llama", tmp_path, seed=11)
+
+    def samples(plan_run: bool):
+        cfg = llm.config
+        manager = ops.kv_cache_manager(64, 8, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, llm.model.dtype, "cpu")
+        manager.allocate(0, 0)
+        step = PagedStep(manager, [0], [40], 0, manager.append_slots(0, 40), use_kernels=True, plan_run=plan_run)
+        llm.model.forward(torch.tensor(prompt), torch.arange(40), step)
+        manager.fork(0, 1)
+        tokens = [[5], [9]]                 # the two samples start from different tokens
+        for position in range(40, 44):
+            slots = torch.cat([manager.append_slots(0, 1), manager.append_slots(1, 1)])
+            step = PagedStep(manager, [0, 1], [1, 1], 2, slots, use_kernels=True, plan_run=plan_run)
+            hidden = llm.model.forward(torch.tensor([tokens[0][-1], tokens[1][-1]]), torch.tensor([position] * 2), step)
+            for seq, row in enumerate(llm.model.logits(hidden)):
+                tokens[seq].append(int(row.argmax()))
+        return tokens
+
+    with single_thread():
+        llm = LLM(tmp_path, device="cpu")
+        gen = torch.Generator().manual_seed(11)
+        prompt = [1] + torch.randint(3, llm.config.vocab_size, (39,), generator=gen).tolist()
+        with_cascade = samples(True)
+        assert len(cascades) == 4 * llm.config.num_layers        # every decode step, every layer
+        level0 = [w for w in cascades[0].host_work if w[1] == 2]  # both samples' queries in one tile...
+        assert level0 and all(w[4] - w[3] <= 40 for w in level0)  # ...over the 40 shared tokens
+        without = samples(False)
+    assert with_cascade == without, (with_cascade, without)

@@ -319,7 +319,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, lay
       runs on it (:func:`attention`);
     * ``step.plan_run`` (opt-in: ``YAIE_PLAN_RUN=1``; not for sliding-window layers): lesson 05's
       ``FlashInferPagedAttention`` runs decodes and prefills together in one launch per layer, planned once
-      per step (:func:`_plan_run_attention`).
+      per step (:func:`_plan_run_attention`); when all the step's sequences start with the same cached blocks
+      (``CASCADE_MIN_SHARED_TOKENS`` or more), its ``CascadeAttention`` reads those once for all of them.
     """
     if step.plan_run and sliding_window is None and _plan_run_available():
         return _plan_run_attention(q, step, layer, scale)
@@ -421,20 +422,52 @@ def _plan_run_attention(q, step, layer, scale) -> torch.Tensor:
     return out
 
 
+CASCADE_MIN_SHARED_TOKENS = 256   # a shared prefix shorter than this is read per sequence (no cascade)
+
+
+def _shared_pages(step, tables: list[list[int]], size: int) -> int:
+    """Leading pages that are the SAME blocks in every sequence of the step (a cached system prompt, the
+    parallel samples of one prompt), never a sequence's last page (it may be partly filled), and leaving
+    each sequence's new tokens after them; 0 when that is shorter than ``CASCADE_MIN_SHARED_TOKENS``."""
+    if len(tables) < 2:
+        return 0
+    shared = 0
+    limit = min(len(t) for t in tables) - 1
+    while shared < limit and all(t[shared] == tables[0][shared] for t in tables):
+        shared += 1
+    while shared and any(q > total - shared * size for q, total in zip(step.query_lens, step.context_lens_list)):
+        shared -= 1
+    return shared if shared * size >= CASCADE_MIN_SHARED_TOKENS else 0
+
+
 def _plan_step(module, q, step, layer, scale):
-    """Plan the step with ``module``'s ``FlashInferPagedAttention`` and run it for ``layer``: (wrapper, out)."""
+    """Plan the step with ``module``'s ``FlashInferPagedAttention`` and run it for ``layer``: (wrapper, out).
+    When every sequence starts with the same cached blocks (long enough), lesson 05's ``CascadeAttention``
+    instead: those blocks are read once for all the step's queries (level 0), the rest per sequence."""
     size = step.manager.block_size
     pages = [-(-n // size) for n in step.context_lens_list]
-    indices = [b for seq, n in zip(step.seq_ids, pages) for b in step.manager.block_ids(seq)[:n]]
+    tables = [step.manager.block_ids(seq)[:n] for seq, n in zip(step.seq_ids, pages)]
+    shared = _shared_pages(step, tables, size)
+    indices = [b for table in tables for b in table[shared:]]
     last = [total - (n - 1) * size if n else 0 for total, n in zip(step.context_lens_list, pages)]
     kv_indptr = [0]
     for n in pages:
-        kv_indptr.append(kv_indptr[-1] + n)
+        kv_indptr.append(kv_indptr[-1] + n - shared)
+
+    def i32(values, device="cpu"):
+        return torch.tensor(values, dtype=torch.int32).to(device)
+
     k_cache, v_cache = step.manager.k_cache[layer], step.manager.v_cache[layer]
-    wrapper = module.FlashInferPagedAttention()
-    wrapper.plan(torch.tensor(step.query_starts, dtype=torch.int32), torch.tensor(kv_indptr, dtype=torch.int32),
-                 torch.tensor(indices, dtype=torch.int32).to(step.device), torch.tensor(last, dtype=torch.int32),
-                 q.shape[1], k_cache.shape[2], q.shape[2], size, causal=True, scale=scale)
+    sizes = (q.shape[1], k_cache.shape[2], q.shape[2], size)
+    if shared:
+        wrapper = module.CascadeAttention()
+        wrapper.plan([i32([0, step.query_starts[-1]]), i32(step.query_starts)], [i32([0, shared]), i32(kv_indptr)],
+                     [i32(tables[0][:shared], step.device), i32(indices, step.device)], [i32([size]), i32(last)],
+                     *sizes, causal=True, scale=scale)
+    else:
+        wrapper = module.FlashInferPagedAttention()
+        wrapper.plan(i32(step.query_starts), i32(kv_indptr), i32(indices, step.device), i32(last), *sizes,
+                     causal=True, scale=scale)
     out, _ = wrapper.run(q, k_cache, v_cache)
     return wrapper, out
 
