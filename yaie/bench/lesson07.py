@@ -225,8 +225,35 @@ def run(args) -> list[Row]:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{LESSON}_memory_{gpu_slug()}.json"
     path.write_text(json.dumps(memory, indent=1))
-    print(f"wrote {path}", flush=True)
+    summary = out_dir / f"{LESSON}_summary_{gpu_slug()}.md"
+    summary.write_text(summary_markdown(memory, torch.cuda.get_device_name(0)))
+    print(f"wrote {path}\nwrote {summary}", flush=True)
     return rows
+
+
+def summary_markdown(memory: list[dict], gpu: str) -> str:
+    """Speed-ups and memory savings against gather + matmul, one row per shape and product."""
+
+    def ratio(a, b):
+        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and b
+        return f"{a / b:.1f}x" if ok else "torch OOM" if a == "OOM" or a is None else "-"
+
+    def mib(x):
+        return f"{x / 2**20:,.0f}" if isinstance(x, (int, float)) else str(x)
+
+    lines = [f"# lesson 07 on the {gpu}: indexed matmuls against PyTorch gather + matmul", "",
+             "bf16; speed-up = torch time / ours (median of `do_bench`); memory = peak allocated during the "
+             "call above the inputs (backward rows: forward + backward), MiB; `python -m yaie.cli bench lesson07`.",
+             "", "| shape | product | fwd speed-up | bwd speed-up | fwd peak ours / torch | fwd+bwd peak ours / torch "
+             "| fwd+bwd memory saved |", "|---|---|---:|---:|---:|---:|---:|"]
+    for m in memory:
+        t, p = m["ms"], m["peak_extra_bytes"]
+        lines.append(f"| {m['shape']} | {m['product']} | {ratio(t['torch_forward'], t['ours_forward'])} | "
+                     f"{ratio(t['torch_backward'], t['ours_backward'])} | {mib(p['ours_forward'])} / "
+                     f"{mib(p['torch_forward'])} | {mib(p['ours_forward_backward'])} / "
+                     f"{mib(p['torch_forward_backward'])} | "
+                     f"{ratio(p['torch_forward_backward'], p['ours_forward_backward'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def _full_attention_rows(length: int, warmup: int, rep: int, gen) -> list[Row]:
