@@ -392,9 +392,17 @@ md(r"""
 9. A prefill chunk *also* shares the prefix (parallel sampling of one prompt, `n=4`). Write the two levels for
    4 requests that each prefill 3 new tokens after a shared 1k prefix; which level is causal, and why is
    the other not?
-10. (Engine) Sketch what the engine needs to plan a step: where do `qo_indptr` and `kv_indices` come from
-    (lesson 03's block tables, part 1's radix tree), when must it re-plan, and how does it find the requests
-    that share a prefix long enough for a cascade to pay?
+10. (GPU) On the H100 the mixed step in ONE launch took 0.49 ms against 0.44 ms for lesson 04 + the
+    prefix-prefill kernel apart (`bench/results/lesson05_plan_run_h100.md`). On the decodes alone plan/run
+    matches lesson 04; on the prefills alone it is slower than the prefix-prefill kernel at 1k new over 2k
+    cached, faster at 512 over 512; and the one launch saves only about 10% against its own two halves.
+    Why so little? (Hint: in what order does the plan put the items, and which programs then share a
+    multiprocessor?) Change the order so that decode (memory-bound) and prefill (compute-bound) items
+    alternate, and measure again.
+11. (Engine) `YAIE_PLAN_RUN=1` makes the engine plan every eager step with your `FlashInferPagedAttention`
+    (and with your `CascadeAttention` when all of a step's sequences start with the same cached blocks):
+    read `_plan_step` in `yaie/ops.py`. Where do `qo_indptr` and `kv_indices` come from, why may a sequence's
+    last page never be part of the shared level, and why do the CUDA-graph decode steps not plan at all?
 
 ## Grade (tasks 5-8)
 """)

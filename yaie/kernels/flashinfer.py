@@ -51,6 +51,12 @@ mask: every query comes after the prefix), each request's own suffix is a normal
 and the two states are merged. Decode turns from memory bound (every request streaming the whole prefix)
 into a small matrix product over the prefix.
 
+Measured on an H100 (``bench/results/lesson05_plan_run_h100.md``, bf16, 32 query heads over 8 KV heads of
+128): cascade decode of 64 requests over an 8k-token shared prefix 0.10 ms against lesson 04's 0.33 ms
+(3.3x). A mixed step (32 decodes at 4k + 2 prefills of 1k over 2k cached) in one launch: 0.49 ms against
+0.44 ms for lesson 04 and the prefix-prefill kernel launched apart; the work order (every prefill tile
+before the first decode) keeps the compute-bound and the memory-bound programs from running side by side.
+
 Tasks: 5 merging attention states (a float64 reference, a two-state and a many-state Triton kernel),
 6 :class:`FlashInferPagedAttention` (reference, plan, run), 7 :class:`FlashInferAttention` (the same over
 contiguous ragged K/V), 8 :class:`CascadeAttention`.
