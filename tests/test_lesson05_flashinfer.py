@@ -50,6 +50,16 @@ def test_split_tiles_write_partial_rows_and_a_merge_list():
     assert plan.part_rows.tolist()[0] == 0
 
 
+def test_interleaved_order_alternates_kinds_and_keeps_the_answer():
+    batch, plain = plan_of([1, 1, 1, 1, 20], [30, 9, 17, 40, 25], chunk=10_000)
+    mixed = fi.FlashInferPagedAttention(config={"interleave": True})
+    mixed.plan(*batch.csr(), 8, 2, 16, 8, causal=True, kv_chunk_size=10_000)
+    kinds = mixed._plan.narrow.tolist()                 # 4 narrow (decode) items, 3 wide (prefill) tiles
+    assert kinds == [1, 0, 1, 0, 1, 0, 1] and sorted(mixed._plan.host_work) == sorted(plain._plan.host_work)
+    torch.testing.assert_close(mixed.run(batch.q, batch.k_cache, batch.v_cache)[0],
+                               plain.run(batch.q, batch.k_cache, batch.v_cache)[0])
+
+
 def test_work_list_runs_longest_first():
     _, wrapper = plan_of([1, 1, 1], [5, 60, 20], chunk=10_000)
     lengths = [w[4] - w[3] for w in wrapper._plan.host_work]

@@ -594,6 +594,22 @@ def _tiles(q_lens, kv_lens, q_starts, bases, causal, group, narrow_m, wide_m) ->
 
 
 # yaie: solution-only
+def _work_order(work, narrow_flags, interleave: bool) -> list[int]:
+    """Longest first: the heaviest programs start in the first wave, the short ones fill the gaps (a wide
+    tile's key costs 4 narrow ones). ``interleave`` (an experiment, ``config={"interleave": True}``): narrow
+    (decode, memory-bound) and wide (prefill, compute-bound) items alternate in proportion, each kind longest
+    first, so the two kinds share the multiprocessors instead of running one after the other."""
+    def cost(i):
+        return (work[i][4] - work[i][3]) * (1 if narrow_flags[i] else 4)
+
+    if not interleave:
+        return sorted(range(len(work)), key=lambda i: -cost(i))
+    kinds = [sorted((i for i in range(len(work)) if narrow_flags[i] == k), key=lambda i: -cost(i)) for k in (0, 1)]
+    ranked = [((j + 0.5) / len(kind), k, i) for k, kind in enumerate(kinds) for j, i in enumerate(kind)]
+    return [i for _, _, i in sorted(ranked)]
+
+
+# yaie: solution-only
 def _make_plan(levels, num_heads, num_kv_heads, head_dim, block_size, total_q, total_kv, scale, kv_chunk_size,
                config, device) -> _Plan:
     """Build the work list of one or more levels (each a list of tiles over the same query rows).
@@ -643,8 +659,7 @@ def _make_plan(levels, num_heads, num_kv_heads, head_dim, block_size, total_q, t
                 work.append((q0, n, pos0, lo + c * size, min(hi, lo + (c + 1) * size), base,
                              -1 if direct else c, index * total_q))
                 narrow_flags.append(int(narrow))
-    # Longest first: the heaviest programs start in the first wave, the short ones fill the gaps.
-    order = sorted(range(len(work)), key=lambda i: -(work[i][4] - work[i][3]) * (1 if narrow_flags[i] else 4))
+    order = _work_order(work, narrow_flags, config.get("interleave", False))
     work = [work[i] for i in order]
     narrow_flags = [narrow_flags[i] for i in order]
     work_t = torch.tensor(work or [(0,) * WORK_FIELDS], dtype=torch.int32).reshape(-1, WORK_FIELDS)

@@ -16,7 +16,8 @@ random over the cache.
   timed, said so in the row's name);
 * each of the two baseline launches alone, and plan/run on the decodes alone and the prefills alone;
 * ``plan (host)``: the host time of one ``plan`` call (perf_counter, median of 20; not a GPU time);
-* a few launch settings of the plan/run kernel (``config=...``).
+* a few launch settings of the plan/run kernel (``config=...``), and the work list ordered with decode and
+  prefill items alternating (``interleave=True``) instead of longest first.
 
 ``cascade_decode``: a decode step of 64 requests sharing an 8192-token prefix, each with 256 tokens of its
 own (block tables share the prefix's pages):
@@ -364,7 +365,8 @@ def _summary(rows, shape, kernel, ours, theirs_mark):
               f"({group[theirs[0]] / group[ours]:.2f}x)", flush=True)
 
 
-VARIANTS = [dict(num_stages=2), dict(WIDE_M=128, num_warps=8), dict(BLOCK_N=32), dict(BLOCK_N=128, num_stages=2)]
+VARIANTS = [dict(num_stages=2), dict(WIDE_M=128, num_warps=8), dict(BLOCK_N=32), dict(BLOCK_N=128, num_stages=2),
+            dict(interleave=True), dict(interleave=True, WIDE_M=128, num_warps=8)]
 
 
 def run(args) -> list[Row]:
