@@ -30,6 +30,8 @@ CPU_CASES = [
     (1, 2, 1, 19, 50, 32, True),      # new tokens after a cached context
     (2, 2, 2, 33, 21, 16, False),     # seq_q > seq_k without a mask
     (1, 2, 2, 70, 40, 64, False),
+    (1, 2, 2, 40, 130, 32, False),    # several full key blocks per program (the prefetching loop runs)
+    (1, 2, 1, 100, 100, 16, True),
 ]
 GPU_CASES = [
     (2, 8, 8, 300, 300, 128, True),
@@ -78,13 +80,15 @@ def check_flash_rule(got, exact, lowp, what):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter cases; GPU cases below")
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch_s"])
 @pytest.mark.parametrize("index", range(len(CPU_CASES)))
-def test_fast_kernel_matches_float64_in_the_interpreter(poisoned, seed, index):
+def test_fast_kernel_matches_float64_in_the_interpreter(poisoned, seed, index, prefetch):
     case = CPU_CASES[index]
     causal = case[-1]
     q, k, v = inputs(case, torch.float16, seed, strided_q=index == 0)
     assert fast.fast_path_reason(q, k, v) is None, "these inputs must take the fast kernel"
-    out, lse = fast.flash_attention_forward(q, k, v, causal=causal)
+    # (The interpreter keeps its 32 x 32 blocks; the configuration's PREFETCH_S switch applies.)
+    out, lse = fast.forward_with_config(q, k, v, causal, None, (32, 32, 4, 1, False, prefetch))
     exact, exact_lse = ref.attention_reference(q.double(), k.double(), v.double(), causal)
     lowp, _ = ref.attention_reference(q.float(), k.float(), v.float(), causal)
     check_flash_rule(out, exact, lowp.half(), f"out, case {case}")
@@ -139,6 +143,15 @@ def test_inputs_the_fast_kernel_does_not_take_get_the_reference(seed):
     assert torch.equal(out, want)
 
 
+def test_configurations_parse():
+    assert fast.parse_config("128,64,8,3") == (128, 64, 8, 3, False, False)
+    assert fast.parse_config("128,128,8,3,1") == (128, 128, 8, 3, True, False)
+    assert fast.parse_config("128,128,8,3,0,1") == (128, 128, 8, 3, False, True)
+    for bad in ("128,64,8", "128,64,8,3,0,1,1", "a,b,c,d"):
+        with pytest.raises(ValueError):
+            fast.parse_config(bad)
+
+
 def test_bad_input_raises_value_error(seed):
     q, k, v = inputs((1, 4, 2, 8, 8, 16, False), torch.float16, seed)
     with pytest.raises(ValueError):
@@ -166,6 +179,20 @@ def test_fast_kernel_flash_rule_on_hopper(poisoned, seed, index, dtype):
     lowp, _ = ref.attention_reference(q, k, v, causal)
     check_flash_rule(out, exact, lowp, f"out, case {case}, {dtype}")
     assert max_err(lse, exact_lse) < 1e-3, f"lse, case {case}, {dtype}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="the fast kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("index", [0, 4])
+def test_prefetch_option_on_hopper(poisoned, seed, index):
+    case = GPU_CASES[index]
+    causal = case[-1]
+    q, k, v = inputs(case, torch.bfloat16, seed)
+    out, lse = fast.forward_with_config(q, k, v, causal, None, (128, 64, 8, 3, False, True))
+    exact, exact_lse = ref.attention_reference(q.double(), k.double(), v.double(), causal)
+    lowp, _ = ref.attention_reference(q, k, v, causal)
+    check_flash_rule(out, exact, lowp, f"out with PREFETCH_S, case {case}")
+    assert max_err(lse, exact_lse) < 1e-3, f"lse with PREFETCH_S, case {case}"
 
 
 @pytest.mark.gpu

@@ -15,6 +15,8 @@ the tiles reach the tensor cores:
 * **Software pipelining.** ``num_stages`` keeps the next key/value tiles in flight while the current one
   is multiplied; with ``warp_specialize`` (where the compiler supports it for the
   loop) producer warps issue the copies and consumer warps do the math.
+* **Scores one block ahead (option).** ``PREFETCH_S`` issues block j+1's ``q k^T`` before block j's softmax,
+  so that the tensor cores and the exponentials could overlap (FlashAttention-3's intra-warp-group trick).
 * **Fewer instructions per score.** The scale is folded into the exponent (``exp2(s * c - m)`` is one fused
   multiply-add and one ``exp2``), and only the blocks on the causal diagonal or at the ragged end pay for a
   mask: the full blocks run a loop with no mask code at all.
@@ -103,6 +105,40 @@ def _fold_block(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, k_len, causal
 
 # yaie: solution-only
 @triton.jit
+def _softmax_step(acc, l_i, m_i, s, v, qk_scale_log2):
+    """The online softmax step of an unmasked block whose raw scores ``s`` are already computed."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+    p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+# yaie: solution-only
+@triton.jit
+def _full_blocks_prefetched(acc, l_i, m_i, q, k_desc, v_desc, full_end, qk_scale_log2,
+                            BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """The unmasked blocks [0, full_end), with the next block's ``q k^T`` issued before this block's softmax.
+
+    FlashAttention-3's intra-warp-group overlap written at the source level: the tensor cores can work on
+    block j+1's scores while the same warps compute block j's exponentials, if the compiler leaves the
+    matrix instruction in flight until ``s`` is used in the next iteration. Costs one more score tile of
+    registers. An option (PREFETCH_S, off by default) that ``python -m yaie.bench.lesson06 sweep`` times;
+    checked in the interpreter, not yet measured on a GPU.
+    """
+    if full_end > 0:
+        s = tl.dot(q, k_desc.load([0, 0]).T)
+        for start_n in tl.range(BLOCK_N, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            s_next = tl.dot(q, k_desc.load([start_n, 0]).T)
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v_desc.load([start_n - BLOCK_N, 0]), qk_scale_log2)
+            s = s_next
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v_desc.load([full_end - BLOCK_N, 0]), qk_scale_log2)
+    return acc, l_i, m_i
+
+
+# yaie: solution-only
+@triton.jit
 def _hopper_fwd_kernel(
     Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
@@ -110,7 +146,7 @@ def _hopper_fwd_kernel(
     stride_lb, stride_lh, stride_ls,
     seqlen_q, seqlen_k, group_size, qk_scale_log2, tune_len,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PREFETCH_S: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (sequence, head). Grid: (query blocks, heads, batch)."""
     pid_m = tl.program_id(0)
@@ -162,9 +198,13 @@ def _hopper_fwd_kernel(
         end = tl.minimum(k_len, start_m + BLOCK_M + causal_shift)
     else:
         end = k_len
-    for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        acc, l_i, m_i = _fold_block(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, k_len, causal_shift,
-                                    qk_scale_log2, False, CAUSAL, BLOCK_N)
+    if PREFETCH_S:
+        acc, l_i, m_i = _full_blocks_prefetched(acc, l_i, m_i, q, k_desc, v_desc, full_end, qk_scale_log2,
+                                                BLOCK_N, WARP_SPECIALIZE)
+    else:
+        for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            acc, l_i, m_i = _fold_block(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, k_len, causal_shift,
+                                        qk_scale_log2, False, CAUSAL, BLOCK_N)
     for start_n in range(full_end, end, BLOCK_N):
         acc, l_i, m_i = _fold_block(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, k_len, causal_shift,
                                     qk_scale_log2, True, CAUSAL, BLOCK_N)
@@ -178,26 +218,39 @@ def _hopper_fwd_kernel(
 
 
 # yaie: solution-only
-def _configs() -> list[tuple[int, int, int, int, bool]]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) the GPU autotuner tries.
+def _padded(config: tuple) -> tuple:
+    """A configuration with its missing switches (warp_specialize, prefetch_s) set to off."""
+    return (*(int(x) for x in config[:4]), *(bool(x) for x in config[4:]), *(False,) * (6 - len(config)))
+
+
+def parse_config(text: str) -> tuple[int, int, int, int, bool, bool]:
+    """"128,64,8,3,1,0" -> (128, 64, 8, 3, True, False); the two switches default to off."""
+    fields = [int(x) for x in text.split(",")]
+    if len(fields) < 4 or len(fields) > 6:
+        raise ValueError(f"a configuration is BLOCK_M,BLOCK_N,num_warps,num_stages[,warp_specialize[,prefetch]], "
+                         f"got {text!r}")
+    return _padded(tuple(fields))
+
+
+def _configs() -> list[tuple[int, int, int, int, bool, bool]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, prefetch_s) the GPU autotuner tries.
 
     128 query rows over 8 warps (two warp groups of 64 rows for wgmma); keys 64 or 128 at a time; two or
-    three tiles in flight. ``YAIE_FA_HOPPER_CONFIGS`` ("128,128,8,2,0;128,64,8,3,1") replaces the list
-    (the GPU script uses it to time each configuration on its own).
+    three tiles in flight. ``YAIE_FA_HOPPER_CONFIGS`` ("128,128,8,2;128,64,8,3,1,0") replaces the list.
     """
     text = os.environ.get("YAIE_FA_HOPPER_CONFIGS")
     if text:
-        return [tuple(int(x) for x in part.split(",")[:4]) + (part.split(",")[4].strip() == "1",)
-                for part in text.split(";") if part.strip()]
-    return [(128, 128, 8, 2, False), (128, 128, 8, 3, False), (128, 64, 8, 3, False), (128, 64, 8, 4, False)]
+        return [parse_config(part) for part in text.split(";") if part.strip()]
+    return [(128, 128, 8, 2, False, False), (128, 128, 8, 3, False, False), (128, 64, 8, 3, False, False),
+            (128, 64, 8, 4, False, False)]
 
 
 # yaie: solution-only
 @functools.lru_cache(maxsize=None)
 def _tuned():
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "WARP_SPECIALIZE": ws},
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "WARP_SPECIALIZE": ws, "PREFETCH_S": pf},
                              num_warps=w, num_stages=s)
-               for m, n, w, s, ws in _configs()]
+               for m, n, w, s, ws, pf in _configs()]
     return triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "VARLEN", "tune_len"])(_hopper_fwd_kernel)
 
 
@@ -224,19 +277,21 @@ def _new_output(q: torch.Tensor) -> torch.Tensor:
 # yaie: solution-only
 def _launch(args: tuple, grid_rows: int, heads: int, batch: int, config: tuple | None = None, **constexprs) -> None:
     """Fixed small blocks in the interpreter; on a GPU ``config`` if given (BLOCK_M, BLOCK_N, num_warps,
-    num_stages, warp_specialize), the first configuration for short sequences, else the autotuner."""
+    num_stages, warp_specialize, prefetch_s), the first configuration for short sequences, else the autotuner."""
     if triton_interpreted():
-        # Small fixed blocks on the CPU (the interpreter runs every program in numpy).
+        # Small fixed blocks on the CPU (the interpreter runs every program in numpy); config's switches apply.
         grid = ((grid_rows + 31) // 32, heads, batch)
-        _hopper_fwd_kernel[grid](*args, BLOCK_M=32, BLOCK_N=32, WARP_SPECIALIZE=False, **constexprs)
+        prefetch = config is not None and _padded(config)[5]
+        _hopper_fwd_kernel[grid](*args, BLOCK_M=32, BLOCK_N=32, WARP_SPECIALIZE=False, PREFETCH_S=prefetch,
+                                 **constexprs)
         return
     _set_allocator()
     if config is not None or grid_rows <= 1024 or os.environ.get("YAIE_FA_AUTOTUNE", "1") == "0":
         # Short sequences: one good configuration (tuning would cost more than it saves), as the reference.
-        block_m, block_n, warps, stages, ws = config or _configs()[0]
+        block_m, block_n, warps, stages, ws, prefetch = _padded(config or _configs()[0])
         grid = ((grid_rows + block_m - 1) // block_m, heads, batch)
-        _hopper_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=ws, num_warps=warps,
-                                 num_stages=stages, **constexprs)
+        _hopper_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=ws, PREFETCH_S=prefetch,
+                                 num_warps=warps, num_stages=stages, **constexprs)
         return
 
     def grid(meta):

@@ -229,14 +229,15 @@ def run(args) -> list[Row]:
 # ----------------------------------------------------------------------------- Hopper configuration sweep
 
 SWEEP_SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128)]
-SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize)
+SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize[, prefetch_s])
     (128, 128, 8, 2, False), (128, 128, 8, 3, False), (128, 64, 8, 3, False), (128, 64, 8, 4, False),
     (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 64, 8, 3, True),
+    (128, 128, 8, 3, False, True), (128, 64, 8, 3, False, True), (128, 64, 8, 4, False, True),
 ]   # (128, 128, 4, 3, True) is left out: Triton 3.6's warp-specialisation pass fails on it (seen on an H100)
 
 
 def config_text(config: tuple) -> str:
-    """(128, 64, 8, 3, True) -> "128,64,8,3,1", the form ``YAIE_FA_HOPPER_CONFIGS`` reads."""
+    """(128, 64, 8, 3, True) -> "128,64,8,3,1", the form ``YAIE_FA_HOPPER_CONFIGS`` reads (``parse_config``)."""
     return ",".join(str(int(x)) for x in config)
 
 
