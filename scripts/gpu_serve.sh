@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The OpenAI server on the lent GPU, in one call (everything it writes lands in $OUT):
 #   OUT=out bash scripts/gpu_serve.sh
+#   SMOKE=0 OUT=out bash scripts/gpu_serve.sh          # the benchmark only
 #   OUT=/tmp/x BENCH_ARGS="--size tiny --device cpu --concurrency 1,4 --new-tokens 16" bash scripts/gpu_serve.sh  # CPU dry run
 # 1. `yaie serve` on the bundled model (CUDA): the docs' curl commands (models, completion, streamed chat,
 #    a bad request, metrics);
@@ -22,6 +23,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   echo "== $(date -u +%FT%TZ) commit ${YAIE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, fastapi, uvicorn; print('torch', torch.__version__, 'triton', triton.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__)"
+  if [ "${SMOKE:-1}" = "1" ]; then
   echo "== yaie serve (bundled model, CUDA) and the docs' curl commands"
   YAIE_SOLUTIONS=all python3 -m yaie.cli serve --port 8000 --log-level warning &
   server=$!
@@ -36,7 +38,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   curl -s -w ' HTTP %{http_code}\n' http://127.0.0.1:8000/v1/completions -d '{"model": "tiny-stories", "prompt": "hi", "temperature": -1}'
   curl -s http://127.0.0.1:8000/metrics | grep -v '^#'
   kill -INT $server; wait $server
-  echo "== yaie bench serve (server rc $?)"
+  echo "== server rc $?"
+  fi
+  echo "== yaie bench serve"
   YAIE_SOLUTIONS=all timeout 420 python3 -m yaie.cli bench serve --out "$OUT" ${BENCH_ARGS:---size 1b}
   echo "== done (rc $?)"
 } 2>&1 | grep -v "Loading weights\|Writing model shards" | tee "$OUT/serve_gpu_log.txt"

@@ -8,7 +8,11 @@ with the same seeds. Every client loop is bounded (timeouts), and the server is 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -338,6 +342,59 @@ def test_server_survives(live, client):
     assert client.completions.create(model=MODEL, prompt="The sun", max_tokens=4).usage.completion_tokens >= 1
     m = wait_idle(live)
     assert m["yaie_kv_cache_blocks_used"] == 0
+
+
+# ----------------------------------------------------------------------------- yaie serve: the engine in a process
+def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
+    """``python -m yaie.server`` as a user starts it: the engine loop in a child process, the same answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "yaie.server", "--port", str(port), "--log-level", "warning",
+                             "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS)],
+                            env=dict(os.environ, YAIE_SOLUTIONS="all"))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"yaie serve exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "yaie serve did not answer /health in 60 s"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        seed = fresh_seed()
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=30, max_retries=0) as client:
+            got = client.completions.create(model=MODEL, prompt="Tom had a red kite.", max_tokens=12,
+                                            temperature=0.8, seed=seed)
+            want = generate(reference, "Tom had a red kite.", defaults(reference, max_tokens=12, temperature=0.8,
+                                                                       seed=seed))[0]
+            assert got.choices[0].text == want.text, f"seed={seed}"
+            stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+            for _, chunk in zip(range(3), stream):
+                assert chunk.choices[0].finish_reason is None
+            stream.close()
+            with pytest.raises(openai.BadRequestError):
+                client.completions.create(model=MODEL, prompt="", max_tokens=4)
+        deadline = time.monotonic() + 5
+        while True:
+            m = parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
+            if m["yaie_requests_running"] == 0:
+                break
+            assert time.monotonic() < deadline, f"the dropped stream still runs: {m}"
+            time.sleep(0.05)
+        assert m["yaie_requests_aborted_total"] == 1 and m["yaie_kv_cache_blocks_used"] == 0
+        assert m["yaie_requests_finished_total"] == 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            returncode = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert returncode == 0
 
 
 # ----------------------------------------------------------------------------- the Python API's prompts

@@ -21,17 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import multiprocessing
+import signal
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from yaie.engine.llm import LLM, _Text
+from yaie.engine.llm import DEFAULT_MODEL, LLM, _read_generation_config, _Text
 from yaie.engine.sampling import SamplingParams
 from yaie.engine.scheduler import Request, Scheduler
+from yaie.model.config import load_config
+from yaie.model.tokenizer import Tokenizer
 
 RATE_WINDOW_S = 10.0        # tokens/s in the metrics: generated tokens over the last 10 seconds
 
@@ -216,6 +221,10 @@ class AsyncEngine:
         self._owner: dict[int, tuple[RequestGroup, int]] = {}   # request id -> (group, index in group)
 
     # ------------------------------------------------------------------ life
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="yaie-engine", daemon=True)
         self._thread.start()
@@ -265,7 +274,7 @@ class AsyncEngine:
             self.core = StepEngine(llm)
         except BaseException as err:     # noqa: BLE001 (handed to start()'s caller)
             self._start_error = err
-            self._started.set()
+            self._on_started()
             return
         self.stats.blocks_total = self.core.scheduler.usable_blocks
         try:
@@ -274,14 +283,10 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 (graphs that cannot record: the engine runs those steps eagerly)
             traceback.print_exc()
             self.core.abort_all()
-        self._started.set()
+        self._on_started()
         try:
             while True:
-                self._wake.clear()
-                with self._lock:
-                    stopping = self._stopping
-                    inbox, self._inbox = self._inbox, []
-                    aborts, self._aborts = self._aborts, []
+                inbox, aborts, stopping = self._collect()
                 for group in aborts:
                     self._abort_now(group)
                 for group in inbox:
@@ -290,22 +295,49 @@ class AsyncEngine:
                     break
                 if not self.core.has_unfinished():
                     self._update_stats()
-                    self._wake.wait(timeout=1.0)
+                    self._idle()
                     continue
                 self._step()
         finally:
             for group in self._live_groups():
                 self._fail(group, "the server is shutting down")
-            with self._lock:
-                for group in self._inbox:
-                    _resolve(group, RuntimeError("the engine is shutting down"))
-                self._inbox = []
+            for group in self._collect()[0]:
+                self._resolve(group, RuntimeError("the engine is shutting down"))
             self.core.close()
             self._update_stats()
 
+    # The engine loop's ways in and out: overridden by the child process's loop (_ChildEngine).
+    def _on_started(self) -> None:
+        """The engine is ready (or ``_start_error`` says why not)."""
+        self._started.set()
+
+    def _collect(self) -> tuple[list, list, bool]:
+        """New groups, groups to abort, and whether to stop."""
+        self._wake.clear()
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+            return inbox, aborts, self._stopping
+
+    def _idle(self) -> None:
+        """Nothing to run: sleep until a request, an abort or the stop comes."""
+        self._wake.wait(timeout=1.0)
+
+    def _deliver(self, events: list[tuple["RequestGroup", Event]]) -> None:
+        """Hand one step's events to their groups' asyncio loops: one wake-up per loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for group, event in events:
+            by_loop.setdefault(group.loop, []).append((group.queue, event))
+        for loop, batch in by_loop.items():
+            _post(loop, batch)
+
+    def _resolve(self, group, error: BaseException | None) -> None:
+        """The engine took the group (error None) or refused it."""
+        _resolve(group, error)
+
     def _accept(self, group: RequestGroup) -> None:
         if group.aborted:
-            _resolve(group, None)
+            self._resolve(group, None)
             return
         requests = []
         try:
@@ -316,11 +348,11 @@ class AsyncEngine:
             for request in requests:
                 self.core.abort(request.request_id)
                 del self._owner[request.request_id]
-            _resolve(group, err)
+            self._resolve(group, err)
             return
         group.request_ids = [r.request_id for r in requests]
         self.stats.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
-        _resolve(group, None)
+        self._resolve(group, None)
 
     def _abort_now(self, group: RequestGroup) -> None:
         for request_id in group.request_ids:
@@ -338,22 +370,20 @@ class AsyncEngine:
             for group in self._live_groups():
                 self._fail(group, message)
             return
-        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        deliveries = []
         for request, piece, text in events:
             owner = self._owner.get(request.request_id)
             if owner is None:
                 continue
             group, index = owner
-            event = Event(index, piece, text.finish_reason, len(request.output_ids))
             if text.finish_reason is not None:
                 del self._owner[request.request_id]
                 self.stats.requests_finished += 1
-            deliveries.setdefault(group.loop, []).append((group.queue, event))
-        for loop, batch in deliveries.items():
-            _post(loop, batch)
+            deliveries.append((group, Event(index, piece, text.finish_reason, len(request.output_ids))))
         self.stats.generation_tokens += len(events)
         self.stats.recent.append((time.monotonic(), len(events)))
         self._update_stats()
+        self._deliver(deliveries)
 
     def _live_groups(self) -> list[RequestGroup]:
         groups = {id(g): g for g, _ in self._owner.values()}
@@ -366,9 +396,9 @@ class AsyncEngine:
             if owner is not None:
                 self.core.abort(request_id)
                 self.stats.requests_failed += 1
-                batch.append((group.queue, Event(owner[1], error=message)))
+                batch.append((group, Event(owner[1], error=message)))
         if batch:
-            _post(group.loop, batch)
+            self._deliver(batch)
 
     def _update_stats(self) -> None:
         s, scheduler = self.stats, self.core.scheduler
@@ -408,3 +438,251 @@ def _resolve(group: RequestGroup, error: BaseException | None) -> None:
         group.loop.call_soon_threadsafe(settle)
     except RuntimeError:
         pass
+
+
+# ----------------------------------------------------------------------------- the engine in a process of its own
+STAT_FIELDS = ("running", "waiting", "swapped", "blocks_total", "blocks_used", "steps", "prompt_tokens",
+               "generation_tokens", "requests_finished", "requests_aborted", "requests_failed", "preemptions")
+
+
+class ProcessEngine:
+    """:class:`AsyncEngine`'s interface (``start``, ``submit``, ``shutdown``, ``alive``, ``stats``) with the
+    engine loop in a child process of its own.
+
+    Why: an engine step is Python-heavy (scheduling, sampling, detokenizing, for every request), and so is
+    HTTP (a JSON chunk and a socket write per token per stream). In one process the two share one GIL, so
+    every token served takes time from the engine: 40% of the offline throughput at 64 streams on an H100
+    (``bench/results/serve_h100.md``). Here the child runs the same loop (:class:`_ChildEngine`), reading
+    requests from a pipe and writing each step's events back in one message; this process only checks
+    and tokenizes requests, routes events to their groups and speaks HTTP.
+    """
+
+    def __init__(self, llm_args: dict, warm_up: bool = True):
+        self.llm_args = llm_args          # LLM(**llm_args) in the child
+        self.warm_up = warm_up
+        self.stats = EngineStats()
+        self.core = None                  # in the child process
+        self._groups: dict[int, RequestGroup] = {}
+        self._next_gid = 0
+        self._send_lock = threading.Lock()
+        self._stopping = self._dead = False
+        self._proc = self._conn = self._reader = None
+
+    @property
+    def started(self) -> bool:
+        return self._proc is not None
+
+    def start(self) -> None:
+        """Start the child and wait until its engine is ready (model loaded, CUDA graphs recorded)."""
+        context = multiprocessing.get_context("spawn")    # a fresh interpreter: no CUDA state is inherited
+        self._conn, child_end = context.Pipe()
+        self._proc = context.Process(target=_child_main, args=(child_end, self.llm_args, self.warm_up),
+                                     name="yaie-engine", daemon=True)
+        self._proc.start()
+        child_end.close()
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(10)
+            raise RuntimeError(f"the engine process exited (code {self._proc.exitcode}) before it was ready") from None
+        if message[0] == "failed":
+            self._proc.join(10)
+            raise RuntimeError(f"the engine process could not start: {message[1]}")
+        self.stats.blocks_total = message[1]
+        self._reader = threading.Thread(target=self._read, name="yaie-engine-reader", daemon=True)
+        self._reader.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._send(("stop",))
+        if self._proc is not None:
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5)
+        if self._reader is not None:
+            self._reader.join(5)
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive() and not (self._stopping or self._dead)
+
+    async def submit(self, items: list[tuple[list[int], SamplingParams]]) -> RequestGroup:
+        """As :meth:`AsyncEngine.submit`."""
+        if not self.alive:
+            raise RuntimeError("the engine is shutting down")
+        group = RequestGroup(self, items)
+        group.gid, group.remaining = self._next_gid, len(items)
+        self._next_gid += 1
+        self._groups[group.gid] = group
+        self._send(("submit", group.gid, items))
+        try:
+            await asyncio.shield(group.accepted)
+        except asyncio.CancelledError:
+            group.abort()
+            raise
+        return group
+
+    def _abort(self, group: RequestGroup) -> None:
+        self._groups.pop(group.gid, None)
+        self._send(("abort", group.gid))
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError, AttributeError):   # the child is gone: the reader fails its groups
+                pass
+
+    def _read(self) -> None:
+        """The reader thread: the child's messages, routed to their groups' asyncio loops."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "stats":
+                for name, value in message[1].items():
+                    setattr(self.stats, name, value)
+            elif kind == "accepted":
+                _, gid, error = message
+                group = self._groups.get(gid)
+                if group is not None:
+                    if error is not None:
+                        self._groups.pop(gid, None)
+                        error = (ValueError if error[0] == "ValueError" else RuntimeError)(error[1])
+                    _resolve(group, error)
+            elif kind == "events":
+                self._route(message[1])
+        self._dead = True            # the child is gone: nothing more will come for anyone
+        for group in list(self._groups.values()):
+            if group.accepted.done():
+                _post(group.loop, [(group.queue, Event(0, error="the engine process stopped"))] * group.remaining)
+            else:
+                _resolve(group, RuntimeError("the engine process stopped"))
+        self._groups.clear()
+
+    def _route(self, events: list[tuple]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for gid, index, text, finish_reason, num_tokens, error in events:
+            group = self._groups.get(gid)
+            if group is None:        # aborted by its consumer
+                continue
+            if finish_reason is not None or error is not None:
+                group.remaining -= 1
+                if not group.remaining:
+                    self._groups.pop(gid, None)
+            by_loop.setdefault(group.loop, []).append((group.queue, Event(index, text, finish_reason, num_tokens,
+                                                                          error)))
+        for loop, batch in by_loop.items():
+            _post(loop, batch)
+        self.stats.recent.append((time.monotonic(), len(events)))
+        while self.stats.recent and time.monotonic() - self.stats.recent[0][0] > RATE_WINDOW_S:
+            self.stats.recent.popleft()
+
+
+@dataclass
+class _RemoteGroup:
+    """The child's record of a parent's RequestGroup."""
+    gid: int
+    items: list
+    aborted: bool = False
+    request_ids: list = field(default_factory=list)
+    remaining: int = 0
+
+
+class _ChildEngine(AsyncEngine):
+    """The engine loop of :class:`ProcessEngine`'s child: requests and aborts from a pipe, events back."""
+
+    def __init__(self, llm: LLM, conn, warm_up: bool):
+        super().__init__(llm, warm_up)
+        self.conn = conn
+        self._remote: dict[int, _RemoteGroup] = {}
+        self._last_stats: dict | None = None
+
+    def _send(self, message) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:                   # the server process is gone; _collect sees it and stops
+            pass
+
+    def _on_started(self) -> None:
+        if self._start_error is not None:
+            self._send(("failed", f"{type(self._start_error).__name__}: {self._start_error}"))
+        else:
+            self._send(("ready", self.stats.blocks_total))
+
+    def _collect(self) -> tuple[list, list, bool]:
+        inbox, aborts, stopping = [], [], False
+        try:
+            while self.conn.poll(0):
+                kind, *rest = self.conn.recv()
+                if kind == "submit":
+                    group = _RemoteGroup(rest[0], rest[1], remaining=len(rest[1]))
+                    self._remote[group.gid] = group
+                    inbox.append(group)
+                elif kind == "abort" and rest[0] in self._remote:
+                    group = self._remote.pop(rest[0])
+                    group.aborted = True
+                    aborts.append(group)
+                elif kind == "stop":
+                    stopping = True
+        except (EOFError, OSError):
+            stopping = True
+        return inbox, aborts, stopping
+
+    def _idle(self) -> None:
+        try:
+            self.conn.poll(1.0)
+        except (EOFError, OSError):
+            pass
+
+    def _resolve(self, group: _RemoteGroup, error: BaseException | None) -> None:
+        if error is not None or group.aborted:
+            self._remote.pop(group.gid, None)
+        self._send(("accepted", group.gid, None if error is None else (type(error).__name__, str(error))))
+
+    def _deliver(self, events: list) -> None:
+        rows = []
+        for group, event in events:
+            rows.append((group.gid, event.index, event.text, event.finish_reason, event.num_tokens, event.error))
+            if event.finish_reason is not None or event.error is not None:
+                group.remaining -= 1
+                if not group.remaining:
+                    self._remote.pop(group.gid, None)
+        self._send(("events", rows))
+
+    def _update_stats(self) -> None:
+        super()._update_stats()
+        snapshot = {name: getattr(self.stats, name) for name in STAT_FIELDS}
+        if snapshot != self._last_stats:
+            self._last_stats = snapshot
+            self._send(("stats", snapshot))
+
+
+def _child_main(conn, llm_args: dict, warm_up: bool) -> None:
+    """The engine process: load the model, then run the loop until the server says stop (or is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to the server, which stops the engine
+    try:
+        llm = LLM(**llm_args)
+    except BaseException as err:  # noqa: BLE001 (reported to the server process, which exits with it)
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
+        return
+    _ChildEngine(llm, conn, warm_up)._run()
+
+
+class Frontend:
+    """A model's tokenizer, config and generation defaults, without its weights: what the server process
+    needs to check and tokenize requests while a :class:`ProcessEngine` holds the model. Its prompt checks
+    and sampling defaults are ``LLM``'s own methods."""
+
+    def __init__(self, model: str | Path | None = None, block_size: int = 16):
+        self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
+        self.config = load_config(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.generation_config = _read_generation_config(self.model_dir)
+        self.block_size = block_size
+
+    default_sampling_params = LLM.default_sampling_params
+    _prompt_ids = LLM._prompt_ids

@@ -2,10 +2,10 @@
 
 import sys
 
-from yaie.device import prepare_triton
+if __name__ == "__main__":     # not when the engine process (spawned) imports this module again
+    from yaie.device import prepare_triton
 
-prepare_triton()
+    prepare_triton()
+    from yaie.server.cli import main
 
-from yaie.server.cli import main  # noqa: E402
-
-sys.exit(main())
+    sys.exit(main())

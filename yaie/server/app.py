@@ -21,24 +21,30 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from yaie.engine.async_engine import AsyncEngine, RequestGroup
+from yaie.engine.async_engine import AsyncEngine, Frontend, ProcessEngine, RequestGroup
 from yaie.engine.llm import LLM
 from yaie.server.protocol import UNLIMITED, APIError, Parsed, choice_params, parse_chat, parse_completion
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
-    """An app serving ``llm`` under ``served_model_name`` (default: the model folder's name). The engine
-    thread starts and stops with the app (its lifespan); ``app.state.engine`` is the :class:`AsyncEngine`."""
+def create_app(llm: LLM | Frontend, served_model_name: str | None = None,
+               engine: AsyncEngine | ProcessEngine | None = None) -> FastAPI:
+    """An app serving ``llm`` under ``served_model_name`` (default: the model folder's name).
+
+    ``engine``: default an :class:`AsyncEngine` (the engine loop in a thread of this process) over ``llm``;
+    ``yaie serve`` passes a :class:`ProcessEngine` (the loop in a process of its own) and a
+    :class:`Frontend` as ``llm``. The engine starts with the app (its lifespan) unless started already,
+    and stops with it; ``app.state.engine`` is the engine."""
     served = served_model_name or llm.model_dir.name
-    engine = AsyncEngine(llm)
+    engine = engine if engine is not None else AsyncEngine(llm)
     created = int(time.time())
     context = llm.config.max_position_embeddings
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        if not engine.started:
+            engine.start()
         try:
             yield
         finally:

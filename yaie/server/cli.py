@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once at most (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="prefill tokens per step (default 4096)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch every decode step's kernels from Python")
+    p.add_argument("--no-prefix-caching", action="store_true", help="every request prefills all its tokens")
+    p.add_argument("--engine-in-thread", action="store_true",
+                   help="run the engine loop in a thread of the server process (default: a process of its own, "
+                        "so HTTP work does not hold the engine's interpreter lock)")
     p.add_argument("--solutions", default=None, metavar="SPEC",
                    help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
@@ -46,20 +50,30 @@ def main(argv: list[str] | None = None) -> int:
     from yaie.engine.llm import LLM
     from yaie.model.config import ModelLoadError
     from yaie.ops import KernelMissing
+    from yaie.engine.async_engine import Frontend, ProcessEngine
     from yaie.server.app import create_app
 
+    llm_args = dict(model=args.model, device=args.device, cpu_threads=args.threads, block_size=args.block_size,
+                    num_blocks=args.num_blocks, preemption=args.preemption, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    cuda_graphs=False if args.no_cuda_graphs else None,
+                    prefix_caching=not args.no_prefix_caching)
     try:
         if args.solutions is not None:
             switch.use_solutions(args.solutions)
-        llm = LLM(args.model, device=args.device, cpu_threads=args.threads, block_size=args.block_size,
-                  num_blocks=args.num_blocks, preemption=args.preemption, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  cuda_graphs=False if args.no_cuda_graphs else None)
-        app = create_app(llm, args.served_model_name)
-    except (KernelMissing, switch.LessonUnavailable, ModelLoadError, ValueError) as err:
+        if args.engine_in_thread:
+            llm = LLM(**llm_args)
+            app = create_app(llm, args.served_model_name)
+        else:
+            llm = Frontend(args.model, args.block_size)      # checks the folder before the engine loads it
+            engine = ProcessEngine(llm_args)
+            engine.start()
+            app = create_app(llm, args.served_model_name, engine)
+    except (KernelMissing, switch.LessonUnavailable, ModelLoadError, ValueError, RuntimeError) as err:
         print(f"yaie serve: {err}", file=sys.stderr)
         return 1
-    print(f"yaie serve: {app.state.served_model_name} on {llm.device}, http://{args.host}:{args.port}/v1",
+    where = "in a thread" if args.engine_in_thread else "in its own process"
+    print(f"yaie serve: {app.state.served_model_name} (engine {where}), http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
