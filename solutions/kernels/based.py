@@ -47,9 +47,7 @@ decode, 4 input checks (``ValueError``).
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -62,7 +60,7 @@ FEATURE_DIM = 16                                       # d: the width of q and k
 EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_VALUE_DIM = 256
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = 32                                     # the fastest chunk of the kernel on the H100
 
 
 class BasedState(NamedTuple):
@@ -233,23 +231,23 @@ def check_based_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state:
 
 # yaie: solution-only
 @triton.jit
-def _based_prefill_kernel(
+def _based_prefill_kernel_rows(
     Q, K, V, O, STATE_KV, STATE_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-    seq_len, value_dim, tune_len,
+    seq_len, value_dim,
     CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: ``BLOCK_V`` value columns of one (sequence, head), walking over the chunks in order.
+    """A second design of :func:`_based_prefill_kernel` with fewer registers. NOT yet timed on a GPU.
 
-    Grid: (value blocks, heads, batch); ``tune_len`` (unused) keys the autotuner. q and k are scaled by ``16^(-1/4) = 1/2`` on load (exact), so
-    ``s = q.k`` and the features are ``[1, q, q_a q_b / sqrt(2)]``.
-
-    Where the state lives: the small parts in registers (order 0 ``s0 [BLOCK_V]``, order 1
-    ``s1 [16, BLOCK_V]``, the normaliser ``z0``, ``z1 [16]`` and ``z2 = sum k k^T [16, 16]``); the order-2
-    numerator state (256 rows x BLOCK_V, 64 KiB at BLOCK_V = 64) in the program's own rows of the output
-    state ``STATE_KV``, visited 16 rows at a time: held whole in registers it would spill
-    (``scripts/probe_lesson08_registers.py``). Those rows stay hot in the L1/L2 caches.
+    Same grid and results. q and k are scaled by ``16^(-1/4) = 1/2`` on load (exact), so ``s = q.k`` and
+    the features are ``[1, q, q_a q_b / sqrt(2)]``. Where the state lives: the small parts in registers
+    (order 0 ``s0 [BLOCK_V]``, order 1 ``s1 [16, BLOCK_V]``, the normaliser ``z0``, ``z1 [16]`` and
+    ``z2 = sum k k^T [16, 16]``); the order-2 numerator state (256 rows x BLOCK_V) in the program's own
+    rows of the output state ``STATE_KV``, visited 16 rows at a time (no ``[CHUNK, 256]`` products are
+    built). Compiled for sm_90 it spills little or nothing where the first design spills kilobytes
+    (``scripts/probe_lesson08_registers.py``); whether the round trips through L1/L2 cost less than the
+    spills is for a GPU run (``yaie bench lesson08`` times it as the "rows" rows).
     """
     pid_v = tl.program_id(0)
     head = tl.program_id(1)
@@ -342,7 +340,7 @@ def _based_prefill_kernel(
 
 # yaie: solution-only
 @triton.jit
-def _based_prefill_kernel_registers(
+def _based_prefill_kernel(
     Q, K, V, O, STATE_KV, STATE_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
@@ -350,14 +348,16 @@ def _based_prefill_kernel_registers(
     CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, STORE_STATE: tl.constexpr,
     STATE_DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The first version of :func:`_based_prefill_kernel`, kept for comparison: the whole state in registers.
+    """One program: ``BLOCK_V`` value columns of one (sequence, head), walking over the chunks in order.
 
     Grid: (value blocks, heads, batch). The state of those columns lives in registers for the whole
     sequence: order 0 ``s0 [BLOCK_V]``, order 1 ``s1 [16, BLOCK_V]``, order 2 ``s2 [256, BLOCK_V]`` and the
     normaliser sums ``z0, z1 [16], z2 [256]``. q and k are pre-scaled by ``16^(-1/4) = 1/2`` on load,
     so ``s = q.k`` directly and the order-2 weight is ``s^2 / 2``. The order-2 features of a chunk are
     built as ``[CHUNK, 16, 16]`` products reshaped to ``[CHUNK, 256]``. Compiled for the H100 this
-    needs far more than 255 registers per thread and spills (``scripts/probe_lesson08_registers.py``).
+    wants more than 255 registers per thread and spills (``scripts/probe_lesson08_registers.py``): the
+    best H100 setting measured is chunk 32 (bench/results/lesson08_h100.md), and
+    :func:`_based_prefill_kernel_rows` is the attempt to do without the spills.
     """
     pid_v = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
@@ -452,31 +452,13 @@ def _block_v(value_dim: int) -> int:
 
 
 # yaie: solution-only
-def _use_autotune(dtype: torch.dtype, length: int) -> bool:
-    """Autotune the chunk and warps on a GPU for fp16/bf16 sequences longer than 512 (unless
-    YAIE_BASED_AUTOTUNE=0); elsewhere (the interpreter, short prompts, float32) fixed settings."""
-    if triton_interpreted() or os.environ.get("YAIE_BASED_AUTOTUNE", "1") == "0":
-        return False
-    return dtype != torch.float32 and length > 512
-
-
-# yaie: solution-only
-@functools.cache
-def _tuned_prefill():
-    """The autotuned prefill kernel (GPU only): the chunk and the warps, retuned per length bucket."""
-    configs = [triton.Config({"CHUNK": c}, num_warps=w) for c, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
-    return triton.autotune(configs=configs, key=["tune_len", "value_dim", "BLOCK_V"])(_based_prefill_kernel)
-
-
-# yaie: solution-only
-def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int | None, block_v: int, num_warps: int = 4,
-                    num_stages: int | None = None, variant: str = "rows") -> None:
+def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int, block_v: int, num_warps: int = 4,
+                    num_stages: int | None = None, variant: str = "registers") -> None:
     """Launch a prefill kernel with explicit settings (the benchmark sweeps them through here).
 
-    ``variant="rows"``: :func:`_based_prefill_kernel`, whose order-2 state lives in ``state_kv`` (so that
-    tensor must be a contiguous ``[batch, heads, 273, d_v]`` float32 one, even when the caller does not
-    want the state back); ``"registers"``: :func:`_based_prefill_kernel_registers`. ``chunk_size=None``:
-    the autotuned kernel (rows variant; the chunk and warps are its choice).
+    ``variant="registers"``: :func:`_based_prefill_kernel` (what :func:`based_prefill` runs);
+    ``"rows"``: :func:`_based_prefill_kernel_rows`, whose order-2 state lives in ``state_kv`` (so that
+    tensor must be a contiguous ``[batch, heads, 273, d_v]`` float32 one).
     """
     fp32 = q.dtype == torch.float32
     grid = (triton.cdiv(v.shape[-1], block_v), q.shape[1], q.shape[0])
@@ -484,18 +466,16 @@ def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int | None, blo
     args = (q, k, v, out, state_kv, state_k,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            q.shape[2], v.shape[-1], 1 << max(q.shape[2] - 1, 0).bit_length())
-    # float32: exact products ("ieee"); float16/bfloat16: tensor-core dots accumulated in float32.
+            q.shape[2], v.shape[-1])
+    # float32: exact products ("ieee") and the state stays float32 in the dots;
+    # float16/bfloat16: tensor-core dots on the input dtype, accumulated in float32.
     precision = "ieee" if fp32 else "tf32"
-    if chunk_size is None:
-        _tuned_prefill()[grid](*args, BLOCK_V=block_v, PRECISION=precision)
-    elif variant == "rows":
-        _based_prefill_kernel[grid](*args, CHUNK=chunk_size, BLOCK_V=block_v, PRECISION=precision,
-                                    num_warps=num_warps, **extra)
+    if variant == "rows":
+        _based_prefill_kernel_rows[grid](*args, CHUNK=chunk_size, BLOCK_V=block_v, PRECISION=precision,
+                                         num_warps=num_warps, **extra)
     else:
-        _based_prefill_kernel_registers[grid](*args[:-1], CHUNK=chunk_size, BLOCK_V=block_v, STORE_STATE=True,
-                                              STATE_DOT_FP32=fp32, PRECISION=precision,
-                                              num_warps=num_warps, **extra)
+        _based_prefill_kernel[grid](*args, CHUNK=chunk_size, BLOCK_V=block_v, STORE_STATE=True,
+                                    STATE_DOT_FP32=fp32, PRECISION=precision, num_warps=num_warps, **extra)
 
 
 # yaie: task 2
@@ -512,7 +492,7 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
             the usual ones); one dtype: float16, bfloat16 or float32; any strides; CUDA, or CPU under the
             Triton interpreter.
         chunk_size: tokens per chunk, 16, 32, 64 or 128; ``None``: the implementation's choice (the reference
-            uses 64, or autotunes on a GPU for long fp16/bf16 sequences).
+            uses 32, its fastest on the H100).
         return_state: also return the state after the last token (for decoding on).
     Returns:
         ``(out, state)``: ``out [batch, heads, seq, d_v]`` in the inputs' dtype (``out_i`` as in
@@ -529,12 +509,10 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     batch, heads, seq, _ = q.shape
     value_dim = v.shape[-1]
     out = torch.empty(batch, heads, seq, value_dim, dtype=v.dtype, device=v.device)
-    # The state is written by the kernel (it also serves as its working memory: see the kernel).
+    # The kernel writes the final state (the "rows" variant also uses it as working memory).
     state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=v.device),
                        torch.empty(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=v.device))
-    if chunk_size is None and not _use_autotune(q.dtype, seq):
-        chunk_size = DEFAULT_CHUNK
-    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size, _block_v(value_dim))
+    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size or DEFAULT_CHUNK, _block_v(value_dim))
     return out, (state if return_state else None)
 
 

@@ -4,11 +4,11 @@ Shapes: batch 16, 16 heads, feature dim 16 (q, k), value dim 64, bf16, 1k to 16k
 
 Rows (``based_prefill``):
 
-* ``yaie triton``: :func:`based_prefill` as the engine calls it (the final state returned; the reference
-  autotunes its chunk and warps here, and prints its choice);
+* ``yaie triton``: :func:`based_prefill` as the engine calls it (default chunk, the final state returned);
 * ``yaie triton (variant, chunk C, BV b, w warps[, s stages])``: the reference kernels with other launch
-  settings (reference solutions only), to judge the defaults: ``rows`` keeps the order-2 state in memory
-  16 rows at a time, ``registers`` (the first version) keeps the whole state in registers;
+  settings (reference solutions only), to judge the defaults: ``registers`` is the kernel
+  :func:`based_prefill` runs (the whole state in registers), ``rows`` the second design that keeps the
+  order-2 state in memory 16 rows at a time;
 * ``fla fused_chunk_based`` and ``fla parallel_based``: flash-linear-attention's Triton kernels
   (``fla-core``, a benchmark-only extra: ``pip install -e .[bench]``). Without fla these rows are
   skipped with a note. fla takes ``[batch, seq, heads, dim]``; it is given views of the same
@@ -39,8 +39,8 @@ LESSON = "lesson08"
 DEVICE = "cuda"
 BATCH, HEADS, FEATURES, VALUE_DIM = 16, 16, 16, 64
 SWEEP = [  # (kernel variant, chunk, block_v, num_warps, num_stages or None)
-    ("rows", 32, 64, 4, None), ("rows", 128, 64, 8, None), ("rows", 64, 32, 4, None),
-    ("registers", 32, 64, 4, None), ("registers", 16, 64, 4, None),
+    ("registers", 64, 64, 4, None), ("registers", 64, 32, 4, None), ("registers", 128, 64, 8, None),
+    ("registers", 16, 64, 4, None), ("rows", 32, 64, 4, None), ("rows", 64, 64, 8, None), ("rows", 64, 32, 4, None),
 ]
 
 
@@ -123,10 +123,7 @@ def run(args) -> list[Row]:
         out = ours()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-        tuned = based._tuned_prefill() if hasattr(based, "_tuned_prefill") else None   # the reference's autotuner
-        best = getattr(tuned, "best_config", None)
-        print(f"{shape}: first call {time.perf_counter() - t0:.1f} s (compile"
-              + (f", autotune: {best})" if best else ")"), flush=True)
+        print(f"{shape}: first call {time.perf_counter() - t0:.1f} s (compile)", flush=True)
         ref, _ = based.based_chunked_reference(q[:1].float(), k[:1].float(), v[:1].float())
         errors = {"chunked reference (fp32, sequence 0)": _rel_err(out[:1], ref)}
         impls = [("yaie triton", ours)]
