@@ -185,6 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--timeout", type=float, default=300, help="seconds one concurrency level may take")
+    p.add_argument("--engine-in-thread", action="store_true",
+                   help="serve with the engine loop in a thread of the server process (yaie serve --engine-in-thread)")
     args = p.parse_args(argv)
 
     os.environ.setdefault("YAIE_SOLUTIONS", "all")
@@ -206,6 +208,7 @@ def main(argv=None) -> int:
     # One cache size for both: every request of the largest level at once, with room to spare.
     num_blocks = max(levels) * -(-(args.prompt_len + args.new_tokens) // 16) + 64
     engine_args = ["--device", args.device, "--num-blocks", str(num_blocks)]
+    engine_args += ["--engine-in-thread"] if args.engine_in_thread else []
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         hf = build_model(args.size, Path(folder), args.device, dtype)
@@ -232,7 +235,8 @@ def main(argv=None) -> int:
                            offline_seconds=offline[c]["seconds"], **{f"served_{k}": v for k, v in served.items()})
                 row["overhead"] = 1 - row["served_tokens_per_s"] / row["offline_tokens_per_s"]
                 rows.append(row)
-                print(f"served   C={c:<3d} {served['tokens_per_s']:9.1f} tok/s  overhead {100 * row['overhead']:5.1f}%  "
+                print(f"served   C={c:<3d} {served['tokens_per_s']:9.1f} tok/s  "
+                      f"overhead {100 * row['overhead']:5.1f}%  "
                       f"TTFT p50 {served['ttft_p50_ms']:.1f} ms p99 {served['ttft_p99_ms']:.1f} ms  "
                       f"ITL p50 {served['itl_p50_ms'] or 0:.2f} ms p99 {served['itl_p99_ms'] or 0:.2f} ms", flush=True)
             final = server.metrics()
@@ -246,7 +250,8 @@ def main(argv=None) -> int:
                                               config=CONFIGS[args.size] | COMMON, init="random (seed 0)"),
                   workload=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, concurrency=levels,
                                 requests_per_client=args.requests_per_client, sampling="greedy, ignore_eos",
-                                kv_block_size=16, num_blocks=num_blocks),
+                                kv_block_size=16, num_blocks=num_blocks,
+                                engine_loop="thread" if args.engine_in_thread else "process"),
                   rows=rows, server_metrics_at_end=final)
     out = Path(args.out) if args.out else ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
@@ -255,6 +260,9 @@ def main(argv=None) -> int:
     (out / f"serve_{slug}.md").write_text(markdown(report))
     print(markdown(report))
     return 0
+
+
+LOOP_WORDS = {"thread": "in a thread of the server process", "process": "in a process of its own"}
 
 
 def markdown(report: dict) -> str:
@@ -273,7 +281,8 @@ def markdown(report: dict) -> str:
         f"{work['prompt_len']} random prompt tokens, {work['new_tokens']} new tokens, greedy, end-of-sequence "
         f"ignored; the server streams (`POST /v1/completions`, SSE); offline runs the same requests through "
         f"`LLM.generate`, C prompts per call. KV cache: {work['num_blocks']} blocks of {work['kv_block_size']} "
-        "for both. Throughput: generated tokens over the wall time of all rounds, after a warm-up round.",
+        f"for both. The server's engine loop: {LOOP_WORDS[work.get('engine_loop', 'thread')]}. "
+        "Throughput: generated tokens over the wall time of all rounds, after a warm-up round.",
         f"Versions: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, fastapi {env.get('fastapi')}, "
         f"uvicorn {env.get('uvicorn')}, httpx {env.get('httpx')}; commit {env['git_commit']}; {env['date_utc']}.",
         f"Command: `{env['command']}`", "",
