@@ -287,9 +287,11 @@ md(r"""
    the 136 (what factor must the off-diagonal ones carry?). What does it save in the state, and what does it cost
    the kernel?
 4. The kernel scales q and k by `1/2` on load instead of dividing `s` by 4. Why is that exact in bf16?
-5. (GPU) `scripts/probe_lesson08_registers.py` compiles both kernel variants for the H100 without a GPU and
-   prints ptxas's register and spill counts. Why does keeping the 256 x 64 float32 order-2 state in registers
-   spill? Where does the reference keep it instead, and why must each chunk end with a barrier?
+5. `scripts/probe_lesson08_registers.py` compiles the reference's two kernel designs for the H100 without a
+   GPU and prints ptxas's register and spill counts. Why does the default kernel, which keeps the 256 x 64
+   float32 order-2 state in registers and builds `[C, 256]` products, spill? The second design ("rows") keeps
+   that state in the output state tensor and visits it 16 rows at a time: why must each chunk then end with a
+   barrier? (GPU) Time both with `yaie bench lesson08`: which wins, and why?
 6. (GPU) Run `yaie bench lesson08`: at which length does the chunked kernel overtake SDPA, and why does
    flash-linear-attention's quadratic `parallel_based` win at short lengths but lose at long ones?
 7. A Based layer pairs linear attention with exact attention over a short sliding window (64 tokens, say).
