@@ -622,7 +622,8 @@ class RadixAttentionWithPagedKVCache:
 
     # yaie: task 2
     def clear(self) -> int:
-        """Evict every unlocked cached prefix; returns how many blocks the tree gave back."""
+        """Evict every unlocked cached prefix (:meth:`evict` of all the tree's blocks); the prefixes that live
+        sequences hold locked stay. Returns how many blocks the tree gave back."""
         return len(self.evict(self.tree.num_cached_blocks))
 
     # ------------------------------------------------------------------ task 2: attention

@@ -462,7 +462,8 @@ class RadixAttentionWithPagedKVCache:
         raise NotImplementedError('lesson 05, task 2: implement free in yaie/kernels/radix_attention.py')
 
     def clear(self) -> int:
-        """Evict every unlocked cached prefix; returns how many blocks the tree gave back."""
+        """Evict every unlocked cached prefix (:meth:`evict` of all the tree's blocks); the prefixes that live
+        sequences hold locked stay. Returns how many blocks the tree gave back."""
         raise NotImplementedError('lesson 05, task 2: implement clear in yaie/kernels/radix_attention.py')
 
     # ------------------------------------------------------------------ task 2: attention
