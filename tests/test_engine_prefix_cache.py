@@ -87,11 +87,13 @@ def test_eviction_and_preemption_with_a_small_cache(preemption):
     check_nothing_leaked(llm)
 
 
-def test_cached_prefixes_match_transformers(tmp_path):
-    """A random Llama checkpoint: prompts sharing a long prefix, greedy, equal to transformers' greedy."""
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_cached_prefixes_match_transformers(tmp_path, kind):
+    """Random checkpoints (Mistral: every layer a window of 8, shorter than the cached prefix): prompts sharing
+    a long prefix, greedy, equal to transformers' greedy."""
     pytest.importorskip("transformers")
     seed = fresh_seed()
-    hf = save_random_model("llama", tmp_path, seed=seed)
+    hf = save_random_model(kind, tmp_path, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     prefix = [1] + torch.randint(3, 96, (21,), generator=gen).tolist()
     prompts = [prefix + torch.randint(3, 96, (n,), generator=gen).tolist() for n in (1, 3, 6)] + [prefix[:9]]
@@ -101,7 +103,7 @@ def test_cached_prefixes_match_transformers(tmp_path):
     rest = [o.token_ids for o in llm.generate(prompts[1:], params)]
     assert llm.prefix_cache_stats().cached_tokens == 20 + 20 + 8   # 5 whole blocks twice, then 2 blocks
     want = [hf_greedy(hf, ids, 10, []) for ids in prompts]
-    assert [first] + rest == want, f"seed={seed}"
+    assert [first] + rest == want, f"{kind} seed={seed}"
 
 
 def test_prefix_caching_off_in_strict_mode_when_lesson05_is_unfinished(monkeypatch, capsys):
