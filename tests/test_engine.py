@@ -201,7 +201,7 @@ def test_auto_mode_without_reference_says_so(monkeypatch):
     monkeypatch.delenv("YAIE_SOLUTIONS")
     monkeypatch.setattr(student, "build_rope_cache", _stub("build_rope_cache"))
 
-    def no_reference(lesson):
+    def no_reference(lesson, which=0):
         raise ops.switch.LessonUnavailable("lesson 01: no reference in this copy")
 
     monkeypatch.setattr(ops, "_reference_module", no_reference)
