@@ -1,6 +1,8 @@
 """Lesson 08 beyond its grader: the reference's other paths (the chunked PyTorch algorithm, every chunk size,
 the second kernel design, reads that stay inside the sequence), the memory figures the notebook shows,
-and the benchmark's pieces that run without a GPU (fla stays an optional, benchmark-only dependency).
+the benchmark's pieces that run without a GPU (fla stays an optional, benchmark-only dependency), and the
+bundled Based model in the engine (it generates; recurrent decode gives the parallel forward's logits;
+constant memory per sequence).
 """
 
 from __future__ import annotations
@@ -102,3 +104,101 @@ def test_fla_is_a_benchmark_only_extra():
     main = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
     bench = re.search(r"^bench = \[(.*?)^\]", text, re.S | re.M).group(1)
     assert "fla" not in main and '"fla-core"' in bench
+
+
+# ---------------------------------------------------------------- the Based model in the engine
+
+BASED_MODEL = ROOT / "yaie" / "assets" / "tiny-based"
+
+
+@pytest.fixture(scope="module")
+def based_llm():
+    from yaie.engine import LLM
+    from yaie.model.testing import single_thread
+
+    with pytest.MonkeyPatch.context() as mp, single_thread():
+        mp.setenv("YAIE_SOLUTIONS", "all")
+        yield LLM(BASED_MODEL, device="cpu")
+
+
+def test_bundled_based_model_is_small_and_a_based_model(based_llm):
+    assert sum(p.stat().st_size for p in BASED_MODEL.iterdir()) <= 10 * 2**20
+    cfg = based_llm.config
+    assert cfg.based_layers and type(based_llm.model).__name__ == "BasedModel"
+    assert all((w is None) == (n in cfg.based_layers) for n, w in enumerate(cfg.sliding_windows))
+
+
+def test_engine_generates_from_the_bundled_based_model(based_llm, monkeypatch):
+    """Greedy generation through the engine (prefill, then the recurrent state) picks the same tokens as
+    greedy decoding that reruns the whole sequence through a fresh prefill at every step."""
+    from yaie.engine import SamplingParams
+    from yaie.model.based import BasedCache
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    prompt = "Once upon a time, there was a little cat named Mia."
+    out = based_llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    assert len(out.text.split()) >= 5, out.text
+    model, ids = based_llm.model, based_llm.tokenizer.encode(prompt)
+    for _ in range(24):
+        seq = torch.tensor(ids)
+        hidden = model.forward(seq, torch.arange(len(ids)), BasedCache(model.config, "cpu"))
+        ids.append(int(model.logits(hidden[-1:]).argmax()))
+    assert based_llm.tokenizer.decode(ids[-24:]) == out.text
+
+
+def test_recurrent_decode_logits_equal_the_parallel_forward(based_llm, monkeypatch):
+    """Prompt in one prefill (the chunked algorithm), then token by token (the recurrent state, the window
+    ring): the logits of every position equal those of one forward over the whole sequence."""
+    from yaie.model.based import BasedCache
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    model = based_llm.model
+    story = ("Once upon a time, there was a little dog named Sam. Sam liked to run in the big park with his red "
+             "ball, and every day he met a bird who sang a happy song for him and his friends. ")
+    ids = torch.tensor(based_llm.tokenizer.encode(story * 2))
+    n = ids.numel()
+    assert n > model.config.sliding_windows[1] + 8     # the window ring wraps during the test
+    whole = model.logits(model.forward(ids, torch.arange(n), BasedCache(model.config, "cpu")))
+    cache = BasedCache(model.config, "cpu")
+    steps = [model.logits(model.forward(ids[:7], torch.arange(7), cache))]
+    for t in range(7, n):
+        steps.append(model.logits(model.forward(ids[t:t + 1], torch.arange(t, t + 1), cache)))
+    torch.testing.assert_close(torch.cat(steps), whole, atol=1e-4, rtol=1e-4)
+
+
+def test_based_layers_match_the_quadratic_form(based_llm, monkeypatch):
+    """The prefill's Based layer output equals the quadratic form (an independent check of the engine path)."""
+    from yaie.model.based import BasedCache, based_parallel
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(40, 8, 16, generator=gen) for _ in range(2))
+    v = torch.randn(40, 8, 32, generator=gen)
+    out = BasedCache(based_llm.config, "cpu").attend_linear(0, q, k, v)
+    torch.testing.assert_close(out, based_parallel(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_memory_per_sequence_is_constant(based_llm, monkeypatch):
+    from yaie.engine import SamplingParams
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    window = max(w for w in based_llm.config.sliding_windows if w)
+    sizes = []
+    for prompt_len in (window + 1, 4 * window):    # past the window, the window layers keep `window` tokens
+        ids = list(range(5, 5 + prompt_len))
+        based_llm.generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        sizes.append(based_llm.last_caches[0].nbytes())
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_config_errors_name_the_problem():
+    from yaie.model.config import ModelConfig, ModelLoadError
+
+    raw = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=2, based_layers=[0, 5], sliding_window=8)
+    with pytest.raises(ModelLoadError, match="based_layers"):
+        ModelConfig.from_dict(raw)
+    with pytest.raises(ModelLoadError, match="sliding_window"):
+        ModelConfig.from_dict({**raw, "based_layers": [0], "sliding_window": None})
+    cfg = ModelConfig.from_dict({**raw, "based_layers": [0]})
+    assert cfg.sliding_windows == [None, 8] and cfg.based_feature_dim == 16
