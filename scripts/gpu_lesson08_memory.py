@@ -2,11 +2,11 @@
 
     python scripts/gpu_lesson08_memory.py MODEL_DIR [--out memory.json]
 
-For prompts of 1k and 16k random token ids: the bytes the sequence's :class:`BasedCache` holds after
-the prompt (measured: the tensors it keeps), the peak of allocated GPU memory during the prefill over
-what was allocated before, and the decode time per token (64 greedy tokens after the prompt, minus the
-prompt alone). Beside it, the bf16 KV cache a full-attention model of the same shape (every layer a
-softmax layer over the whole context) would hold for the same tokens.
+For prompts of 1k and 16k random token ids: the bytes the sequence's :class:`BasedCache` holds (the
+tensors it keeps) after the engine's generate call, and again after the prompt plus 64 decode steps run
+on a cache of the script's own, timed apart (prefill seconds, decode ms per token; on a GPU also the
+peak of allocated memory over what was allocated before). Beside it, the bf16 KV cache a full-attention
+model of the same shape (every layer a softmax layer over the whole context) would hold for the same tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 from yaie.engine.llm import LLM  # noqa: E402
 from yaie.engine.sampling import SamplingParams  # noqa: E402
+from yaie.model.based import BasedCache  # noqa: E402
 
 
 def main() -> None:
@@ -39,26 +40,34 @@ def main() -> None:
     cfg = llm.config
     gen = torch.Generator().manual_seed(0)
     rows = []
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for n in (int(x) for x in args.lengths.split(",")):
         ids = torch.randint(2, cfg.vocab_size - 64, (n,), generator=gen).tolist()
-        timings = {}
-        for new in (1, 65):
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated() if cuda else 0
-            t0 = time.perf_counter()
-            llm.generate([ids], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
-            if cuda:
-                torch.cuda.synchronize()
-            timings[new] = time.perf_counter() - t0
-            peak = torch.cuda.max_memory_allocated() - before if cuda else None
-        cache = llm.last_caches[0]
-        full_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * (n + 65)
+        # The engine's path: one generate call (prefill, then decode steps) ...
+        llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        engine_bytes = llm.last_caches[0].nbytes()
+        # ... and the same two phases timed apart, on a cache of the model's own.
+        cache = BasedCache(cfg, llm.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        sync()
+        t0 = time.perf_counter()
+        hidden = llm.model.forward(torch.tensor(ids, device=llm.device), torch.arange(n, device=llm.device), cache)
+        token = llm.model.logits(hidden[-1:]).argmax(-1)
+        sync()
+        t1 = time.perf_counter()
+        for step in range(64):
+            hidden = llm.model.forward(token, torch.tensor([n + step], device=llm.device), cache)
+            token = llm.model.logits(hidden).argmax(-1)
+        sync()
+        t2 = time.perf_counter()
+        peak = torch.cuda.max_memory_allocated() - before if cuda else None
+        full_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * (n + 64)
         row = dict(prompt_tokens=n, tokens_at_end=len(cache), state_bytes=cache.nbytes(),
-                   peak_extra_allocated_bytes=peak, full_attention_bf16_kv_bytes=full_kv,
-                   prefill_seconds=round(timings[1], 4),
-                   decode_ms_per_token=round(1e3 * (timings[65] - timings[1]) / 64, 3))
+                   engine_state_bytes=engine_bytes, peak_extra_allocated_bytes=peak,
+                   full_attention_bf16_kv_bytes=full_kv, prefill_seconds=round(t1 - t0, 4),
+                   decode_ms_per_token=round(1e3 * (t2 - t1) / 64, 3))
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = dict(model=str(args.model), gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, rows=rows)
