@@ -249,3 +249,23 @@ def test_cli_rejects_bad_options(monkeypatch, capsys):
     assert "max_tokens must be" in capsys.readouterr().err
     assert cli.main(["generate", "Hi", "--model", "/nonexistent/model"]) == 1
     assert "not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("folder, lesson, stub_file", [("tiny-telescoping", 7, "yaie/kernels/telescoping.py"),
+                                                       ("tiny-based", 8, "yaie/kernels/based.py")])
+def test_constant_memory_models_fall_back_on_unfinished_lessons(monkeypatch, capsys, folder, lesson, stub_file):
+    """The telescoping and Based models reach their lesson through ops: on the stubs, auto mode runs the
+    reference with one notice and gives the reference's tokens; strict mode names the missing task."""
+    model = DEFAULT_MODEL.parent / folder
+    params = SamplingParams(max_tokens=6, temperature=0)
+    expected = LLM(model, device="cpu").generate("Once upon a time", params)[0].token_ids
+    monkeypatch.delenv("YAIE_SOLUTIONS")
+    ops.reset_auto_fallback()
+    got = LLM(model, device="cpu").generate("Once upon a time", params)[0].token_ids
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"lesson {lesson:02d}")]
+    assert len(notices) == 1 and stub_file in notices[0] and "using the reference" in notices[0], notices
+    assert got == expected
+    monkeypatch.setenv("YAIE_SOLUTIONS", "1-6")       # strict: lessons 07 and 08 run the student's stubs
+    ops.reset_auto_fallback()
+    with pytest.raises(ops.KernelMissing, match=f"lesson {lesson:02d}: .* is not implemented yet"):
+        LLM(model, device="cpu").generate("Once upon a time", params)

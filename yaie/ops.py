@@ -39,7 +39,9 @@ as a whole, before serving: :func:`kv_cache_manager` probes every method the eng
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
 import sys
 
@@ -124,6 +126,26 @@ def call_in(lesson: int, which: int, name: str, *args, **kwargs):
     except NotImplementedError as err:
         reference = _fallback(lesson, name, module, err, which)
         return getattr(reference, name)(*args, **kwargs)
+
+
+class LessonCalls:
+    """Every function of a lesson's module, called through :func:`call_in`: ``LessonCalls(7).telescoping_step(...)``.
+
+    Model code that uses many functions of one lesson (the telescoping and Based models) reaches them this
+    way, so an unfinished stub falls back to the reference in auto mode (with one notice) or raises
+    :class:`KernelMissing`, exactly as the engine's other lesson calls do. Non-function attributes
+    (given classes such as lesson 08's ``BasedState``) come from the module that serves the lesson now.
+    """
+
+    def __init__(self, lesson: int, which: int = 0):
+        self._lesson = lesson
+        self._which = which
+
+    def __getattr__(self, name: str):
+        attr = getattr(lesson_module(self._lesson, self._which), name)
+        if not inspect.isfunction(attr):
+            return attr
+        return functools.partial(call_in, self._lesson, self._which, name)
 
 
 def selection() -> tuple:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from yaie.switch import module
+from yaie import ops
 
 LESSON = 7
 
 
 def _lesson():
-    return module(LESSON)
+    # Through ops, so an unfinished stub falls back to the reference in auto mode, as everywhere else.
+    return ops.LessonCalls(LESSON)
 
 
 def attend_entries(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sizes: torch.Tensor,
