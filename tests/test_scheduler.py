@@ -26,8 +26,8 @@ def write_step(manager, plan):
     for request, slots in zip(plan.decodes, plan.decode_slots):
         positions = [len(request.token_ids) - 1]
         _write(manager, request, positions, slots)
-    for request, slots in zip(plan.prefills, plan.prefill_slots):
-        _write(manager, request, list(range(len(request.token_ids))), slots)
+    for request, slots, (start, end) in zip(plan.prefills, plan.prefill_slots, plan.prefill_ranges):
+        _write(manager, request, list(range(start, end)), slots)
 
 
 def _write(manager, request, positions, slots):
@@ -58,11 +58,12 @@ def check_invariants(scheduler, requests, max_num_seqs):
         assert got == [code(request.request_id, p) for p in range(n)], f"request {request.request_id} corrupted"
 
 
-def run_workload(preemption: str, seed: int, num_blocks: int, max_num_seqs: int = 6):
+def run_workload(preemption: str, seed: int, num_blocks: int, max_num_seqs: int = 6, chunked: bool = False):
     rng = random.Random(seed)
     manager = KVCacheManager(num_blocks, 4, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
                              device="cpu", num_cpu_blocks=num_blocks // 2)
-    scheduler = Scheduler(manager, preemption, max_num_seqs=max_num_seqs, max_num_batched_tokens=40)
+    scheduler = Scheduler(manager, preemption, max_num_seqs=max_num_seqs, max_num_batched_tokens=9 if chunked else 40,
+                          chunked_prefill=chunked)
     requests = []
     pending = [Request(i, [rng.randrange(100) for _ in range(rng.randint(1, 14))], rng.randint(1, 16))
                for i in range(16)]
@@ -78,7 +79,9 @@ def run_workload(preemption: str, seed: int, num_blocks: int, max_num_seqs: int 
         assert not plan.empty, "an empty step with requests left"
         write_step(manager, plan)
         check_invariants(scheduler, requests, max_num_seqs)
-        for request in plan.decodes + plan.prefills:
+        assert len(plan.decodes) + sum(end - start for start, end in plan.prefill_ranges) <= 9 or not chunked \
+            or not plan.prefills, "a chunked step over its token budget"
+        for request in plan.sampled:
             request.output_ids.append(rng.randrange(100))
             if len(request.output_ids) >= request.max_new_tokens or rng.random() < 0.03:
                 scheduler.finish(request)
@@ -89,13 +92,14 @@ def run_workload(preemption: str, seed: int, num_blocks: int, max_num_seqs: int 
     return scheduler
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_random_workloads_keep_every_request_intact(preemption):
+def test_random_workloads_keep_every_request_intact(preemption, chunked):
     preempted = 0
     for _ in range(6):
         seed = fresh_seed()
         try:
-            stats = run_workload(preemption, seed, num_blocks=random.Random(seed).randint(8, 16)).stats
+            stats = run_workload(preemption, seed, num_blocks=random.Random(seed).randint(8, 16), chunked=chunked).stats
         except AssertionError as err:
             raise AssertionError(f"seed={seed} (replay with YAIE_SEED={seed}): {err}") from None
         preempted += stats.preempted_by_swap + stats.preempted_by_recompute
@@ -145,3 +149,30 @@ def test_request_that_never_fits_is_refused():
     manager = KVCacheManager(4, 2, 1, 1, 1, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="num_blocks"):
         Scheduler(manager).add(Request(0, [1] * 6, 4))    # 9 tokens at most: 5 blocks of 2 > 4
+
+
+def test_chunked_prefill_feeds_a_long_prompt_beside_the_decodes():
+    """A 10-token prompt under a 4-token budget, while an older request decodes: chunks of 3 (the budget
+    less the decode); with one prompt token left it decodes that token (one row, like any decode) and
+    samples; the older request decodes in every step."""
+    manager = KVCacheManager(16, 2, 1, 1, 1, dtype=torch.float32, device="cpu")
+    scheduler = Scheduler(manager, max_num_batched_tokens=4, chunked_prefill=True)
+    old, long = Request(0, [1, 2], 8), Request(1, list(range(3, 13)), 2)
+    scheduler.add(old)
+    plan = scheduler.schedule()
+    write_step(manager, plan)
+    assert plan.prefill_ranges == [(0, 2)] and plan.sampled == [old]
+    old.output_ids.append(7)
+    scheduler.add(long)
+    ranges = []
+    for step in range(4):
+        plan = scheduler.schedule()
+        write_step(manager, plan)
+        assert plan.decodes[0] is old, "the running request decodes in every step"
+        ranges += plan.prefill_ranges
+        assert manager.num_tokens(long.request_id) == long.num_computed_tokens
+        assert plan.sampled == ([old] if step < 3 else [old, long])
+        for request in plan.sampled:
+            request.output_ids.append(7)
+    assert ranges == [(0, 3), (3, 6), (6, 9)] and long.num_computed_tokens == 10
+    check_invariants(scheduler, [old, long], 256)

@@ -50,7 +50,7 @@ class StepEngine:
         graphs = self._cache.graphs
         self.scheduler = Scheduler(self._cache.manager, llm.preemption, llm.max_num_seqs,
                                    llm.max_num_batched_tokens, reserved_blocks=1 if graphs is not None else 0,
-                                   prefix_cache=self._cache.prefix_cache)
+                                   prefix_cache=self._cache.prefix_cache, chunked_prefill=llm.chunked_prefill)
         llm.last_scheduler, llm.last_graphs = self.scheduler, graphs
         self.requests: dict[int, Request] = {}      # unfinished requests by id
         self.texts: dict[int, _Text] = {}
@@ -99,7 +99,7 @@ class StepEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
-        batch = plan.decodes + plan.prefills
+        batch = plan.sampled          # a prefill chunk that leaves part of its prompt gets no token yet
         tokens = self.llm._forward(self.manager, plan, [self.texts[r.request_id] for r in batch],
                                    self._cache.graphs)
         events = []

@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads (default: 1 for small models, where more threads only add overhead)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="prefill every prompt in full (default: reuse cached prefixes, lesson 05's radix tree)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step: the decodes, then prompt chunks in what is left (default 2048)")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt whole in one step instead of in chunks of the step's budget")
     p.add_argument("--solutions", default=None, metavar="SPEC",
                    help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
     return p
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.solutions is not None:
             switch.use_solutions(args.solutions)
         llm = LLM(args.model, device=args.device, cpu_threads=args.threads,
-                  prefix_caching=not args.no_prefix_caching)
+                  prefix_caching=not args.no_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
+                  chunked_prefill=not args.no_chunked_prefill)
         params = llm.default_sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
                                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
         prompt = args.prompt

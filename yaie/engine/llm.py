@@ -1,8 +1,8 @@
 """The Python API: ``LLM(model_dir).generate(prompts, SamplingParams(...))``.
 
 Requests run through continuous batching (:mod:`yaie.engine.scheduler`): all prompts of a ``generate``
-call are queued; every step runs one forward pass over the decoding requests (one token each) and the
-newly admitted prefills (whole prompts), packed into one batch. The KV cache is lesson 03's paged cache
+call are queued; every step runs one forward pass over the decoding requests (one token each) and
+prefills (chunks of prompts, up to ``max_num_batched_tokens`` tokens in the step), packed into one batch. The KV cache is lesson 03's paged cache
 (a ``KVCacheManager``, kept from one ``generate`` or ``stream`` call to the next when the last one ended
 cleanly); the model reads and writes it through a :class:`yaie.model.paged.PagedStep`. When blocks run
 out the scheduler preempts the newest request by recompute or swap; each request keeps its own sampler
@@ -122,7 +122,14 @@ class LLM:
             worth (CUDA, pinned) with ``preemption="swap"``, none with ``"recompute"``.
         preemption: what happens to the newest running request when blocks run out: ``"recompute"``
             (free its blocks, prefill it again later) or ``"swap"`` (copy its blocks to host memory).
-        max_num_seqs: requests running at once at most. max_num_batched_tokens: prefill tokens per step.
+        max_num_seqs: requests running at once at most.
+        max_num_batched_tokens: tokens one step feeds: the running decodes (one each), then prefills in what
+            is left, a long prompt cut into chunks over several steps (chunked prefill), so running requests
+            keep getting a token every step while it is ingested. Default 2048: on a GPU a step of 2048
+            tokens of a 1B model is already bound by arithmetic, so bigger chunks gain little, while each
+            one delays the running requests' next token by its whole time.
+        chunked_prefill: cut prompts into chunks (above; default on). Off: ``max_num_batched_tokens``
+            counts prefill tokens only and a longer prompt runs whole in one step (the decodes wait for it).
         cuda_graphs: replay decode-only steps from CUDA graphs (:mod:`yaie.engine.cuda_graphs`); default:
             on CUDA. One block of the cache is kept back as the graphs' scratch block (``num_blocks`` counts
             the blocks requests can use).
@@ -135,8 +142,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, cpu_threads: int | None = None, *,
                  block_size: int = 16, num_blocks: int | None = None, num_cpu_blocks: int | None = None,
-                 preemption: str = "recompute", max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 cuda_graphs: bool | None = None, prefix_caching: bool = True):
+                 preemption: str = "recompute", max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 cuda_graphs: bool | None = None, prefix_caching: bool = True, chunked_prefill: bool = True):
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = torch.device(device) if device is not None else default_device()
         model_class = LlamaModel
@@ -171,6 +178,7 @@ class LLM:
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.cuda_graphs = supported if cuda_graphs is None else bool(cuda_graphs)
         self.prefix_caching = bool(prefix_caching)
+        self.chunked_prefill = bool(chunked_prefill)
         self.last_scheduler: Scheduler | None = None   # the last run's scheduler (stats, manager), for tests
         self.last_graphs: DecodeGraphs | None = None   # the last run's CUDA-graph runner, for tests
         self._kept: _RunCache | None = None    # the KV cache (and graphs) kept for the next run
@@ -321,7 +329,8 @@ class LLM:
             manager, graphs = cache.manager, cache.graphs
             reserved = 1 if graphs is not None else 0
             scheduler = Scheduler(manager, self.preemption, self.max_num_seqs, self.max_num_batched_tokens,
-                                  reserved_blocks=reserved, prefix_cache=cache.prefix_cache)
+                                  reserved_blocks=reserved, prefix_cache=cache.prefix_cache,
+                                  chunked_prefill=self.chunked_prefill)
             self.last_scheduler, self.last_graphs = scheduler, graphs
             texts = {}
             for i, (ids, p) in enumerate(zip(prompt_ids, params)):
@@ -333,9 +342,9 @@ class LLM:
                 plan = scheduler.schedule()
                 if plan.empty:
                     raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
-                tokens = self._forward(scheduler.manager, plan, [texts[r.request_id] for r in
-                                                                 plan.decodes + plan.prefills], graphs)
-                for request, token in zip(plan.decodes + plan.prefills, tokens):
+                sampled = plan.sampled
+                tokens = self._forward(scheduler.manager, plan, [texts[r.request_id] for r in sampled], graphs)
+                for request, token in zip(sampled, tokens):
                     text = texts[request.request_id]
                     piece = text.push(request, token)
                     if text.finish_reason is not None:
@@ -390,12 +399,15 @@ class LLM:
         return DecodeGraphs(self.model, manager, self.max_num_seqs)
 
     def _forward(self, manager, plan: StepPlan, texts: list[_Text], graphs: DecodeGraphs | None = None) -> list[int]:
-        """One forward pass over a step's decodes and prefills; returns one sampled token per request."""
-        # A prefill feeds only the tokens after its cached prefix (0 without prefix caching).
-        token_ids = [r.token_ids[-1] for r in plan.decodes] + [t for r in plan.prefills
-                                                              for t in r.token_ids[r.num_cached_tokens:]]
+        """One forward pass over a step's decodes and prefill chunks; returns one sampled token per request of
+        ``plan.sampled`` (``texts`` are theirs)."""
+        # A prefill feeds its chunk: the tokens after its cached prefix (a prefix-cache hit, or the chunks
+        # of earlier steps), up to the end of its tokens or of the step's budget.
+        token_ids = [r.token_ids[-1] for r in plan.decodes] + [t for r, (start, end) in zip(plan.prefills,
+                                                                                          plan.prefill_ranges)
+                                                              for t in r.token_ids[start:end]]
         positions = [len(r.token_ids) - 1 for r in plan.decodes] + [
-            p for r in plan.prefills for p in range(r.num_cached_tokens, len(r.token_ids))]
+            p for start, end in plan.prefill_ranges for p in range(start, end)]
         if graphs is not None and not plan.prefills and graphs.fits(len(plan.decodes)):
             logits = graphs.run([r.request_id for r in plan.decodes], token_ids, positions,
                                 torch.cat(plan.decode_slots))
@@ -403,12 +415,17 @@ class LLM:
                 return _sample_rows(logits, texts)
         requests = plan.decodes + plan.prefills
         step = PagedStep(manager, [r.request_id for r in requests],
-                         [1] * len(plan.decodes) + [len(r.token_ids) - r.num_cached_tokens for r in plan.prefills],
+                         [1] * len(plan.decodes) + [end - start for start, end in plan.prefill_ranges],
                          len(plan.decodes),
                          torch.cat(plan.decode_slots + plan.prefill_slots))
         hidden = self.model.forward(torch.tensor(token_ids, device=self.device),
                                     torch.tensor(positions, device=self.device), step)
-        rows = torch.tensor(step.last_token_rows, device=self.device)
+        # Logits only where a token is sampled: not after a chunk that leaves part of its prompt for later.
+        ends = [len(r.token_ids) for r in plan.decodes] + [end for _, end in plan.prefill_ranges]
+        rows = [row for row, r, end in zip(step.last_token_rows, requests, ends) if end == len(r.token_ids)]
+        if not rows:
+            return []
+        rows = torch.tensor(rows, device=self.device)
         logits = self.model.logits(hidden[rows])
         return _sample_rows(logits, texts)
 

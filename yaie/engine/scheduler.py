@@ -17,6 +17,16 @@ One step (:meth:`Scheduler.schedule`), oldest request first everywhere (first co
 3. then, if no request is still swapped out, waiting requests are admitted (prefill) while their tokens
    fit in the free blocks and in the step's token budget.
 
+Chunked prefill (``chunked_prefill=True``, the engine's default): ``max_num_batched_tokens`` bounds the
+tokens of a whole step, decodes included. Decodes come first (one token each, always scheduled); what is
+left of the budget goes to prefills, oldest first, each fed as a *chunk* of at most what is left: a long
+prompt is cut into pieces, one per step, ingested beside the running decodes instead of stopping them for
+a whole-prompt step. A request whose prompt is only partly in the cache is ``running`` (it holds its
+blocks, its chunks are reserved step by step: ``Request.num_computed_tokens``), but it samples no token
+until its last chunk has run. A chunk continues a cached context, like a prefix-cache hit, so the
+attention that runs is the same (lesson 05's prefix-prefill kernel on CUDA). Without chunking, the budget
+counts prefill tokens only and a prompt longer than it still runs whole, alone.
+
 Prefix caching (lesson 05, ``prefix_cache``): an admitted request reads the longest cached prefix of its
 tokens from the radix tree and prefills only the rest (``Request.num_cached_tokens``); after its prefill
 its prompt goes into the tree, and when it finishes (or is preempted by recompute) everything it computed
@@ -54,6 +64,13 @@ class Request:
     state: str = "waiting"                 # waiting, running, swapped or finished
     num_preemptions: int = 0
     num_cached_tokens: int = 0             # of token_ids, read from the prefix cache at admission (not prefilled)
+    num_computed_tokens: int = 0           # of token_ids, in the cache once the step just planned has run
+
+    @property
+    def prefilling(self) -> bool:
+        """True while more than its last token is still to be fed (a chunked prefill in progress, or not
+        admitted yet). A request with exactly its last token left decodes: that is one decode step."""
+        return self.num_computed_tokens < len(self.prompt_ids) + len(self.output_ids) - 1
 
     @property
     def token_ids(self) -> list[int]:
@@ -68,18 +85,32 @@ class Request:
 
 @dataclass
 class StepPlan:
-    """What the next forward pass runs: decodes (one token each) then prefills (all their tokens), with
-    the cache slots reserved for those tokens."""
+    """What the next forward pass runs: decodes (one token each) then prefills (a chunk of tokens each:
+    ``token_ids[start:end]`` for ``(start, end)`` in ``prefill_ranges``), with the cache slots reserved
+    for those tokens."""
 
     decodes: list[Request] = field(default_factory=list)
     decode_slots: list[torch.Tensor] = field(default_factory=list)
     prefills: list[Request] = field(default_factory=list)
     prefill_slots: list[torch.Tensor] = field(default_factory=list)
+    prefill_ranges: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not self.decodes and not self.prefills
+
+    @property
+    def sampled(self) -> list[Request]:
+        """The requests that get a token from this step, in row order: every decode, and each prefill whose
+        chunk reaches the end of its tokens (a partial chunk only fills the cache)."""
+        return self.decodes + [r for r, (_, end) in zip(self.prefills, self.prefill_ranges)
+                               if end == len(r.token_ids)]
+
+    def add_prefill(self, request: Request, slots: torch.Tensor, start: int) -> None:
+        self.prefills.append(request)
+        self.prefill_slots.append(slots)
+        self.prefill_ranges.append((start, start + len(slots)))
 
 
 @dataclass
@@ -96,7 +127,9 @@ class Scheduler:
         manager: the lesson 03 ``KVCacheManager`` (request ids are its sequence ids).
         preemption: ``"recompute"`` or ``"swap"``.
         max_num_seqs: at most this many requests run at once.
-        max_num_batched_tokens: prefill tokens per step; a single longer prompt still runs, alone.
+        max_num_batched_tokens: with ``chunked_prefill``, tokens per step (decodes, then prefill chunks in
+            what is left); without, prefill tokens per step, a single longer prompt still running whole.
+        chunked_prefill: cut prompts into chunks that fit the step's budget (see the module docstring).
         reserved_blocks: blocks of the cache that no request may count on (the CUDA-graph runner's scratch
             block): a request is refused if it needs more than ``manager.num_blocks - reserved_blocks``.
         prefix_cache: lesson 05's ``RadixAttentionWithPagedKVCache`` over ``manager`` (automatic prefix
@@ -104,7 +137,8 @@ class Scheduler:
     """
 
     def __init__(self, manager, preemption: str = "recompute", max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 4096, reserved_blocks: int = 0, prefix_cache=None):
+                 max_num_batched_tokens: int = 4096, reserved_blocks: int = 0, prefix_cache=None,
+                 chunked_prefill: bool = False):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -115,6 +149,7 @@ class Scheduler:
         self.preemption = preemption
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = bool(chunked_prefill)
         self.usable_blocks = manager.num_blocks - reserved_blocks
         # The manager's own OutOfBlocks (the student's or the reference module, whichever built it).
         self.out_of_blocks = importlib.import_module(type(manager).__module__).OutOfBlocks
@@ -148,6 +183,7 @@ class Scheduler:
     def _free(self, request: Request, cache: bool) -> None:
         """Give a request's blocks back; with a prefix cache, first put what it computed into the tree
         (``cache``: its K/V are all written, i.e. not between ``schedule`` and the forward pass)."""
+        request.num_computed_tokens = 0
         if self.prefix_cache is None:
             self.manager.free(request.request_id)
         else:
@@ -169,11 +205,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._cache_prefills()
-        self._schedule_decodes(plan)
+        budget = self._schedule_running(plan)
         if not plan.preempted:
             self._swap_in(plan)
             if not self.swapped:
-                self._admit(plan)
+                self._admit(plan, budget - len(plan.decodes) if self.chunked_prefill else self.max_num_batched_tokens)
         self.stats.steps += 1
         self.stats.max_running = max(self.stats.max_running, len(self.running))
         return plan
@@ -191,13 +227,27 @@ class Scheduler:
         """Evict unlocked cached prefixes until ``num_blocks`` blocks are free; False without a prefix cache."""
         return self.prefix_cache is not None and self.prefix_cache.make_room(num_blocks)
 
-    def _schedule_decodes(self, plan: StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> int:
+        """Reserve the slots of every running request's next tokens: one for a decode, the next chunk for a
+        request whose chunked prefill is under way (while the step's budget lasts). Returns the budget of
+        the step less those chunks (the caller takes the decodes off, once swap-ins are known)."""
+        decodes = sum(not r.prefilling for r in self.running)
+        budget = self.max_num_batched_tokens - decodes     # decodes always run; chunks get what is left
         for request in list(self.running):       # oldest first; victims are taken from the end
             if request.state != "running":
                 continue                          # preempted earlier in this loop
+            wanted = 1
+            if request.prefilling:
+                wanted = min(len(request.token_ids) - request.num_computed_tokens, budget)
+                if wanted <= 0:
+                    continue                      # no budget left in this step: its next chunk waits
             while True:
+                n = wanted
+                if request.prefilling:            # a smaller chunk rather than preempting anyone
+                    self._evict_cached(self._blocks_needed(request, wanted))
+                    n = min(wanted, max(1, self._room(request)))
                 try:
-                    slots = self.manager.append_slots(request.request_id, 1)
+                    slots = self.manager.append_slots(request.request_id, n)
                 except self.out_of_blocks:
                     if self._evict_cached(self.manager.num_free_blocks + 1):
                         continue                  # a cached prefix made room: nobody is preempted
@@ -206,16 +256,38 @@ class Scheduler:
                     if victim is request:
                         break
                     continue
-                plan.decodes.append(request)
-                plan.decode_slots.append(slots)
+                start = request.num_computed_tokens
+                if request.prefilling:
+                    plan.add_prefill(request, slots, start)
+                    self._prefilled.append(request)
+                    budget -= n
+                else:
+                    plan.decodes.append(request)
+                    plan.decode_slots.append(slots)
+                request.num_computed_tokens = start + n
                 break
+        return budget + decodes
+
+    def _blocks_needed(self, request: Request, tokens: int) -> int:
+        """Free blocks ``request`` needs to append ``tokens`` (beyond the free slots of its last block)."""
+        size = self.manager.block_size
+        held = self.manager.num_tokens(request.request_id)
+        return max(0, -(-(held + tokens) // size) - len(self.manager.block_ids(request.request_id)))
+
+    def _room(self, request: Request) -> int:
+        """Tokens ``request`` can append now: the free slots of its last block and of the free blocks."""
+        size = self.manager.block_size
+        slack = len(self.manager.block_ids(request.request_id)) * size - self.manager.num_tokens(request.request_id)
+        return slack + self.manager.num_free_blocks * size
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
         request.num_preemptions += 1
         plan.preempted.append(request)
         seq = request.request_id
-        if self.preemption == "swap" and len(self.manager.block_ids(seq)) <= self.manager.num_free_cpu_blocks:
+        # A request in the middle of a chunked prefill is recomputed: swapped-in requests decode.
+        if (self.preemption == "swap" and not request.prefilling
+                and len(self.manager.block_ids(seq)) <= self.manager.num_free_cpu_blocks):
             if self.prefix_cache is not None:
                 self.prefix_cache.release_lock(seq)   # its blocks go to the host; the tree keeps its own
             self.manager.swap_out(seq)
@@ -243,44 +315,48 @@ class Scheduler:
             _insert_by_age(self.running, request)
             plan.decodes.append(request)
             plan.decode_slots.append(self.manager.append_slots(request.request_id, 1))
+            request.num_computed_tokens += 1
             self.stats.swapped_in += 1
 
-    def _admit(self, plan: StepPlan) -> None:
-        budget = self.max_num_batched_tokens
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        """Admit waiting requests while their prefills fit the free blocks and ``budget`` tokens. The first
+        prefill of a step (none running yet) may exceed the budget: with chunked prefill it gets its first
+        chunk; without, it runs whole, however long."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self.chunked_prefill and budget <= 0:
+                return
+            tokens = request.token_ids
+            cached = self.prefix_cache.match(tokens) if self.prefix_cache is not None else 0
+            new_tokens = len(tokens) - cached
+            if plan.prefills and new_tokens > budget:
+                # Only a step's first prefill is cut to the budget; a later one waits for the next step,
+                # where it may find the prompts of this step in the prefix cache (a shared system prompt).
+                return
+            if self.chunked_prefill:
+                new_tokens = min(new_tokens, budget)
+            end = cached + new_tokens
             if self.prefix_cache is not None:
-                slots = self._admit_with_prefix(request, budget, bool(plan.prefills))
-                if slots is None:
+                # The cached prefix of tokens[:end] is the one of tokens (end > cached): the same blocks.
+                try:
+                    found = self.prefix_cache.allocate(request.request_id, tokens[:end])   # evicts if it must
+                except self.out_of_blocks:
                     return
+                # It counted tokens[:end] as the prompt; the rest of the prompt comes in later chunks.
+                self.prefix_cache.stats.prompt_tokens += len(tokens) - end
+                request.num_cached_tokens, slots = found.num_cached, found.slot_mapping
             else:
-                tokens = len(request.token_ids)
-                if plan.prefills and tokens > budget:
+                if not self.manager.can_allocate(end):
                     return
-                if not self.manager.can_allocate(tokens):
-                    return
-                slots = self.manager.allocate(request.request_id, tokens)
+                slots = self.manager.allocate(request.request_id, end)
                 request.num_cached_tokens = 0
-            plan.prefill_slots.append(slots)
+            plan.add_prefill(request, slots, request.num_cached_tokens)
+            request.num_computed_tokens = end
             self._prefilled.append(request)
             self.waiting.pop(0)
             request.state = "running"
             _insert_by_age(self.running, request)
-            plan.prefills.append(request)
-            budget -= len(request.token_ids) - request.num_cached_tokens
-
-    def _admit_with_prefix(self, request: Request, budget: int, others: bool):
-        """Allocate a waiting request over its longest cached prefix; its new tokens' slots, or None when
-        they exceed the step's budget (``others``: prefills are already planned) or do not fit."""
-        new_tokens = len(request.token_ids) - self.prefix_cache.match(request.token_ids)
-        if others and new_tokens > budget:
-            return None
-        try:
-            found = self.prefix_cache.allocate(request.request_id, request.token_ids)   # evicts if it must
-        except self.out_of_blocks:
-            return None
-        request.num_cached_tokens = found.num_cached
-        return found.slot_mapping
+            budget -= len(slots)
 
 
 def _insert_by_age(queue: list[Request], request: Request) -> None:

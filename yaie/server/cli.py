@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preemption", choices=("recompute", "swap"), default="recompute",
                    help="what a request gives way by when blocks run out (default recompute)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once at most (default 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="prefill tokens per step (default 4096)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step: the decodes, then prompt chunks in what is left (default 2048)")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt whole in one step (the running requests wait for it)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch every decode step's kernels from Python")
     p.add_argument("--no-prefix-caching", action="store_true", help="every request prefills all its tokens")
     p.add_argument("--engine-in-thread", action="store_true",
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     llm_args = dict(model=args.model, device=args.device, cpu_threads=args.threads, block_size=args.block_size,
                     num_blocks=args.num_blocks, preemption=args.preemption, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_num_batched_tokens=args.max_num_batched_tokens, chunked_prefill=not args.no_chunked_prefill,
                     cuda_graphs=False if args.no_cuda_graphs else None,
                     prefix_caching=not args.no_prefix_caching)
     try:
