@@ -1,4 +1,5 @@
-"""Engine throughput beside Hugging Face transformers ``generate``, same model, same requests, one run.
+"""Engine throughput beside Hugging Face transformers, same model, same requests, one run; and the
+inter-token latency of running requests while a long prompt arrives, with and without chunked prefill.
 
     python -m yaie.bench.engine --out bench/results            # on a CUDA GPU: the ~1B config, bf16
     python -m yaie.bench.engine --out /tmp/x --size tiny --device cpu   # a dry run of this script
@@ -10,14 +11,30 @@ token ids each generate exactly ``--new-tokens`` tokens, greedy (end-of-sequence
 
 * the engine: ``LLM.generate(prompts, SamplingParams(max_tokens=N, temperature=0, ignore_eos=True))``,
   i.e. continuous batching over lesson 03's paged cache, lessons 02 (norms, RoPE, SiLU), 04 (decode)
-  and 06 (prefill) on CUDA, the reference solutions; decode steps replayed from CUDA graphs, and again
-  with ``cuda_graphs`` off (every kernel launched from Python);
-* transformers: ``model.generate(input_ids [B, P], max_new_tokens=N, min_new_tokens=N, do_sample=False)``
-  (its default dynamic cache and attention implementation).
+  and 06 (prefill) on CUDA, the reference solutions; decode steps replayed from CUDA graphs (at batch 1
+  also with ``cuda_graphs`` off: every kernel launched from Python). Prefix caching is off: the same
+  prompts run again and again, and transformers caches nothing between calls either;
+* transformers ``generate``: ``model.generate(input_ids [B, P], max_new_tokens=N, min_new_tokens=N,
+  do_sample=False)`` with its default dynamic cache and attention implementation;
+* transformers' fast path: the same call with ``cache_implementation="static"``, with which ``generate``
+  compiles the decoding forward (``torch.compile``, mode ``reduce-overhead``: CUDA graphs) itself. It
+  compiles again for each batch size; those warm-up calls are not timed. Rows that would start after
+  ``--time-budget`` seconds are skipped, with a note.
 
 Each is timed end to end (host clock around the call, the device synchronised), after a warm-up
 call, ``--repeats`` times (the median is reported), and once more with one new token: that run is the
 prefill (plus one sampling step), so ``decode tokens/s = B * (N - 1) / (t_total - t_first)``.
+
+Roofline (batch 1): a decode step must read every weight matrix once (the embedding table only one row)
+and the context's K/V; at the measured copy bandwidth (``yaie.bench.harness.measure_peaks``: bytes read +
+written per second of a 1 GiB device copy) that bounds the steps per second. The row's fraction is its
+decode steps per second over that bound.
+
+Chunked prefill (``--long-prompt``): ``--itl-batch`` requests decode (one token per step each); then a
+request with a ``--long-prompt``-token prompt arrives. Each step is timed (its tokens come back to the
+host, so the step is over); reported are the running requests' inter-token latency before it arrives
+and while it is ingested (until its first token), with ``max_num_batched_tokens`` chunks and with the
+whole prompt in one step.
 """
 
 from __future__ import annotations
@@ -33,12 +50,15 @@ import torch
 
 CONFIGS = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096),
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=20480),
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=20480),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
 }
 COMMON = dict(rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
               pad_token_id=0, initializer_range=0.02)
+BLOCK_SIZE = 16
 
 
 def build_model(size: str, path: Path, device: str, dtype: torch.dtype):
@@ -66,17 +86,67 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - start
 
 
-def measure(name, run, batch, new_tokens, repeats, device):
-    """Median end-to-end time of ``run(new_tokens)``, and of ``run(1)`` (prefill + one step)."""
-    run(min(new_tokens, 4))                                  # warm-up: compiles, allocates, tunes
+def measure(name, run, batch, new_tokens, repeats, device, warmup=None):
+    """Median end-to-end time of ``run(new_tokens)``, and of ``run(1)`` (prefill + one step). ``warmup``:
+    the new-token counts of the untimed calls first (compiles, allocates, records graphs)."""
+    for n in warmup or [min(new_tokens, 4)]:
+        run(n)
     totals = [timed(lambda: run(new_tokens), device) for _ in range(repeats)]
     firsts = [timed(lambda: run(1), device) for _ in range(repeats)]
     total, first = statistics.median(totals), statistics.median(firsts)
     decode = batch * (new_tokens - 1) / (total - first) if total > first else None
     row = dict(system=name, batch=batch, total_s=total, first_token_s=first, totals_s=totals, firsts_s=firsts,
                tokens_per_s=batch * new_tokens / total, decode_tokens_per_s=decode)
-    print(f"{name:>14}  B={batch:<3d} total {total:7.3f} s  first {first:6.3f} s  "
+    print(f"{name:>34}  B={batch:<3d} total {total:7.3f} s  first {first:6.3f} s  "
           f"{row['tokens_per_s']:9.1f} tok/s  decode {decode or float('nan'):9.1f} tok/s", flush=True)
+    return row
+
+
+def decode_step_bytes(config: dict, context: float, element: int) -> dict:
+    """Bytes one batch-1 decode step must read: every weight matrix (one embedding row), and the K/V of
+    ``context`` tokens."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    head_dim = h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config["intermediate_size"] + 2 * h
+    weights = (layers * per_layer + config["vocab_size"] * h + 2 * h) * element
+    kv_bytes = int(context * layers * 2 * kv * element)
+    return dict(weights=weights, kv=kv_bytes, total=weights + kv_bytes)
+
+
+def inter_token_latency(llm, prompts: list[list[int]], long_prompt: list[int], chunked: bool, device: str,
+                        before_steps: int = 24) -> dict:
+    """Step times of running decodes before and while a long prompt is ingested (see the module docstring)."""
+    from yaie.engine.async_engine import StepEngine
+    from yaie.engine.sampling import SamplingParams
+
+    llm.chunked_prefill = chunked
+    engine = StepEngine(llm)
+    try:
+        params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+        for ids in prompts:
+            engine.add(ids, params)
+        while any(r.prefilling for r in engine.requests.values()):
+            engine.step()                               # their prefills
+        for _ in range(4):
+            engine.step()                               # graphs recorded, caches warm
+        before = [timed(engine.step, device) for _ in range(before_steps)]
+        long = engine.add(long_prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        during, start = [], time.perf_counter()
+        while long.request_id in engine.requests:
+            during.append(timed(engine.step, device))
+        ttft = time.perf_counter() - start
+    finally:
+        engine.close()
+    row = dict(chunked_prefill=chunked, max_num_batched_tokens=llm.max_num_batched_tokens if chunked else None,
+               running_requests=len(prompts), long_prompt_tokens=len(long_prompt),
+               itl_before_median_ms=1e3 * statistics.median(before), itl_during_median_ms=1e3 * statistics.median(during),
+               itl_during_max_ms=1e3 * max(during), itl_during_mean_ms=1e3 * statistics.mean(during),
+               steps_to_ingest=len(during), long_prompt_ttft_s=ttft, steps_ms=[1e3 * t for t in during])
+    print(f"chunked prefill {'on ' if chunked else 'off'}: {len(prompts)} decoding, a {len(long_prompt)}-token prompt "
+          f"arrives: ITL before {row['itl_before_median_ms']:.1f} ms, during median {row['itl_during_median_ms']:.1f} "
+          f"ms, max {row['itl_during_max_ms']:.1f} ms over {len(during)} steps; its first token after {ttft:.3f} s",
+          flush=True)
     return row
 
 
@@ -86,30 +156,47 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="1b", choices=sorted(CONFIGS))
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batches", default="1,64")
+    p.add_argument("--batches", default="1,64,16,256", help="measured in this order (default 1,64,16,256)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-compiled", action="store_true", help="no transformers static-cache + torch.compile rows")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: transformers rows that would start later are skipped (with a note)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prompt", type=int, default=16000, help="tokens of the late prompt (0: no latency rows)")
+    p.add_argument("--itl-batch", type=int, default=16, help="requests decoding when the long prompt arrives")
     args = p.parse_args(argv)
 
     import os
     os.environ.setdefault("YAIE_SOLUTIONS", "all")
-    from yaie.bench.harness import environment, gpu_slug
+    from yaie.bench.harness import environment, gpu_slug, measure_peaks
     from yaie.engine import LLM, SamplingParams
     import transformers
 
+    began = time.perf_counter()
     dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batches.split(",")]
     gen = torch.Generator().manual_seed(1)
-    vocab = CONFIGS[args.size]["vocab_size"]
+    config = CONFIGS[args.size]
+    vocab = config["vocab_size"]
     prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(max(batches))]
-    rows = []
+    peaks = measure_peaks(args.device) if args.device == "cuda" else None
+    rows, notes, latency = [], [], []
     with tempfile.TemporaryDirectory() as folder:
         hf = build_model(args.size, Path(folder), args.device, dtype)
-        per_seq_blocks = -(-(args.prompt_len + args.new_tokens) // 16)
-        llm = LLM(folder, device=args.device, dtype=dtype, num_blocks=per_seq_blocks * max(batches) + 64)
+        per_seq_blocks = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
+        long_blocks = -(-(args.long_prompt + 1) // BLOCK_SIZE) + args.itl_batch * (per_seq_blocks + 64)
+        llm = LLM(folder, device=args.device, dtype=dtype, block_size=BLOCK_SIZE, prefix_caching=False,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  num_blocks=max(per_seq_blocks * max(batches), long_blocks) + 64)
         params_total = llm.num_parameters()
+        if args.long_prompt:        # first: the transformers rows below may spend the run's time budget
+            long_prompt = torch.randint(3, vocab, (args.long_prompt,), generator=gen).tolist()
+            for chunked in (True, False):
+                latency.append(inter_token_latency(llm, prompts[:args.itl_batch], long_prompt, chunked, args.device))
+            llm.chunked_prefill = True
         for batch in batches:
             ids = prompts[:batch]
 
@@ -117,9 +204,8 @@ def main(argv=None) -> int:
                 outs = llm.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
                 assert all(len(o.token_ids) == n for o in outs)
 
-            graphs_supported = llm.cuda_graphs
             rows.append(measure("yaie engine", engine, batch, args.new_tokens, args.repeats, args.device))
-            if graphs_supported:     # the same engine with every step run eagerly, side by side
+            if llm.cuda_graphs and batch == 1:     # the same engine with every step run eagerly, side by side
                 llm.cuda_graphs = False
                 rows.append(measure("yaie engine (no CUDA graphs)", engine, batch, args.new_tokens, args.repeats,
                                     args.device))
@@ -128,19 +214,55 @@ def main(argv=None) -> int:
                 continue
             x = torch.tensor(ids, device=args.device)
 
-            def huggingface(n, x=x):
+            def huggingface(n, x=x, **extra):
                 with torch.no_grad():
                     out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                                      min_new_tokens=n, pad_token_id=0)
+                                      min_new_tokens=n, pad_token_id=0, **extra)
                 assert out.shape[1] == x.shape[1] + n
 
-            rows.append(measure("transformers", huggingface, batch, args.new_tokens, args.repeats, args.device))
+            for name, extra, warmup in [("transformers", {}, None),
+                                        ("transformers static cache + compile", dict(cache_implementation="static"),
+                                         [args.new_tokens, args.new_tokens])]:
+                if extra and args.skip_compiled:
+                    continue
+                late = args.time_budget is not None and time.perf_counter() - began > args.time_budget
+                if late:
+                    notes.append(f"{name}, batch {batch}: skipped, the run's time budget ({args.time_budget:.0f} s) "
+                                 "was spent")
+                    print(notes[-1], flush=True)
+                    continue
+                try:
+                    rows.append(measure(name, lambda n, **kw: huggingface(n, **extra), batch, args.new_tokens,
+                                        args.repeats, args.device, warmup))
+                except Exception as err:  # noqa: BLE001 - out of memory, a compile failure: note it, go on
+                    reason = "out of GPU memory" if isinstance(err, torch.OutOfMemoryError) else \
+                        f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+                    notes.append(f"{name}, batch {batch}: skipped, {reason}")
+                    print(notes[-1], flush=True)
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+    element = torch.empty((), dtype=dtype).element_size()
+    step_bytes = decode_step_bytes(config, args.prompt_len + args.new_tokens / 2, element)
+    for r in rows:
+        if r["batch"] == 1 and peaks and r["decode_tokens_per_s"]:
+            roofline_steps = peaks["copy_GBps"] * 1e9 / step_bytes["total"]
+            r["roofline_steps_per_s"] = roofline_steps
+            r["roofline_fraction"] = r["decode_tokens_per_s"] / roofline_steps
+    for batch in batches:
+        ours = [r for r in rows if r["batch"] == batch and r["system"] == "yaie engine"]
+        theirs = [r for r in rows if r["batch"] == batch and r["system"].startswith("transformers")]
+        if ours and theirs:
+            best = max(theirs, key=lambda r: r["tokens_per_s"])
+            ours[0]["speedup_vs_best_transformers"] = ours[0]["tokens_per_s"] / best["tokens_per_s"]
+            ours[0]["best_transformers"] = best["system"]
     env = environment() | dict(transformers=transformers.__version__)
-    report = dict(environment=env, model=dict(size=args.size, parameters=params_total, dtype=args.dtype,
-                                              config=CONFIGS[args.size] | COMMON, init="random (seed 0)"),
+    report = dict(environment=env, peaks=peaks,
+                  model=dict(size=args.size, parameters=params_total, dtype=args.dtype,
+                             config=config | COMMON, init="random (seed 0)"),
                   workload=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, batches=batches,
-                                repeats=args.repeats, sampling="greedy, ignore_eos", kv_block_size=16),
-                  rows=rows)
+                                repeats=args.repeats, sampling="greedy, ignore_eos", kv_block_size=BLOCK_SIZE,
+                                prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens),
+                  decode_step_bytes_batch1=step_bytes, rows=rows, notes=notes, chunked_prefill_latency=latency)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = gpu_slug() if args.device == "cuda" else "cpu"
@@ -152,25 +274,50 @@ def main(argv=None) -> int:
 
 def markdown(report: dict) -> str:
     env, model, work = report["environment"], report["model"], report["workload"]
-    cfg = model["config"]
+    cfg, peaks = model["config"], report.get("peaks")
+    step = report["decode_step_bytes_batch1"]
     lines = [
-        f"# Engine throughput: YAIE vs transformers generate ({env['gpu'] or 'CPU'})", "",
+        f"# Engine throughput: YAIE vs transformers ({env['gpu'] or 'CPU'})", "",
         f"Model: random Llama, hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
         f"{cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads, intermediate "
         f"{cfg['intermediate_size']}, vocab {cfg['vocab_size']} ({model['parameters'] / 1e9:.2f}B parameters), "
         f"{model['dtype']}.",
         f"Workload: B prompts of {work['prompt_len']} random tokens, {work['new_tokens']} new tokens each, "
-        f"greedy, end-of-sequence ignored; median of {work['repeats']} timed runs after a warm-up.",
+        f"greedy, end-of-sequence ignored; median of {work['repeats']} timed runs after a warm-up; engine prefix "
+        "caching off.",
         f"Versions: torch {env['torch']}, triton {env['triton']}, transformers {env.get('transformers')}, "
         f"CUDA {env['cuda']}; commit {env['git_commit']}; {env['date_utc']}.",
         f"Command: `{env['command']}`", "",
-        "| system | batch | total s | prefill + 1 step s | tokens/s (end to end) | decode tokens/s |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
-    for r in report["rows"]:
+    if peaks:
+        lines += [f"Roofline at batch 1: a decode step reads {step['weights'] / 1e9:.3f} GB of weights and "
+                  f"{step['kv'] / 1e6:.1f} MB of K/V (mean context); measured copy bandwidth "
+                  f"{peaks['copy_GBps']:.0f} GB/s (read + written), so at most "
+                  f"{peaks['copy_GBps'] * 1e9 / step['total']:.0f} steps/s.", ""]
+    lines += ["| system | batch | total s | prefill + 1 step s | tokens/s (end to end) | decode tokens/s | "
+              "roofline fraction | engine vs faster transformers |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(report["rows"], key=lambda r: r["batch"]):
         decode = f"{r['decode_tokens_per_s']:.0f}" if r["decode_tokens_per_s"] else "n/a"
+        roof = f"{r['roofline_fraction']:.0%}" if r.get("roofline_fraction") is not None else ""
+        speed = f"{r['speedup_vs_best_transformers']:.2f}x" if r.get("speedup_vs_best_transformers") else ""
         lines.append(f"| {r['system']} | {r['batch']} | {r['total_s']:.3f} | {r['first_token_s']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {decode} |")
+                     f"{r['tokens_per_s']:.0f} | {decode} | {roof} | {speed} |")
+    for note in report.get("notes", []):
+        lines.append(f"\nNote: {note}")
+    latency = report.get("chunked_prefill_latency") or []
+    if latency:
+        first = latency[0]
+        lines += ["", f"## Inter-token latency while a {first['long_prompt_tokens']}-token prompt arrives", "",
+                  f"{first['running_requests']} requests decode; then the long prompt arrives (prefix caching off). "
+                  "Step times of the running requests (each step gives each of them one token):", "",
+                  "| prefill | ITL before, median ms | ITL while ingesting, median ms | max ms | steps | "
+                  "long prompt's first token s |", "|---|---:|---:|---:|---:|---:|"]
+        for r in latency:
+            how = (f"chunked, max_num_batched_tokens {r['max_num_batched_tokens']}" if r["chunked_prefill"]
+                   else "whole prompt in one step")
+            lines.append(f"| {how} | {r['itl_before_median_ms']:.1f} | {r['itl_during_median_ms']:.1f} | "
+                         f"{r['itl_during_max_ms']:.1f} | {r['steps_to_ingest']} | {r['long_prompt_ttft_s']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Engine speed on the lent GPU, in one call, on the reference solutions (everything it writes lands in $OUT):
+#   OUT=out YAIE_GIT_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_engine_speed.sh
+# 1. scripts/gpu_engine_chunked_check.py: float32, chunked prefill gives the ids of whole-prompt prefill and of
+#    transformers, through lesson 05's prefix-prefill kernel, with preemption       -> $OUT/engine_chunked_check.json
+# 2. python -m yaie.bench.engine: the random ~1B Llama, bf16: inter-token latency of 16 decoding requests while
+#    a 16k-token prompt arrives (chunked and whole); throughput at batch 1, 64, 16, 256 beside transformers
+#    generate and transformers with its static cache + torch.compile; batch 1 against the bandwidth roofline
+#                                                                                   -> $OUT/engine_<gpu>.{json,md}
+# BENCH_BUDGET: seconds after which the benchmark starts no more transformers rows (default 250).
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTIONS=all
+: "${OUT:?set OUT to the output folder}"
+{
+  echo "== $(date -u +%FT%TZ) commit ${YAIE_GIT_COMMIT:-unknown}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  echo "== gpu_engine_chunked_check.py"
+  timeout 100 python3 scripts/gpu_engine_chunked_check.py --out "$OUT"
+  echo "== engine throughput and chunked-prefill latency (rc of the check above: $?)"
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m yaie.bench.engine --out "$OUT" --size 1b --batches 1,64,16,256 \
+      --prompt-len 128 --new-tokens 128 --repeats 2 --long-prompt 16000 --itl-batch 16 \
+      --max-num-batched-tokens 2048 --time-budget "${BENCH_BUDGET:-250}"
+  echo "== done (rc $?)"
+} 2>&1 | grep -v "Loading weights\|Writing model shards" | tee "$OUT/engine_speed_log.txt"
