@@ -20,6 +20,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTI
   echo "== engine throughput and chunked-prefill latency (rc of the check above: $?)"
   timeout "${BENCH_TIMEOUT:-400}" python3 -m yaie.bench.engine --out "$OUT" --size 1b --batches 1,64,16,256 \
       --prompt-len 128 --new-tokens 128 --repeats 2 --long-prompt 16000 --itl-batch 16 \
-      --max-num-batched-tokens 2048 --time-budget "${BENCH_BUDGET:-250}"
+      --max-num-batched-tokens 2048 --time-budget "${BENCH_BUDGET:-250}" --profile
   echo "== done (rc $?)"
 } 2>&1 | grep -v "Loading weights\|Writing model shards" | tee "$OUT/engine_speed_log.txt"

@@ -346,23 +346,33 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, lay
     """
     if step.plan_run and sliding_window is None and _plan_run_available():
         return _plan_run_attention(q, step, layer, scale)
-    out = torch.empty_like(q)
+    out = None
     decodes = step.num_decodes
     if decodes:
         if step.use_kernels and _kernel_lesson_available(4):
             # The window goes to the kernel whatever the contexts, so a decode step records the same
             # kernel call at every length (CUDA graphs); a window longer than a context cuts nothing.
             window = {} if sliding_window is None else {"sliding_window": sliding_window}
-            out[:decodes] = call(4, "paged_attention_forward", q[:decodes], step.manager.k_cache[layer],
-                                 step.manager.v_cache[layer], step.block_tables[:decodes],
-                                 step.context_lens[:decodes], max(step.context_lens_list[:decodes]),
-                                 scale=scale, validate=False, **window)
+            decoded = call(4, "paged_attention_forward", q[:decodes], step.manager.k_cache[layer],
+                           step.manager.v_cache[layer], step.block_tables[:decodes],
+                           step.context_lens[:decodes], max(step.context_lens_list[:decodes]),
+                           scale=scale, validate=False, **window)
+            if not step.num_prefills and decoded.shape == q.shape and decoded.dtype == q.dtype:
+                return decoded       # a decode-only step: the kernel's output is the answer (no copy kernel)
+            out = torch.empty_like(q)
+            out[:decodes] = decoded
         else:
+            out = torch.empty_like(q)
             _gathered_attention(out, q, step, layer, range(decodes), sliding_window, scale)
     if step.num_prefills:
         if step.use_kernels and _kernel_lesson_available(6):
-            out[decodes:] = _varlen_prefill(q[decodes:], k[decodes:], v[decodes:], step, layer, scale, sliding_window)
+            prefilled = _varlen_prefill(q[decodes:], k[decodes:], v[decodes:], step, layer, scale, sliding_window)
+            if out is None and prefilled.shape == q.shape and prefilled.dtype == q.dtype:
+                return prefilled     # a prefill-only step: no copy either
+            out = torch.empty_like(q) if out is None else out
+            out[decodes:] = prefilled
         else:
+            out = torch.empty_like(q) if out is None else out
             _gathered_attention(out, q, step, layer, range(decodes, len(step.seq_ids)), sliding_window, scale)
     return out
 

@@ -150,6 +150,31 @@ def inter_token_latency(llm, prompts: list[list[int]], long_prompt: list[int], c
     return row
 
 
+def profile_decode(llm, prompt: list[int], new_tokens: int, out: Path, device: str) -> dict:
+    """torch.profiler over one batch-1 ``generate``: where a decode step's time goes. Writes the top
+    operators by device and by host time to ``out``; returns wall time and device (kernel) time per token."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from yaie.engine import SamplingParams
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm.generate([prompt], params)                      # warm: graphs recorded
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall = timed(lambda: llm.generate([prompt], params), device)
+    averages = prof.key_averages()
+    kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in averages if e.device_type == DeviceType.CUDA)
+    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    out.write_text(f"batch 1, {new_tokens} new tokens, wall {wall * 1e3:.1f} ms, kernels {kernel_us / 1e3:.1f} ms\n\n"
+                   + averages.table(sort_by=sort, row_limit=30) + "\n\n"
+                   + averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+    row = dict(new_tokens=new_tokens, wall_ms_per_token=wall * 1e3 / new_tokens,
+               kernel_ms_per_token=kernel_us / 1e3 / new_tokens, table=out.name)
+    print(f"profile, batch 1: {row['wall_ms_per_token']:.3f} ms per token, of which kernels "
+          f"{row['kernel_ms_per_token']:.3f} ms (the rest: the GPU waits for the host)", flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -167,6 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--long-prompt", type=int, default=16000, help="tokens of the late prompt (0: no latency rows)")
     p.add_argument("--itl-batch", type=int, default=16, help="requests decoding when the long prompt arrives")
+    p.add_argument("--profile", action="store_true", help="profile a batch-1 generate (engine_profile_<gpu>.txt)")
     args = p.parse_args(argv)
 
     import os
@@ -183,7 +209,10 @@ def main(argv=None) -> int:
     vocab = config["vocab_size"]
     prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(max(batches))]
     peaks = measure_peaks(args.device) if args.device == "cuda" else None
-    rows, notes, latency = [], [], []
+    rows, notes, latency, profiled = [], [], [], None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = gpu_slug() if args.device == "cuda" else "cpu"
     with tempfile.TemporaryDirectory() as folder:
         hf = build_model(args.size, Path(folder), args.device, dtype)
         per_seq_blocks = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
@@ -197,6 +226,11 @@ def main(argv=None) -> int:
             for chunked in (True, False):
                 latency.append(inter_token_latency(llm, prompts[:args.itl_batch], long_prompt, chunked, args.device))
             llm.chunked_prefill = True
+        if args.profile:
+            try:
+                profiled = profile_decode(llm, prompts[0], 64, out / f"engine_profile_{slug}.txt", args.device)
+            except Exception as err:  # noqa: BLE001 - the profile is an extra: note a failure, go on
+                notes.append(f"profile: {type(err).__name__}: {err}")
         for batch in batches:
             ids = prompts[:batch]
 
@@ -262,10 +296,8 @@ def main(argv=None) -> int:
                   workload=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, batches=batches,
                                 repeats=args.repeats, sampling="greedy, ignore_eos", kv_block_size=BLOCK_SIZE,
                                 prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens),
-                  decode_step_bytes_batch1=step_bytes, rows=rows, notes=notes, chunked_prefill_latency=latency)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    slug = gpu_slug() if args.device == "cuda" else "cpu"
+                  decode_step_bytes_batch1=step_bytes, rows=rows, notes=notes, chunked_prefill_latency=latency,
+                  profile_batch1=profiled)
     (out / f"engine_{slug}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / f"engine_{slug}.md").write_text(markdown(report))
     print(markdown(report))
@@ -305,6 +337,11 @@ def markdown(report: dict) -> str:
                      f"{r['tokens_per_s']:.0f} | {decode} | {roof} | {speed} |")
     for note in report.get("notes", []):
         lines.append(f"\nNote: {note}")
+    prof = report.get("profile_batch1")
+    if prof:
+        lines.append(f"\nProfile (torch.profiler, one batch-1 generate of {prof['new_tokens']} tokens): "
+                     f"{prof['wall_ms_per_token']:.3f} ms per token, of which GPU kernels "
+                     f"{prof['kernel_ms_per_token']:.3f} ms; operators in `{prof['table']}`.")
     latency = report.get("chunked_prefill_latency") or []
     if latency:
         first = latency[0]

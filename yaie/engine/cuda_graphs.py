@@ -122,11 +122,12 @@ class DecodeGraphs:
         buf.ids.copy_(torch.tensor([token_ids + [0] * pad, positions + [0] * pad], dtype=torch.int64),
                       non_blocking=True)
         buf.slots[:n].copy_(slots)
-        buf.slots[n:].fill_(self.scratch_slot)
         table = self.manager.block_table(seq_ids)
         buf.tables[:n, :table.shape[1]].copy_(table)       # columns past a row's length are never followed
         buf.lens[:n].copy_(self.manager.context_lens(seq_ids))
-        buf.lens[n:].zero_()
+        if pad:                                            # (each call is a launch: skipped when none is due)
+            buf.slots[n:].fill_(self.scratch_slot)
+            buf.lens[n:].zero_()
         graph, logits = entry
         if graph is None:                                  # capture=False: the same step, eagerly
             logits = self._forward(buf, bound)
