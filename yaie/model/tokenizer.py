@@ -81,19 +81,36 @@ class StreamDecoder:
     """Incremental detokenisation: feed ids one at a time, get the new text each one completes.
 
     Decoding a token alone can be wrong (byte-level BPE splits characters across tokens; some
-    tokenizers drop a leading space), so this decodes the whole generated text and returns what
-    was added, holding text back while it ends in an incomplete character (U+FFFD).
+    tokenizers drop a leading space, or join words and punctuation), so each new token is decoded in a
+    short window of the tokens before it, and what it adds to that window's text is the new text; text
+    is held back while it ends in an incomplete character (U+FFFD). Decoding the whole text at every
+    token instead costs O(length) per token: at batch 64, milliseconds of host time per engine step.
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._prefix = 0     # ids[_prefix:_read] is the window of context, decoded already
+        self._read = 0
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix:])
+        if after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before):
+            if not after.startswith(before):      # the window decodes differently: decode it all, once
+                return self._resync()
+            return ""
+        delta = after[len(before):]
+        self.text += delta
+        self._prefix, self._read = self._read, len(self.ids)
+        return delta
+
+    def _resync(self) -> str:
         full = self.tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):
+        if full.endswith("\ufffd") or not full.startswith(self.text):
             return ""
         delta, self.text = full[len(self.text):], full
+        self._prefix = self._read = len(self.ids)
         return delta
