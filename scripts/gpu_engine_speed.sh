@@ -7,7 +7,7 @@
 #    a 16k-token prompt arrives (chunked and whole); throughput at batch 1, 64, 16, 256 beside transformers
 #    generate and transformers with its static cache + torch.compile; batch 1 against the bandwidth roofline
 #                                                                                   -> $OUT/engine_<gpu>.{json,md}
-# BENCH_BUDGET: seconds after which the benchmark starts no more transformers rows (default 250).
+# BENCH_BUDGET: seconds after which the benchmark starts no more transformers rows (default 260).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTIONS=all
 : "${OUT:?set OUT to the output folder}"
@@ -16,10 +16,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTI
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   echo "== gpu_engine_chunked_check.py"
-  timeout 100 python3 scripts/gpu_engine_chunked_check.py --out "$OUT"
+  timeout 80 python3 scripts/gpu_engine_chunked_check.py --out "$OUT"
   echo "== engine throughput and chunked-prefill latency (rc of the check above: $?)"
   timeout "${BENCH_TIMEOUT:-400}" python3 -m yaie.bench.engine --out "$OUT" --size 1b --batches 1,64,16,256 \
       --prompt-len 128 --new-tokens 128 --repeats 2 --long-prompt 16000 --itl-batch 16 \
-      --max-num-batched-tokens 2048 --time-budget "${BENCH_BUDGET:-250}" --profile
+      --max-num-batched-tokens 2048 --time-budget "${BENCH_BUDGET:-260}" --profile
   echo "== done (rc $?)"
 } 2>&1 | grep -v "Loading weights\|Writing model shards" | tee "$OUT/engine_speed_log.txt"
