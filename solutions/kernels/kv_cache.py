@@ -441,9 +441,15 @@ class KVCacheManager:
 
     def _slots(self, table: list[int], start: int, count: int) -> torch.Tensor:
         """Slot indices (int64, on the cache's device) of logical tokens ``start .. start+count-1``."""
+        size = self.block_size
+        if count <= 64:
+            # A decode step asks for one slot per sequence: plain Python and one tensor made on the device
+            # cost a few microseconds, where the tensor arithmetic below costs several operator calls.
+            slots = [table[p // size] * size + p % size for p in range(start, start + count)]
+            return torch.tensor(slots, dtype=torch.int64, device=self.device)
         positions = torch.arange(start, start + count)
         ids = torch.tensor(table, dtype=torch.int64)
-        slots = ids[positions // self.block_size] * self.block_size + positions % self.block_size
+        slots = ids[positions // size] * size + positions % size
         return slots.to(self.device)
 
     def _out_of_blocks(self, needed: int, what: str) -> OutOfBlocks:
