@@ -278,6 +278,11 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 500}, 400, "max_tokens"),  # > the cache
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % MODEL.encode(), 400, "temperature"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "hi", "top_p": NaN}' % MODEL.encode(), 400, "top_p"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "hi", "temperature": Infinity}' % MODEL.encode(), 400,
+     "temperature"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),   # nested too deep
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
@@ -316,6 +321,42 @@ def test_bad_requests_through_the_client(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=7)
     response = httpx.get(str(client.base_url) + "nowhere", timeout=10)
     assert response.status_code == 404 and "no such endpoint" in response.json()["error"]["message"]
+
+
+def test_tiny_temperature_is_greedy_and_harms_no_other_request(live):
+    """logits / 1e-40 overflow float32: NaN probabilities would fail the whole step, every client's request
+    in it. The server samples such a temperature greedily, its limit."""
+    def body(temperature, max_tokens):
+        return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": temperature,
+                "ignore_eos": True}
+
+    async def both():
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as c:
+            other = asyncio.create_task(c.post("/v1/completions", json=body(0, 40)))
+            await asyncio.sleep(0.1)
+            return await c.post("/v1/completions", json=body(1e-40, 4)), await other
+
+    tiny, other = asyncio.run(asyncio.wait_for(both(), timeout=45))
+    assert tiny.status_code == 200 and other.status_code == 200, (tiny.text, other.text)
+    greedy = httpx.post(live.url + "/v1/completions", json=body(0, 4), timeout=30).json()["choices"][0]["text"]
+    assert tiny.json()["choices"][0]["text"] == greedy
+
+
+def test_a_huge_prompt_does_not_stall_other_clients(live):
+    """A prompt of megabytes takes the tokenizer a second or more; the other clients are answered meanwhile."""
+    async def both():
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as c:
+            start = time.monotonic()
+            huge = asyncio.create_task(c.post("/v1/completions", json={"model": MODEL, "prompt": "hello world " * 200_000}))
+            await asyncio.sleep(0.2)
+            health = await c.get("/health")
+            health_s = time.monotonic() - start
+            return health, health_s, await huge, time.monotonic() - start
+
+    health, health_s, huge, huge_s = asyncio.run(asyncio.wait_for(both(), timeout=45))
+    assert health.status_code == 200
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded", huge.text
+    assert health_s < 0.2 + (huge_s - 0.2) / 2, f"/health took {health_s:.2f} s while the huge prompt took {huge_s:.2f} s"
 
 
 def test_engine_failure_fails_its_requests_not_the_server(live, client, monkeypatch):

@@ -104,14 +104,15 @@ def create_app(llm: LLM | Frontend, served_model_name: str | None = None,
     async def completions(request: Request):
         body = await read_json(request)
         parsed = parse_completion(body, served, llm.default_sampling_params())
-        prompt_ids = [checked_prompt(llm, p, "prompt") for p in parsed.prompts]
+        # Tokenized in a worker thread, off the interpreter lock (see encode).
+        prompt_ids = await asyncio.to_thread(lambda: [checked_prompt(llm, p, "prompt") for p in parsed.prompts])
         return await generate(request, parsed, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
         parsed, messages = parse_chat(body, served, llm.default_sampling_params())
-        prompt_ids = [checked_prompt(llm, render_chat(llm, messages), "messages")]
+        prompt_ids = [await asyncio.to_thread(lambda: checked_prompt(llm, render_chat(llm, messages), "messages"))]
         return await generate(request, parsed, prompt_ids, chat=True)
 
     async def generate(request: Request, parsed: Parsed, prompt_ids: list[list[int]], chat: bool):
@@ -147,6 +148,8 @@ async def read_json(request: Request) -> dict:
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(f"the request body is not valid JSON ({err}); send a JSON object", None,
                        "invalid_json") from None
+    except RecursionError:                 # [[[[...]]]] nested deeper than the parser's stack
+        raise APIError("the request body nests arrays or objects too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
     return body
@@ -156,10 +159,19 @@ def checked_prompt(llm: LLM, prompt, param: str) -> list[int]:
     """Token ids of a prompt (a string or ids), checked by the engine: 400 if empty, out of the vocabulary
     or not shorter than the model's context."""
     try:
+        if isinstance(prompt, str) and prompt:    # an empty string gets _prompt_ids' own message
+            prompt = encode(llm.tokenizer, prompt)
         return llm._prompt_ids(prompt)[1]
     except ValueError as err:
         code = "context_length_exceeded" if "context" in str(err) else "invalid_value"
         raise APIError(str(err), param, code) from None
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer.encode(text)``, letting go of the interpreter lock while the tokenizers library works
+    (its ``encode`` holds it, its ``encode_batch`` does not). The handlers call this in a worker thread: a
+    prompt of megabytes takes seconds, and holding the lock it would stall every other client's stream."""
+    return tokenizer._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def render_chat(llm: LLM, messages: list[dict]) -> list[int]:
@@ -167,14 +179,14 @@ def render_chat(llm: LLM, messages: list[dict]) -> list[int]:
     bundled tiny-stories model) gets the messages' texts one per line, as plain text to continue."""
     tokenizer = llm.tokenizer
     if not tokenizer.chat_template:
-        return tokenizer.encode("\n".join(m["content"] for m in messages))
+        return encode(tokenizer, "\n".join(m["content"] for m in messages))
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except ValueError as err:
         raise APIError(str(err), "messages", "invalid_value") from None
     except Exception as err:  # noqa: BLE001 (a Jinja error in the template's own logic)
         raise APIError(f"the chat template failed on these messages: {err}", "messages", "invalid_value") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode(tokenizer, text, add_special_tokens=False)
 
 
 async def events(request: Request, group: RequestGroup):

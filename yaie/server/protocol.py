@@ -8,6 +8,7 @@ checks name the parameter, the value and what it may be.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
@@ -17,6 +18,8 @@ from yaie.engine.sampling import SamplingParams
 MAX_CHOICES = 256            # prompts x n in one request
 MAX_STOP_STRINGS = 4         # as the OpenAI API
 UNLIMITED = 2**31 - 1        # max_tokens left out (chat): the context or the cache stops the request
+GREEDY_BELOW = 1e-5          # a temperature under this samples greedily: logits / 1e-38 overflow float32 to inf,
+                             # the probabilities become NaN and the whole step (every client's request) fails
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
 
@@ -68,6 +71,8 @@ def _get_number(body: dict, name: str, default, low: float, high: float, low_ope
         return default
     if not _is_number(value):
         raise APIError(f"'{name}' must be a number, got {value!r}", name, "invalid_type")
+    if not math.isfinite(value):            # json.loads takes NaN and Infinity; NaN passes every comparison
+        raise APIError(f"'{name}' must be a finite number, got {value}", name, "invalid_value")
     if value > high or value < low or (low_open and value == low):
         interval = f"{'(' if low_open else '['}{low}, {high}]"
         raise APIError(f"'{name}' must be in {interval}, got {value}", name, "invalid_value")
@@ -157,14 +162,19 @@ def sampling_params(body: dict, defaults: SamplingParams, max_tokens_default: in
     if options and not stream:
         raise APIError("'stream_options' is only allowed when 'stream' is true", "stream_options", "invalid_value")
     include_usage = _get_bool(options or {}, "include_usage", False)
-    params = SamplingParams(
+    temperature = _get_number(body, "temperature", defaults.temperature, 0.0, 2.0)
+    fields = dict(
         max_tokens=max_tokens if max_tokens is not None else UNLIMITED,
-        temperature=_get_number(body, "temperature", defaults.temperature, 0.0, 2.0),
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=_get_number(body, "top_p", defaults.top_p, 0.0, 1.0, low_open=True),
         top_k=_get_int(body, "top_k", defaults.top_k, minimum=-1),
         seed=_get_int(body, "seed", None, minimum=-2**63, maximum=2**63 - 1 - MAX_CHOICES),
         stop=_get_stop(body),
         ignore_eos=_get_bool(body, "ignore_eos", False))
+    try:
+        params = SamplingParams(**fields)
+    except ValueError as err:              # a rule of SamplingParams' own that the checks above missed
+        raise APIError(str(err), None, "invalid_value") from None
     return params, n, stream, include_usage
 
 
@@ -183,18 +193,17 @@ def parse_completion(body: dict, served: str, defaults: SamplingParams) -> Parse
 
 def completion_prompts(prompt: Any) -> list:
     """The OpenAI forms of ``prompt`` as a list of prompts (strings or lists of token ids)."""
-    bad = APIError(f"'prompt' must be {PROMPT_FORMS}; got {_short(prompt)}", "prompt", "invalid_type")
     if isinstance(prompt, str):
         return [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise bad
-    if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if all(_is_int(t) for t in prompt):
-        return [list(prompt)]
-    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
-        return [list(p) for p in prompt]
-    raise bad
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_int(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    # (built only here: the repr of a prompt of megabytes is not free)
+    raise APIError(f"'prompt' must be {PROMPT_FORMS}; got {_short(prompt)}", "prompt", "invalid_type")
 
 
 def parse_chat(body: dict, served: str, defaults: SamplingParams) -> tuple[Parsed, list[dict]]:
