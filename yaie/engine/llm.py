@@ -24,7 +24,7 @@ from yaie import ops
 from yaie.device import default_device
 from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
 from yaie.engine.prefix_cache import make_prefix_cache
-from yaie.engine.sampling import SamplingParams, sample
+from yaie.engine.sampling import SamplingParams, filtered_probs
 from yaie.engine.scheduler import PREEMPTION_MODES, Request, Scheduler, StepPlan
 from yaie.model.config import ModelLoadError, load_config
 from yaie.model.llama import LlamaModel
@@ -450,11 +450,16 @@ def _ended_cleanly(manager, num_cpu_blocks: int) -> bool:
 
 
 def _sample_rows(logits: torch.Tensor, texts: list[_Text]) -> list[int]:
-    """One token per row; greedy rows in one argmax (one device sync), the rest each with its own generator."""
+    """One token per row: greedy rows by one argmax; sampled rows draw from their filtered probabilities
+    (computed on the logits' device) with their own generator, on the host, as :func:`sample` does. All
+    rows reach the host together: one device sync per step, not one per sampled row."""
+    sampled = [i for i, text in enumerate(texts) if not text.params.greedy]
+    probs = torch.stack([filtered_probs(logits[i], texts[i].params) for i in sampled]) if sampled else None
     tokens = logits.argmax(dim=-1).tolist()
-    for i, text in enumerate(texts):
-        if not text.params.greedy:
-            tokens[i] = sample(logits[i], text.params, text.generator)
+    if sampled:
+        probs = probs.cpu()
+        for row, i in enumerate(sampled):
+            tokens[i] = int(torch.multinomial(probs[row], 1, generator=texts[i].generator))
     return tokens
 
 
