@@ -4,7 +4,7 @@
 # 1. scripts/gpu_engine_chunked_check.py: float32, chunked prefill gives the ids of whole-prompt prefill and of
 #    transformers, through lesson 05's prefix-prefill kernel, with preemption       -> $OUT/engine_chunked_check.json
 # 2. python -m yaie.bench.engine: the random ~1B Llama, bf16: inter-token latency of 16 decoding requests while
-#    a 16k-token prompt arrives (chunked and whole); throughput at batch 1, 64, 16, 256 beside transformers
+#    a 16k-token prompt arrives (chunked and whole); throughput at batch 64, 1, 16, 256 (in that order: the time budget may cut the last) beside transformers
 #    generate and transformers with its static cache + torch.compile; batch 1 against the bandwidth roofline
 #                                                                                   -> $OUT/engine_<gpu>.{json,md}
 # BENCH_BUDGET: seconds after which the benchmark starts no more transformers rows (default 260).
@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTI
   echo "== gpu_engine_chunked_check.py"
   timeout 80 python3 scripts/gpu_engine_chunked_check.py --out "$OUT"
   echo "== engine throughput and chunked-prefill latency (rc of the check above: $?)"
-  timeout "${BENCH_TIMEOUT:-400}" python3 -m yaie.bench.engine --out "$OUT" --size 1b --batches 1,64,16,256 \
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m yaie.bench.engine --out "$OUT" --size 1b --batches 64,1,16,256 \
       --prompt-len 128 --new-tokens 128 --repeats 2 --long-prompt 16000 --itl-batch 16 \
       --max-num-batched-tokens 2048 --time-budget "${BENCH_BUDGET:-260}" --profile
   echo "== done (rc $?)"
