@@ -44,8 +44,6 @@ Empty slots (``M >= n``) give 0 in the forward products and receive no gradient.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -693,10 +691,16 @@ def telescoping_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap
 
     An entry averaging ``s`` tokens stands for ``s`` tokens: its score gets ``+ log(s)``, so a span of
     identical keys weighs exactly as much as the tokens it replaced. Differentiable. Computes in ``q``'s
-    dtype (``k`` and ``v`` are cast to it) and returns ``[b, l, h * e, d]`` in it.
+    dtype (``k`` and ``v`` are cast to it) and returns ``[b, l, h * e, d]`` in it. Raises ``ValueError`` on
+    shapes that do not fit together.
     """
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"q must be [b, l, h * e, d] and k, v [b, l, h, d] with the same b, l, d, got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     b, l, hq, d = q.shape
     h = k.shape[2]
+    if h == 0 or hq % h:
+        raise ValueError(f"the {hq} query heads must be a multiple of the {h} KV heads (at least one)")
     e = hq // h
     scale = d ** -0.5 if scale is None else scale
     index_map, starts, ends, bias = telescoping_maps(l, capacity, q.device)
