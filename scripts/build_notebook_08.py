@@ -32,6 +32,10 @@ You will write, in `yaie/kernels/based.py`:
 | 3 | `based_decode_step(q, k, v, state)` | one token: update the state in place, read the output from it |
 | 4 | `check_based_inputs(...)` | bad input gets a `ValueError` (feature dim other than 16, shape mismatches, ...) |
 
+`based_prefill` and `based_decode_step` validate their arguments with `check_based_inputs` (task 4, section 5)
+before they touch anything: write it before task 2, or the checks of tasks 2 and 3 stop at its
+`NotImplementedError`.
+
 No GPU? The kernel runs in the **Triton interpreter** (small shapes, float32/float16). Grade with
 `pytest grader/lesson08` or the last cell.
 """)

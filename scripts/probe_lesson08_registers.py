@@ -62,7 +62,7 @@ def probe(kernel, consts: dict, num_warps: int, num_stages: int = 3) -> dict:
 def main() -> None:
     settings = [(32, 64, 4), (64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 32, 4)]
     for variant, kernel, extra in (("registers", based._based_prefill_kernel,
-                                    {"STORE_STATE": True, "STATE_DOT_FP32": False}),
+                                    {"STATE_DOT_FP32": False}),
                                    ("rows", based._based_prefill_kernel_rows, {})):
         for chunk, block_v, warps in settings:
             consts = {"CHUNK": chunk, "BLOCK_V": block_v, "PRECISION": "tf32", **extra}

@@ -60,7 +60,7 @@ FEATURE_DIM = 16                                       # d: the width of q and k
 EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_VALUE_DIM = 256
-DEFAULT_CHUNK = 32                                     # the fastest chunk of the kernel on the H100
+DEFAULT_CHUNK = 32                                     # chunks of 16 and 32 time alike on the H100; 64+ spill
 
 
 class BasedState(NamedTuple):
@@ -238,7 +238,7 @@ def _based_prefill_kernel_rows(
     seq_len, value_dim,
     CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """A second design of :func:`_based_prefill_kernel` with fewer registers. NOT yet timed on a GPU.
+    """A second design of :func:`_based_prefill_kernel` with fewer registers (not the one :func:`based_prefill` runs).
 
     Same grid and results. q and k are scaled by ``16^(-1/4) = 1/2`` on load (exact), so ``s = q.k`` and
     the features are ``[1, q, q_a q_b / sqrt(2)]``. Where the state lives: the small parts in registers
@@ -246,8 +246,9 @@ def _based_prefill_kernel_rows(
     ``z2 = sum k k^T [16, 16]``); the order-2 numerator state (256 rows x BLOCK_V) in the program's own
     rows of the output state ``STATE_KV``, visited 16 rows at a time (no ``[CHUNK, 256]`` products are
     built). Compiled for sm_90 it spills little or nothing where the first design spills kilobytes
-    (``scripts/probe_lesson08_registers.py``); whether the round trips through L1/L2 cost less than the
-    spills is for a GPU run (``yaie bench lesson08`` times it as the "rows" rows).
+    (``scripts/probe_lesson08_registers.py``), yet on the H100 it is 1.15-1.19x slower than the first design
+    at chunk 32 (bench/results/lesson08_h100.md, the "rows" rows): the round trips of the order-2 state
+    through L1/L2 cost more than the spills they replace.
     """
     pid_v = tl.program_id(0)
     head = tl.program_id(1)
@@ -345,8 +346,7 @@ def _based_prefill_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     seq_len, value_dim,
-    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, STORE_STATE: tl.constexpr,
-    STATE_DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, STATE_DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: ``BLOCK_V`` value columns of one (sequence, head), walking over the chunks in order.
 
@@ -355,9 +355,9 @@ def _based_prefill_kernel(
     normaliser sums ``z0, z1 [16], z2 [256]``. q and k are pre-scaled by ``16^(-1/4) = 1/2`` on load,
     so ``s = q.k`` directly and the order-2 weight is ``s^2 / 2``. The order-2 features of a chunk are
     built as ``[CHUNK, 16, 16]`` products reshaped to ``[CHUNK, 256]``. Compiled for the H100 this
-    wants more than 255 registers per thread and spills (``scripts/probe_lesson08_registers.py``): the
-    best H100 setting measured is chunk 32 (bench/results/lesson08_h100.md), and
-    :func:`_based_prefill_kernel_rows` is the attempt to do without the spills.
+    wants more than 255 registers per thread and spills (``scripts/probe_lesson08_registers.py``); at
+    chunks of 16 and 32 the spills cost least (bench/results/lesson08_h100.md).
+    :func:`_based_prefill_kernel_rows` keeps the order-2 state in memory instead.
     """
     pid_v = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
@@ -426,23 +426,22 @@ def _based_prefill_kernel(
         z1 += tl.sum(kf_t, 1)
         z2 += tl.sum(k2_t, 1)
 
-    if STORE_STATE:
-        # The state in the feature layout of taylor_feature_map: row 0 order 0, rows 1..16 order 1
-        # (k/2 already carries its 1/2), rows 17..272 order 2 ((k/2)(k/2) carries 1/4; phi wants
-        # 1/(4 sqrt 2)): scale by 1/sqrt(2).
-        inv_sqrt2 = 0.7071067811865476
-        bh = batch * tl.num_programs(1) + head
-        kv_base = STATE_KV + bh * (273 * value_dim)
-        tl.store(kv_base + offs_v, s0, mask=v_ok)
-        tl.store(kv_base + (1 + offs_f[:, None]) * value_dim + offs_v[None, :], s1, mask=v_ok[None, :])
-        offs_2 = tl.arange(0, 256)
-        tl.store(kv_base + (17 + offs_2[:, None]) * value_dim + offs_v[None, :], s2 * inv_sqrt2,
-                 mask=v_ok[None, :])
-        if pid_v == 0:
-            k_base_out = STATE_K + bh * 273
-            tl.store(k_base_out + tl.arange(0, 1), z0)
-            tl.store(k_base_out + 1 + offs_f, z1)
-            tl.store(k_base_out + 17 + offs_2, z2 * inv_sqrt2)
+    # The state in the feature layout of taylor_feature_map: row 0 order 0, rows 1..16 order 1
+    # (k/2 already carries its 1/2), rows 17..272 order 2 ((k/2)(k/2) carries 1/4; phi wants
+    # 1/(4 sqrt 2)): scale by 1/sqrt(2).
+    inv_sqrt2 = 0.7071067811865476
+    bh = batch * tl.num_programs(1) + head
+    kv_base = STATE_KV + bh * (273 * value_dim)
+    tl.store(kv_base + offs_v, s0, mask=v_ok)
+    tl.store(kv_base + (1 + offs_f[:, None]) * value_dim + offs_v[None, :], s1, mask=v_ok[None, :])
+    offs_2 = tl.arange(0, 256)
+    tl.store(kv_base + (17 + offs_2[:, None]) * value_dim + offs_v[None, :], s2 * inv_sqrt2,
+             mask=v_ok[None, :])
+    if pid_v == 0:
+        k_base_out = STATE_K + bh * 273
+        tl.store(k_base_out + tl.arange(0, 1), z0)
+        tl.store(k_base_out + 1 + offs_f, z1)
+        tl.store(k_base_out + 17 + offs_2, z2 * inv_sqrt2)
 
 
 # yaie: solution-only
@@ -474,7 +473,7 @@ def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int, block_v: i
         _based_prefill_kernel_rows[grid](*args, CHUNK=chunk_size, BLOCK_V=block_v, PRECISION=precision,
                                          num_warps=num_warps, **extra)
     else:
-        _based_prefill_kernel[grid](*args, CHUNK=chunk_size, BLOCK_V=block_v, STORE_STATE=True,
+        _based_prefill_kernel[grid](*args, CHUNK=chunk_size, BLOCK_V=block_v,
                                     STATE_DOT_FP32=fp32, PRECISION=precision, num_warps=num_warps, **extra)
 
 
@@ -492,7 +491,7 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
             the usual ones); one dtype: float16, bfloat16 or float32; any strides; CUDA, or CPU under the
             Triton interpreter.
         chunk_size: tokens per chunk, 16, 32, 64 or 128; ``None``: the implementation's choice (the reference
-            uses 32, its fastest on the H100).
+            uses 32: on the H100 chunks of 16 and 32 time alike, larger ones are slower).
         return_state: also return the state after the last token (for decoding on).
     Returns:
         ``(out, state)``: ``out [batch, heads, seq, d_v]`` in the inputs' dtype (``out_i`` as in
