@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -428,6 +429,18 @@ def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
             time.sleep(0.05)
         assert m["yaie_requests_aborted_total"] == 1 and m["yaie_kv_cache_blocks_used"] == 0
         assert m["yaie_requests_finished_total"] == 1
+        if Path("/proc").is_dir():          # the engine process dies under the server: 503s that say so
+            engine = [pid for pid in child_pids(proc.pid)
+                      if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            assert len(engine) == 1, engine
+            os.kill(engine[0], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while httpx.get(url + "/health", timeout=10).status_code != 503:
+                assert time.monotonic() < deadline, "/health still says ok 10 s after the engine died"
+                time.sleep(0.05)
+            response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Tom", "max_tokens": 2},
+                                  timeout=10)
+            assert response.status_code == 503 and "engine process stopped" in response.json()["error"]["message"]
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -436,6 +449,19 @@ def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
             proc.kill()
             raise
     assert returncode == 0
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux: /proc/<pid>/stat)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:                      # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
 
 
 # ----------------------------------------------------------------------------- the Python API's prompts

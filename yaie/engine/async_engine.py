@@ -23,6 +23,7 @@ import asyncio
 import collections
 import multiprocessing
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -507,15 +508,25 @@ class ProcessEngine:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive() and not (self._stopping or self._dead)
 
+    def _gone(self) -> str:
+        """Why no request can run: the server stops it, or the engine process died under it."""
+        if self._stopping or self._proc is None:
+            return "the engine is shutting down"
+        code = "" if self._proc.exitcode is None else f" (exit code {self._proc.exitcode})"
+        return f"the engine process stopped{code}; nothing can run until the server is restarted"
+
     async def submit(self, items: list[tuple[list[int], SamplingParams]]) -> RequestGroup:
         """As :meth:`AsyncEngine.submit`."""
         if not self.alive:
-            raise RuntimeError("the engine is shutting down")
+            raise RuntimeError(self._gone())
         group = RequestGroup(self, items)
         group.gid, group.remaining = self._next_gid, len(items)
         self._next_gid += 1
         self._groups[group.gid] = group
         self._send(("submit", group.gid, items))
+        if self._dead:        # the reader failed the groups it saw before this one came: none will answer it
+            self._groups.pop(group.gid, None)
+            raise RuntimeError(self._gone())
         try:
             await asyncio.shield(group.accepted)
         except asyncio.CancelledError:
@@ -562,6 +573,9 @@ class ProcessEngine:
             else:
                 _resolve(group, RuntimeError("the engine process stopped"))
         self._groups.clear()
+        if not self._stopping:       # it died under the server: say so in the server's log
+            self._proc.join(5)
+            print(f"yaie serve: {self._gone()}", file=sys.stderr, flush=True)
 
     def _route(self, events: list[tuple]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
