@@ -277,6 +277,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 500}, 400, "max_tokens"),  # > the cache
+    ("/v1/completions", {"model": MODEL, "prompt": list(range(3, 403))}, 400, "prompt"),     # > the cache, < context
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % MODEL.encode(), 400, "temperature"),
@@ -313,6 +314,17 @@ def test_bad_request_gets_an_openai_error(live, path, body, status, param):
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert isinstance(error["message"], str) and len(error["message"]) > 10 and error["code"]
+
+
+def test_max_tokens_beyond_the_cache_says_what_fits(live, client):
+    prompt = [0] + [340, 557, 15] * 100
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=500)
+    allowed = NUM_BLOCKS * BLOCK_SIZE + 1 - len(prompt)
+    assert f"max_tokens <= {allowed}" in err.value.message, err.value.message
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=allowed, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == allowed
 
 
 def test_bad_requests_through_the_client(client):

@@ -123,8 +123,9 @@ def create_app(llm: LLM | Frontend, served_model_name: str | None = None,
         items = [(ids, choice_params(params, j)) for ids in prompt_ids for j in range(parsed.n)]
         try:
             group = await engine.submit(items)
-        except ValueError as err:          # a request that could never fit in the KV cache
-            raise APIError(str(err), "max_tokens", "context_length_exceeded") from None
+        except ValueError:                 # a request that could never fit in the KV cache, even alone
+            raise cache_too_small(prompt_ids, params, engine.stats.blocks_total * llm.block_size, context,
+                                  "messages" if chat else "prompt") from None
         except RuntimeError as err:        # shutting down
             raise APIError(str(err), None, "unavailable", status=503, type="server_error") from None
         reply = Reply(served, chat, len(items), sum(map(len, prompt_ids)), parsed.include_usage)
@@ -165,6 +166,19 @@ def checked_prompt(llm: LLM, prompt, param: str) -> list[int]:
     except ValueError as err:
         code = "context_length_exceeded" if "context" in str(err) else "invalid_value"
         raise APIError(str(err), param, code) from None
+
+
+def cache_too_small(prompt_ids: list[list[int]], params, cache_tokens: int, context: int, prompt_param: str):
+    """The 400 for a request whose prompt and max_tokens need more KV cache than the server has: what
+    would fit (the engine's own message names its internal request id, which means nothing to a client)."""
+    longest = max(map(len, prompt_ids))
+    allowed = min(cache_tokens + 1, context) - longest      # the last token generated is never cached
+    if allowed < 1:
+        return APIError(f"the prompt ({longest} tokens) does not fit in this server's KV cache ({cache_tokens} "
+                        "tokens); shorten it", prompt_param, "context_length_exceeded")
+    return APIError(f"the prompt ({longest} tokens) and max_tokens ({params.max_tokens}) need more than this "
+                    f"server's KV cache ({cache_tokens} tokens); ask for max_tokens <= {allowed}", "max_tokens",
+                    "context_length_exceeded")
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
