@@ -285,6 +285,10 @@ BAD = [
     ("/v1/completions", b'{"model": "%s", "prompt": "hi", "temperature": Infinity}' % MODEL.encode(), 400,
      "temperature"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),   # nested too deep
+    ("/v1/completions", b'{"model": "%s", "prompt": "hi \\ud800"}' % MODEL.encode(), 400, "prompt"),  # lone surrogate
+    ("/v1/completions", b'{"model": "x\\udfff", "prompt": "hi"}', 400, "model"),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}'
+     % MODEL.encode(), 400, "messages[0].content"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),

@@ -100,7 +100,18 @@ def _get_stop(body: dict) -> list[str]:
         raise APIError(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop", "invalid_value")
     if any(not s for s in stop):
         raise APIError("'stop' strings must not be empty", "stop", "invalid_value")
-    return stop
+    return [_check_text(s, "stop") for s in stop]
+
+
+def _check_text(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode. JSON may spell a lone UTF-16 surrogate (``"\\ud800"``) that Python
+    parses into a string no tokenizer and no UTF-8 response can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(f"'{param}' is not valid Unicode: a lone surrogate {text[err.start]!r} at character "
+                       f"{err.start} (a \\uD800-\\uDFFF escape without its pair)", param, "invalid_value") from None
+    return text
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
@@ -142,6 +153,7 @@ def check_model(body: dict, served: str) -> str:
         raise APIError("you must give 'model' (GET /v1/models lists it)", "model", "missing_required_parameter")
     if not isinstance(model, str):
         raise APIError(f"'model' must be a string, got {model!r}", "model", "invalid_type")
+    _check_text(model, "model")
     if model != served:
         raise APIError(f"The model `{model}` does not exist; this server serves `{served}`", "model",
                        "model_not_found", status=404)
@@ -194,10 +206,10 @@ def parse_completion(body: dict, served: str, defaults: SamplingParams) -> Parse
 def completion_prompts(prompt: Any) -> list:
     """The OpenAI forms of ``prompt`` as a list of prompts (strings or lists of token ids)."""
     if isinstance(prompt, str):
-        return [prompt]
+        return [_check_text(prompt, "prompt")]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
+            return [_check_text(p, "prompt") for p in prompt]
         if all(_is_int(t) for t in prompt):
             return [list(prompt)]
         if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
@@ -245,7 +257,7 @@ def chat_messages(messages: Any) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(f"'{where}.content' must be a string or a list of text parts, got {_short(content)}",
                            f"{where}.content", "invalid_type")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": _check_text(content, f"{where}.content")})
     return out
 
 
