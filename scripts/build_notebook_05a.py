@@ -288,7 +288,7 @@ md(r"""
 ## 4. Attention over the new tokens only
 
 `prefill_attention` writes the new tokens' K/V into the cache and calls lesson 05's
-`prefix_prefill_attention` (task 3: the kernel) with the block tables, `cu_seqlens_q` (where each sequence's
+`prefix_prefill_attention` (task 4: the kernel of notebook 05b) with the block tables, `cu_seqlens_q` (where each sequence's
 new tokens start) and `context_lens` (how many tokens each has cached). Below: a 13-token sequence is prefilled,
 cached, then a second sequence reuses its first 8 tokens and computes only 3 new ones; the output is compared
 with plain attention over the whole 11 tokens in float64.

@@ -235,10 +235,11 @@ try_it(lambda: plan_and_run(4))
 md(r"""
 The work list of a plan as a picture: one bar per program row (work item; every KV head runs it), along
 the keys it reads; narrow (decode) tiles and wide (prefill) tiles in different colours, the chunks of a
-split tile hatched. (The reference keeps the list in `wrapper._plan.host_work`, fields: first query row,
-query tokens, first query's position (2**30 without a causal mask), first key, end key, page-table offset,
-which partial state of its rows it writes (-1: the only one, straight to the output), offset into the
-table of partial rows.)
+split tile hatched. The picture reads the reference's work list, `wrapper._plan.host_work` (fields: first
+query row, query tokens, first query's position (2**30 without a causal mask), first key, end key, page-table
+offset, which partial state of its rows it writes (-1: the only one, straight to the output), offset into the
+table of partial rows) and `wrapper._plan.narrow`; if your plan keeps its work list another way, adapt
+`draw_work` to it.
 """)
 
 code(r"""
@@ -248,7 +249,11 @@ def draw_work(chunk=None, causal=True):
     w = FI.FlashInferPagedAttention()
     w.plan(qo, kv_indptr, kv_indices, kv_last_page_len, num_heads, num_kv_heads, head_dim, block_size,
            causal=causal, kv_chunk_size=chunk)
-    items, narrow = w._plan.host_work, w._plan.narrow.tolist()
+    plan = getattr(w, "_plan", None)
+    if not (hasattr(plan, "host_work") and hasattr(plan, "narrow")):
+        print("your plan keeps its work list another way: adapt draw_work to read it")
+        return
+    items, narrow = plan.host_work, plan.narrow.tolist()
     starts = qo.tolist()
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(items) + 1.2))
     for i, (it, nar) in enumerate(zip(items, narrow)):

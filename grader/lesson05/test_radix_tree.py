@@ -62,7 +62,18 @@ def run_programs(body, seed: int, examples: int) -> None:
     def program(data):
         body(lambda lo, hi: data.draw(st.integers(lo, hi)))
 
-    program()
+    try:
+        program()
+    except Exception as err:  # noqa: BLE001 - hypothesis's Flaky* errors: it could not replay its failure
+        if "Flaky" not in type(err).__name__:
+            raise
+        # Show a failure that replays: the same kind of programs from Python's random.
+        rng = random.Random(seed)
+        for _ in range(5 * examples):
+            body(rng.randint)
+        raise GradingError("a random program failed under hypothesis, which could not replay it, and no plain "
+                           "random program fails\n  hint:     does your code keep state between objects (class "
+                           "attributes, module globals)? Rerun with YAIE_HYPOTHESIS_DERANDOMIZE=1") from err
 
 
 def seq(*blocks: str) -> list[int]:
@@ -365,9 +376,8 @@ def test_eviction_makes_room_but_spares_prefixes_in_use(device):
     c = seq("aa", "bb", "q")
     got = cache.allocate("c", c)
     expect(got.num_cached == 4, "the surviving cached prefix is still reused", 4, got.num_cached)
-    before = ([blk.ref_count for blk in manager.blocks], cache.tree.num_cached_blocks)
-    try:
-        cache.allocate("d", seq("mm", "nn", "oo", "pp", "qq", "r"))
+    try:                                     # shares the prefix 'c' holds, needs 4 more blocks: only 3 can be evicted
+        cache.allocate("d", seq("aa", "bb", "mm", "nn", "oo", "pp", "r"))
     except Exception as err:  # noqa: BLE001 - the manager's OutOfBlocks, whichever module made it
         expect(type(err).__name__ == "OutOfBlocks", "a request that cannot fit even after evicting",
                "OutOfBlocks", type(err).__name__)
@@ -375,9 +385,12 @@ def test_eviction_makes_room_but_spares_prefixes_in_use(device):
         raise GradingError("allocate must raise OutOfBlocks when the locked prefixes leave too few blocks\n"
                            "  hint:     evict what you can (make_room), then let the manager's OutOfBlocks through")
     expect(not manager.has_seq("d"), "a failed allocate must not leave the sequence behind", "no sequence 'd'", "'d' exists")
+    shared = cache.locked_node("c")
+    expect(shared is not None and shared.lock_count == 1,
+           "after a failed allocate over the prefix 'aabb', only 'c' may hold a lock on it", "lock_count 1",
+           shared, "unlock the node you locked before letting OutOfBlocks through")
     expect(cache.match(c) == 4, "the prefix in use by 'c' must survive the failed allocation", 4, cache.match(c))
     check_owners(cache, {"c": 1})
-    del before
     cache.free("c", c)
     cache.clear()
     expect(manager.num_free_blocks == manager.num_blocks, "nothing leaked", manager.num_blocks, manager.num_free_blocks)
@@ -404,6 +417,7 @@ def test_random_programs_share_blocks_correctly(device, seed):
         size = pick(1, 3)
         manager, cache = make_cache(device, num_blocks=pick(6, 12), block_size=size, num_kv_heads=1, head_dim=2)
         k_rows = manager.k_cache[0].view(-1, 1, 2)
+        k_rows.fill_(float("nan"))          # never written: NaN, not what an earlier program left there
         live: dict[str, list[int]] = {}     # seq id -> its tokens (all computed)
         prompts: list[list[int]] = []
         counter = [0]

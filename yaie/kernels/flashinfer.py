@@ -80,7 +80,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 PROGRAMS_PER_SM = 2          # programs per multiprocessor the split heuristic aims at (lesson 04's choice)
 MIN_CHUNK = 256              # the fewest keys a split-KV chunk gets from the heuristic
-WORK_FIELDS = 8              # int32 numbers per work item (see _Plan)
+WORK_FIELDS = 8              # int32 numbers per work item of the reference's work list
 NO_MASK = 1 << 30            # the "position" of a query that sees every key (no causal mask)
 
 
@@ -92,9 +92,11 @@ def _is_int(value) -> bool:
 
 def _check_indptr(name: str, t, length: int | None = None) -> list[int]:
     """A 1-D int32 offsets tensor starting at 0 and never decreasing; returns it as a list (one copy)."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
         raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1] of offsets, got "
                          f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if t.numel() < 2:
+        raise ValueError(f"{name} must hold batch + 1 >= 2 offsets (at least one request), got {t.numel()}")
     if length is not None and t.numel() != length:
         raise ValueError(f"{name} must have {length} entries (batch + 1), got {t.numel()}")
     values = t.tolist()
