@@ -290,7 +290,8 @@ multiplying at these shapes: see the table there for forward and both backwards,
 3. An entry averaging `s` tokens gets `+ log(s)` on its score in `telescoping_attention`. Show that
    when all the tokens of a span share one key, this gives exactly the attention of the full cache.
    What does the bias do when the keys of a span differ?
-4. `M[l]` and `M[l+1]` differ in at most three slots. Count, for `l = 16k, c = 256`, how many distinct
+4. The caches of positions `l` and `l + 1` share all but at most two buffer rows (a merged pair leaves; the merged
+   span and the new token arrive). Count, for `l = 16k, c = 256`, how many distinct
    buffer rows the forward kernel's programs for 128 consecutive positions read, and estimate the share
    of its reads that hit L2. Compare with a random map (`yaie bench lesson07` runs both).
 5. The backward scatter: write the inverted-map version (for each buffer row, the list of `(l, c)` that
