@@ -137,12 +137,13 @@ def test_prefill_float32(device, seed, seq):
 
 
 @task(2, "based_prefill")
-@pytest.mark.parametrize("seq,value_dim,chunk", [(17, 128, 16), (300, 64, 64), (45, 32, 32)])
+@pytest.mark.parametrize("seq,value_dim,chunk", [(17, 128, 16), (300, 64, 64), (45, 32, 32), (40, 16, None)])
 def test_prefill_value_dims_and_chunks(device, seed, seq, value_dim, chunk):
     q, k, v, out, state, case = _prefill_case(device, seed, torch.float32, seq, value_dim, chunk, layout="bshd")
     assert_close(out, ref_based(q, k, v), name="based_prefill output", dtype=torch.float32, case=case,
                  atol=2e-5, rtol=1e-4,
-                 hint="value columns beyond the first block, and inputs with strides (q.stride(2) != 16)")
+                 hint="value columns beyond the first block, inputs with strides (q.stride(2) != 16), "
+                      "chunk_size=None (your default)")
     check_state(state, k, v, case, atol=1e-3, rtol=1e-4, hint="every value column of the state")
 
 
