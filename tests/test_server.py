@@ -467,6 +467,47 @@ def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
     assert returncode == 0
 
 
+def test_yaie_serve_exits_promptly_with_requests_in_flight():
+    """Ctrl-C while a request has minutes of work left: it is cancelled after --timeout-graceful-shutdown,
+    the engine process stops with the server, and the exit is clean."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "yaie.server", "--port", str(port), "--log-level", "critical",
+                             "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS),
+                             "--timeout-graceful-shutdown", "1"], env=dict(os.environ, YAIE_SOLUTIONS="all"))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tom ran."}], "n": 64, "ignore_eos": True}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"yaie serve exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "yaie serve did not answer /health in 60 s"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        # 64 choices of up to the whole cache each: minutes of work on a CPU.
+        slow = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions", json=body, timeout=60),
+                                daemon=True)
+        slow.start()
+        deadline = time.monotonic() + 10
+        while parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)["yaie_requests_running"] == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+        engine = child_pids(proc.pid) if Path("/proc").is_dir() else []
+        proc.send_signal(signal.SIGINT)
+        returncode = proc.wait(20)
+        assert returncode == 0
+        for pid in engine:
+            assert not running(pid), f"process {pid} of the server outlived it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def child_pids(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (Linux: /proc/<pid>/stat)."""
     children = []
@@ -478,6 +519,14 @@ def child_pids(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             children.append(int(stat.parent.name))
     return children
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is no zombie (Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 # ----------------------------------------------------------------------------- the Python API's prompts

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "so HTTP work does not hold the engine's interpreter lock)")
     p.add_argument("--solutions", default=None, metavar="SPEC",
                    help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=5.0, metavar="S",
+                   help="on Ctrl-C or SIGTERM, seconds the requests in flight get to finish before they are "
+                        "cancelled (default 5; without a limit one long or stalled stream holds the exit)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     return p
 
@@ -78,5 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     where = "in a thread" if args.engine_in_thread else "in its own process"
     print(f"yaie serve: {app.state.served_model_name} (engine {where}), http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.timeout_graceful_shutdown)
     return 0
