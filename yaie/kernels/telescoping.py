@@ -389,10 +389,12 @@ def indexed_pv(p: torch.Tensor, v: torch.Tensor, index_map: torch.Tensor) -> tor
 # ---------------------------------------------------------------- attention over the telescoping cache
 
 _MAPS: dict = {}
+MAX_KEPT_MAPS = 16     # a server sees many prompt lengths: keep the most recently used maps only
 
 
 def telescoping_maps(length: int, capacity: int, device) -> tuple[torch.Tensor, ...]:
-    """``(index_map, starts, ends, bias)`` for ``(length, capacity)`` on ``device``, built once and kept.
+    """``(index_map, starts, ends, bias)`` for ``(length, capacity)`` on ``device``, built once and kept
+    (the ``MAX_KEPT_MAPS`` most recently used ones).
 
     ``index_map`` has :func:`stable_slots` columns; ``bias`` is float32 ``[l, c]``: ``log(size)`` of each
     slot's span, ``-inf`` for unused slots (what a score needs added so that a span of ``s`` tokens weighs
@@ -405,6 +407,10 @@ def telescoping_maps(length: int, capacity: int, device) -> tuple[torch.Tensor, 
         sizes = span_sizes(index_map, starts, ends)
         bias = torch.where(sizes > 0, sizes.clamp(min=1).log(), torch.full_like(sizes, float("-inf")))
         _MAPS[key] = tuple(t.to(device) for t in (index_map, starts, ends, bias))
+        while len(_MAPS) > MAX_KEPT_MAPS:
+            del _MAPS[next(iter(_MAPS))]            # dicts keep insertion order: the least recently used
+    else:
+        _MAPS[key] = _MAPS.pop(key)                 # used again: move it to the end
     return _MAPS[key]
 
 
