@@ -8,6 +8,7 @@ with the same seeds. Every client loop is bounded (timeouts), and the server is 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ import uvicorn
 from yaie import ops
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
 from yaie.model.testing import fresh_seed, single_thread
+import yaie.server.app as server_app
 from yaie.server import create_app
 from yaie.server.app import parse_prometheus
 
@@ -329,6 +331,22 @@ def test_max_tokens_beyond_the_cache_says_what_fits(live, client):
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=allowed, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert got.usage.completion_tokens == allowed
+
+
+def test_a_body_too_large_is_refused(live, monkeypatch):
+    monkeypatch.setattr(server_app, "MAX_BODY_BYTES", 1000)
+    body = json.dumps({"model": MODEL, "prompt": "x" * 2000}).encode()
+
+    def pieces():                          # no Content-Length: sent chunked
+        yield from (body[i:i + 100] for i in range(0, len(body), 100))
+
+    for content in (body, pieces()):
+        response = httpx.post(live.url + "/v1/completions", content=content, timeout=10,
+                              headers={"Content-Type": "application/json"})
+        assert response.status_code == 413, response.text
+        assert response.json()["error"]["code"] == "request_too_large"
+    monkeypatch.undo()
+    assert httpx.post(live.url + "/v1/completions", content=body, timeout=10).status_code == 400   # > context
 
 
 def test_bad_requests_through_the_client(client):

@@ -26,6 +26,7 @@ from yaie.engine.llm import LLM
 from yaie.server.protocol import UNLIMITED, APIError, Parsed, choice_params, parse_chat, parse_completion
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_BODY_BYTES = 64 * 2**20     # a request body larger than this is refused (413) before it is all in memory
 
 
 def create_app(llm: LLM | Frontend, served_model_name: str | None = None,
@@ -143,7 +144,18 @@ def create_app(llm: LLM | Frontend, served_model_name: str | None = None,
 
 # ---------------------------------------------------------------------------- requests
 async def read_json(request: Request) -> dict:
-    raw = await request.body()
+    too_large = APIError(f"the request body is larger than this server takes ({MAX_BODY_BYTES} bytes)", None,
+                         "request_too_large", status=413)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():     # counted as it comes: a body sent without a length too
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
