@@ -123,6 +123,8 @@ def test_context_limit(llm):
 @pytest.mark.parametrize("kwargs,what", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-3), "top_k"), (dict(stop=[""]), "stop"),
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature="0.5"), "temperature"), (dict(top_p=float("nan")), "top_p"),
 ])
 def test_bad_sampling_params(kwargs, what):
     with pytest.raises(ValueError, match=what):
@@ -138,6 +140,16 @@ def test_bad_prompts(llm):
         llm.generate([[0, 5000]])
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.generate("hi \ud800")
+
+
+def test_a_tiny_temperature_samples_greedily(llm):
+    """Dividing logits by a temperature under MIN_TEMPERATURE would overflow float32 into NaN."""
+    prompt = "Lily was afraid of the dark."
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    tiny = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1e-40, seed=1))[0].token_ids
+    assert tiny == greedy
 
 
 # ----------------------------------------------------------------------------- the student's kernels run

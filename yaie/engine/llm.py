@@ -232,6 +232,11 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"the prompt is an empty string; {rule}")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as err:     # a lone surrogate such as "\ud800": no text to tokenize
+                raise ValueError(f"the prompt is not valid Unicode text ({err.reason} at character {err.start}); "
+                                 f"{rule}") from None
             ids = self.tokenizer.encode(prompt)
             text = prompt
         else:

@@ -6,16 +6,25 @@ the smallest set of tokens whose probabilities add up to ``top_p``, renormalise,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+
+MIN_TEMPERATURE = 1e-5   # temperatures below this sample greedily (see SamplingParams.greedy)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature: 0 means greedy (argmax); higher flattens the distribution.
+    temperature: 0 means greedy (argmax), and so does anything below ``MIN_TEMPERATURE``; higher flattens the
+    distribution.
     top_k: keep the k most likely tokens (0 or -1: all). top_p: nucleus mass in (0, 1].
     max_tokens: tokens to generate at most (the model's context may stop it earlier).
     seed: a seed makes sampling reproducible for this request; None draws from torch's global RNG.
@@ -38,10 +47,10 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:       # NaN fails the comparison too
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = no limit), got {self.top_k!r}")
         if any(not s for s in self.stop):
@@ -49,7 +58,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below MIN_TEMPERATURE, logits / temperature overflows float32 and the softmax turns into NaN;
+        # such a temperature means "take the most likely token" anyway.
+        return self.temperature < MIN_TEMPERATURE
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
