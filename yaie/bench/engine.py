@@ -256,7 +256,7 @@ def main(argv=None) -> int:
             long_prompt = torch.randint(3, vocab, (args.long_prompt,), generator=gen).tolist()
             for chunked in (True, False):
                 # Once untimed (kernels compiled for these shapes, graphs recorded), then measured.
-                inter_token_latency(llm, prompts[:args.itl_batch], long_prompt, chunked, args.device, before_steps=2)
+                inter_token_latency(llm, prompts[:args.itl_batch], long_prompt, chunked, args.device)
                 latency.append(inter_token_latency(llm, prompts[:args.itl_batch], long_prompt, chunked, args.device))
             llm.chunked_prefill = True
         if args.profile:
@@ -278,9 +278,12 @@ def main(argv=None) -> int:
                 rows.append(measure("yaie engine (no CUDA graphs)", engine, batch, args.new_tokens, args.repeats,
                                     args.device))
                 llm.cuda_graphs = True
-            if args.skip_hf:
-                continue
-            x = torch.tensor(ids, device=args.device)
+        # transformers after every engine row: its compiled path records CUDA graphs of its own
+        # (torch.compile's cudagraph trees), and the engine's graphs recorded before are not replayed
+        # after that in this process (an illegal memory access was seen on the H100 when they were).
+        for batch in [] if args.skip_hf else batches:
+            write_report()
+            x = torch.tensor(prompts[:batch], device=args.device)
 
             def huggingface(n, x=x, **extra):
                 with torch.no_grad():
