@@ -386,12 +386,18 @@ def test_a_huge_prompt_does_not_stall_other_clients(live):
             await asyncio.sleep(0.2)
             health = await c.get("/health")
             health_s = time.monotonic() - start
-            return health, health_s, await huge, time.monotonic() - start
+            huge_pending = not huge.done()          # still being tokenized when /health came back
+            return health, health_s, huge_pending, await huge, time.monotonic() - start
 
-    health, health_s, huge, huge_s = asyncio.run(asyncio.wait_for(both(), timeout=45))
+    health, health_s, huge_pending, huge, huge_s = asyncio.run(asyncio.wait_for(both(), timeout=45))
     assert health.status_code == 200
     assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded", huge.text
-    assert health_s < 0.2 + (huge_s - 0.2) / 2, f"/health took {health_s:.2f} s while the huge prompt took {huge_s:.2f} s"
+    # Only a slow tokenization can stall anyone: when it took over a second, /health must have been answered
+    # while it ran, well before the huge request's answer (a stalled server answers both at once). The bound
+    # is relative to the tokenization's own time, so a loaded machine does not make it flaky.
+    if huge_s > 1.0:
+        assert huge_pending and huge_s - health_s > 0.25 * (huge_s - 0.2), \
+            f"/health came back after {health_s:.2f} s, the huge prompt's answer after {huge_s:.2f} s"
 
 
 def test_engine_failure_fails_its_requests_not_the_server(live, client, monkeypatch):
