@@ -133,32 +133,6 @@ def run_based(llm, prompt_ids: list[list[int]], params: list):
     """The engine's generation loop for Based models: events ``(request, text piece, its _Text)`` as
     :meth:`yaie.engine.llm.LLM._run` yields them. Sequences run one after another, each with its own
     constant-size :class:`BasedCache`; ``llm.last_caches`` keeps them (for tests and memory figures)."""
-    from yaie.engine.llm import _sample_rows, _Text
-    from yaie.engine.scheduler import Request
+    from yaie.engine.sequential import run_one_at_a_time
 
-    model, cfg = llm.model, llm.config
-    llm.last_caches = []
-    for i, (ids, p) in enumerate(zip(prompt_ids, params)):
-        room = cfg.max_position_embeddings - len(ids)
-        if room < 1:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; the model takes at most "
-                             f"{cfg.max_position_embeddings}")
-        request = Request(i, list(ids), min(p.max_tokens, room))
-        text = _Text(llm, p)
-        cache = BasedCache(cfg, llm.device)
-        llm.last_caches.append(cache)
-        request.state = "running"
-        feed = torch.tensor(ids, dtype=torch.int64, device=llm.device)
-        position = 0
-        while True:
-            positions = torch.arange(position, position + feed.numel(), device=llm.device)
-            hidden = model.forward(feed, positions, cache)
-            token = _sample_rows(model.logits(hidden[-1:]), [text])[0]
-            position += feed.numel()
-            piece = text.push(request, token)
-            if text.finish_reason is not None:
-                request.state = "finished"
-                yield request, piece, text
-                break
-            yield request, piece, text
-            feed = torch.tensor([token], dtype=torch.int64, device=llm.device)
+    return run_one_at_a_time(llm, prompt_ids, params, lambda: BasedCache(llm.config, llm.device))
