@@ -94,3 +94,17 @@ def test_messages_timeouts_and_results(tmp_path):
     assert by_task[6]["status"] == "passed" and by_task[6]["score"] == by_task[6]["max_score"] == 1.0
     assert data["score"] == 1.0 and data["max_score"] == 6.0
     assert "lesson 01: 1/6 tasks passed" in out
+
+
+def test_a_task_that_calls_an_unfinished_task_says_which():
+    """A finished function that calls a later task's stub is not reported as unwritten."""
+    from grader.framework import TaskResult, _waiting_on
+
+    def result(number, *messages):
+        return TaskResult(8, number, "x", 1.0, {"a": "not implemented"}, list(messages))
+
+    calls_task4 = "task 2 based_prefill: not implemented yet (lesson 08, task 4: implement check_based_inputs in ...)"
+    assert _waiting_on(result(2, calls_task4)).startswith("waits on task 4")
+    own_stub = "task 2 based_prefill: not implemented yet (lesson 08, task 2: implement based_prefill in ...)"
+    assert _waiting_on(result(2, own_stub, calls_task4)) == ""
+    assert _waiting_on(result(2, "lesson 07, task 4: another lesson's stub")) == ""
