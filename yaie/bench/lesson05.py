@@ -193,14 +193,9 @@ def run(args) -> list[Row]:
 
 
 def _part2_rows(args) -> list[Row]:
-    """Rows of lesson 05 part 2 (plan/run attention), from ``yaie/bench/lesson05_plan_run.py`` if present
+    """Rows of lesson 05 part 2 (plan/run attention), from ``yaie/bench/lesson05_plan_run.py``
     (``YAIE_BENCH_LESSON05_PART2=0`` leaves them out)."""
     if os.environ.get("YAIE_BENCH_LESSON05_PART2", "1") == "0":
         return []
-    try:
-        from yaie.bench import lesson05_plan_run
-    except ModuleNotFoundError as err:
-        if err.name != "yaie.bench.lesson05_plan_run":
-            raise
-        return []
+    from yaie.bench import lesson05_plan_run
     return lesson05_plan_run.run(args)

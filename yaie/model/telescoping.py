@@ -63,6 +63,7 @@ class TelescopingKVCache:
         # Sizes stay on the CPU: the merge rule reads them there every step, without a device sync.
         self.sizes = [torch.zeros(0, dtype=torch.int64)] * self.num_layers
         self.tokens = [0] * self.num_layers
+        self._prompt_spans: tuple[int, torch.Tensor, torch.Tensor] | None = None   # (t, starts, ends), all layers
 
     def __len__(self) -> int:
         """Tokens read (by completed forward passes), not entries held."""
@@ -90,13 +91,20 @@ class TelescopingKVCache:
         t = k.shape[0]
         out = tele.telescoping_attention(q[None], k[None], v[None], self.capacity, scale=self.scale,
                                          use_kernels=q.device.type == "cuda")[0]
-        index_map, starts, ends = tele.telescoping_index_map(t, self.capacity)    # oldest first
-        rows = index_map[t - 1, :min(t, self.capacity)].long()
-        span_starts, span_ends = starts[rows], ends[rows]
+        span_starts, span_ends = self._last_position_spans(t)
         self.keys[layer] = tele.telescoping_buffer(k[None].float(), span_starts, span_ends)[0]
         self.values[layer] = tele.telescoping_buffer(v[None].float(), span_starts, span_ends)[0]
         self.sizes[layer] = (span_ends - span_starts).cpu()
         return out
+
+    def _last_position_spans(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token spans ``[start, end)`` of the cache entries after ``t`` prompt tokens, oldest first. The same
+        for every layer: the index map (a Python loop over positions) is built once per prompt."""
+        if self._prompt_spans is None or self._prompt_spans[0] != t:
+            index_map, starts, ends = _lesson().telescoping_index_map(t, self.capacity)
+            rows = index_map[t - 1, :min(t, self.capacity)].long()
+            self._prompt_spans = (t, starts[rows], ends[rows])
+        return self._prompt_spans[1], self._prompt_spans[2]
 
     def _decode(self, layer: int, q, k, v) -> torch.Tensor:
         """The recurrent form: one token in (one merge when full), attention over the entries."""
