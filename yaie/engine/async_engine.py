@@ -254,12 +254,7 @@ class AsyncEngine:
                 raise RuntimeError("the engine is shutting down")
             self._inbox.append(group)
         self._wake.set()
-        try:
-            await asyncio.shield(group.accepted)
-        except asyncio.CancelledError:
-            group.abort()
-            raise
-        return group
+        return await _accepted(group)
 
     def _abort(self, group: RequestGroup) -> None:
         with self._lock:
@@ -415,6 +410,16 @@ class AsyncEngine:
             s.recent.popleft()
 
 
+async def _accepted(group):
+    """Wait until the engine has taken ``group`` in (or refused it); a client that leaves meanwhile aborts it."""
+    try:
+        await asyncio.shield(group.accepted)
+    except asyncio.CancelledError:
+        group.abort()
+        raise
+    return group
+
+
 def _post(loop: asyncio.AbstractEventLoop, batch: list) -> None:
     """Hand events to an asyncio loop from the engine thread (one wake-up per step, not per token)."""
     try:
@@ -527,12 +532,7 @@ class ProcessEngine:
         if self._dead:        # the reader failed the groups it saw before this one came: none will answer it
             self._groups.pop(group.gid, None)
             raise RuntimeError(self._gone())
-        try:
-            await asyncio.shield(group.accepted)
-        except asyncio.CancelledError:
-            group.abort()
-            raise
-        return group
+        return await _accepted(group)
 
     def _abort(self, group: RequestGroup) -> None:
         self._groups.pop(group.gid, None)
