@@ -169,3 +169,25 @@ def test_growing_sequences_stay_on_their_own_pages():
     for s in range(8):
         m.free(s)
     assert m.num_free_blocks == 64
+
+
+def test_blocks_owned_outside_the_sequences():
+    """add_references / drop_references / adopt: the given calls lesson 05's prefix tree owns blocks with."""
+    m = ref.KVCacheManager(6, 4, 1, 1, 8, torch.float32)
+    m.allocate("a", 8)                                   # two blocks
+    blocks = m.block_ids("a")
+    m.add_references(blocks)                             # a second owner (the tree)
+    m.adopt("b", blocks, 8)                              # a third: a sequence that starts on them
+    assert [m.blocks[b].ref_count for b in blocks] == [3, 3] and m.num_tokens("b") == 8
+    assert m.append_slots("b", 1).numel() == 1 and len(m.block_ids("b")) == 3 and m.num_free_blocks == 3
+    with pytest.raises(ValueError, match="already allocated"):
+        m.adopt("b", blocks, 8)
+    with pytest.raises(ValueError, match="do not fill"):
+        m.adopt("c", blocks, 4)
+    free_block = next(i for i, blk in enumerate(m.blocks) if blk.ref_count == 0)
+    with pytest.raises(ValueError, match="is free"):
+        m.adopt("c", [blocks[0], free_block], 8)
+    assert m.blocks[blocks[0]].ref_count == 3 and not m.has_seq("c")      # nothing changed on the error
+    m.free("a"), m.free("b")
+    m.drop_references(blocks)
+    assert m.num_free_blocks == 6

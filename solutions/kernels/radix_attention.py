@@ -384,27 +384,8 @@ class RadixAttentionBlock:
 # ---------------------------------------------------------------------------------------------------
 
 # Lesson 03's manager shares blocks between *sequences* (``fork``); a cached prefix is shared between a
-# sequence and the tree. These three helpers are the only places that touch the manager's block
-# bookkeeping directly (its ``blocks``, ``_tables``, ``_lens`` and ``_release``, given code in lesson 03).
-
-def _add_references(manager, block_ids) -> None:
-    """One more owner for each block (the tree, or a sequence that starts on a cached prefix)."""
-    for block_id in block_ids:
-        manager.blocks[block_id].ref_count += 1
-
-
-def _drop_references(manager, block_ids) -> None:
-    """One owner less for each block; a block nobody owns goes back to the free list."""
-    for block_id in block_ids:
-        manager._release(block_id)
-
-
-def _start_sequence_on(manager, seq_id, blocks: list[int], num_tokens: int) -> None:
-    """Register ``seq_id`` whose first ``num_tokens`` tokens (whole blocks) are the given cached blocks."""
-    manager.allocate(seq_id, 0)                  # a sequence with no block yet (checks the id is free)
-    _add_references(manager, blocks)
-    manager._tables[seq_id].extend(blocks)
-    manager._lens[seq_id] = num_tokens
+# sequence and the tree. The manager's given ``add_references``, ``drop_references`` and ``adopt`` (a
+# sequence that starts on blocks in use) are what the tree uses to own blocks beside the sequences.
 
 
 @dataclass
@@ -512,7 +493,7 @@ class RadixAttentionWithPagedKVCache:
             ValueError: ``num_blocks`` not an int >= 0.
         """
         freed = self.tree.evict(num_blocks)
-        _drop_references(self.manager, freed)
+        self.manager.drop_references(freed)
         self.stats.evicted_blocks += len(freed)
         return freed
 
@@ -543,7 +524,7 @@ class RadixAttentionWithPagedKVCache:
         needed = -(-len(tokens) // size) - len(found.blocks)
         self.make_room(needed)
         try:
-            _start_sequence_on(self.manager, seq_id, found.blocks, found.num_tokens)
+            self.manager.adopt(seq_id, found.blocks, found.num_tokens)
             slots = self.manager.append_slots(seq_id, len(tokens) - found.num_tokens)
         except self._out_of_blocks:
             if self.manager.has_seq(seq_id):
@@ -593,7 +574,7 @@ class RadixAttentionWithPagedKVCache:
         whole = computed // self.manager.block_size
         prefix = tokens[:whole * self.manager.block_size]
         taken = self.tree.insert(prefix, table[:whole])
-        _add_references(self.manager, taken)
+        self.manager.add_references(taken)
         self._lock(seq_id, self.tree.match_prefix(prefix).node)
         return len(prefix)
 

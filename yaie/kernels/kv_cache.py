@@ -394,6 +394,39 @@ class KVCacheManager:
         if block.ref_count == 0:
             self._free.append(block_id)
 
+    def add_references(self, block_ids) -> None:
+        """One more owner for each device block: an owner outside the sequences, such as lesson 05's tree of
+        cached prefixes. Give each back with :meth:`drop_references`."""
+        self._hold(block_ids)
+
+    def _hold(self, block_ids) -> None:
+        for block_id in block_ids:                    # check them all first: nothing changes on an error
+            if self.blocks[block_id].ref_count < 1:
+                raise ValueError(f"block {block_id} is free: only a block in use can get another owner")
+        for block_id in block_ids:
+            self.blocks[block_id].ref_count += 1
+
+    def drop_references(self, block_ids) -> None:
+        """One owner less for each device block; a block nobody owns goes back to the free list."""
+        for block_id in block_ids:
+            self._release(block_id)
+
+    def adopt(self, seq_id, block_ids: list[int], num_tokens: int) -> None:
+        """Start ``seq_id`` on blocks already in use (a cached prefix): its first ``num_tokens`` tokens are
+        theirs, and it becomes one more owner of each. ``append_slots`` continues after them.
+
+        Raises:
+            ValueError: the id is in use, a block is free, or ``num_tokens`` does not fit the blocks.
+        """
+        if seq_id in self._lens:
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        if not (len(block_ids) - 1) * self.block_size < num_tokens <= len(block_ids) * self.block_size:
+            raise ValueError(f"{num_tokens} tokens do not fill the last of {len(block_ids)} blocks of "
+                             f"{self.block_size}")
+        self._hold(block_ids)
+        self._tables[seq_id] = list(block_ids)
+        self._lens[seq_id] = num_tokens
+
     def _slots(self, table: list[int], start: int, count: int) -> torch.Tensor:
         """Slot indices (int64, on the cache's device) of logical tokens ``start .. start+count-1``."""
         size = self.block_size

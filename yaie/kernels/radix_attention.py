@@ -288,27 +288,8 @@ class RadixAttentionBlock:
 # ---------------------------------------------------------------------------------------------------
 
 # Lesson 03's manager shares blocks between *sequences* (``fork``); a cached prefix is shared between a
-# sequence and the tree. These three helpers are the only places that touch the manager's block
-# bookkeeping directly (its ``blocks``, ``_tables``, ``_lens`` and ``_release``, given code in lesson 03).
-
-def _add_references(manager, block_ids) -> None:
-    """One more owner for each block (the tree, or a sequence that starts on a cached prefix)."""
-    for block_id in block_ids:
-        manager.blocks[block_id].ref_count += 1
-
-
-def _drop_references(manager, block_ids) -> None:
-    """One owner less for each block; a block nobody owns goes back to the free list."""
-    for block_id in block_ids:
-        manager._release(block_id)
-
-
-def _start_sequence_on(manager, seq_id, blocks: list[int], num_tokens: int) -> None:
-    """Register ``seq_id`` whose first ``num_tokens`` tokens (whole blocks) are the given cached blocks."""
-    manager.allocate(seq_id, 0)                  # a sequence with no block yet (checks the id is free)
-    _add_references(manager, blocks)
-    manager._tables[seq_id].extend(blocks)
-    manager._lens[seq_id] = num_tokens
+# sequence and the tree. The manager's given ``add_references``, ``drop_references`` and ``adopt`` (a
+# sequence that starts on blocks in use) are what the tree uses to own blocks beside the sequences.
 
 
 @dataclass
