@@ -257,14 +257,14 @@ def _task_results() -> list[TaskResult]:
 
 
 def _waiting_on(result: TaskResult) -> str:
-    """When every stub that raised belongs to other tasks (the task's own code calls an unfinished helper of
-    a later task), say which, so a finished function is not reported as unwritten."""
+    """When every stub that raised belongs to other tasks (the task's code, or the given code it runs, calls
+    another task's unfinished function), say which, so a finished function is not only reported as unwritten."""
     named = {int(m.group(1)) for message in result.messages
              for m in re.finditer(rf"lesson 0?{result.lesson}, task (\d+)", message)}
     if not named or result.number in named:
         return ""
     tasks = " and ".join(f"task {n}" for n in sorted(named))
-    return f"waits on {tasks} (your code calls it, and it is not implemented yet: finish it first)"
+    return f" (or waiting for {tasks}: what ran stopped at {tasks}'s stub; do that task first)"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -287,7 +287,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             if r.status == "passed":
                 detail = f"passed ({passed}/{len(counted)} checks)"
             elif r.status == "not implemented":
-                detail = _waiting_on(r) or "not implemented yet"
+                detail = "not implemented yet" + _waiting_on(r)
             elif r.status == "skipped":
                 detail = "skipped (every check needs a GPU)"
             elif r.status == "timeout":

@@ -104,7 +104,7 @@ def test_a_task_that_calls_an_unfinished_task_says_which():
         return TaskResult(8, number, "x", 1.0, {"a": "not implemented"}, list(messages))
 
     calls_task4 = "task 2 based_prefill: not implemented yet (lesson 08, task 4: implement check_based_inputs in ...)"
-    assert _waiting_on(result(2, calls_task4)).startswith("waits on task 4")
+    assert "waiting for task 4" in _waiting_on(result(2, calls_task4))
     own_stub = "task 2 based_prefill: not implemented yet (lesson 08, task 2: implement based_prefill in ...)"
     assert _waiting_on(result(2, own_stub, calls_task4)) == ""
     assert _waiting_on(result(2, "lesson 07, task 4: another lesson's stub")) == ""
