@@ -7,8 +7,8 @@ kernels of one step once; a replay launches all of them with one call.
 
 The price: a graph replays exactly what it recorded, so
 
-* the inputs live in fixed buffers, overwritten before each replay (token ids, positions, cache slots,
-  block tables, context lengths); the outputs (logits) land in a fixed buffer too;
+* the inputs live in fixed buffers, overwritten before each replay (token ids, positions, context
+  lengths, block tables; the cache slots are computed from them inside the graph); the outputs (logits) land in a fixed buffer too;
 * the batch size is fixed: one graph per *bucket* (1, 2, 4, 8, ... up to the engine's ``max_num_seqs``),
   and a step of ``n`` sequences runs the smallest bucket ``>= n`` with ``bucket - n`` padding rows. A
   padding row has context length 0 (attention reads nothing) and writes its key and value into a scratch
@@ -47,13 +47,19 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class _Buffers:
-    """The fixed inputs of one batch bucket's graphs (each context bound of that bucket reads the same ones)."""
+    """The fixed inputs of one batch bucket's graphs (each context bound of that bucket reads the same ones).
 
-    def __init__(self, batch: int, max_blocks: int, scratch_slot: int, device: torch.device):
-        self.ids = torch.zeros(2, batch, dtype=torch.int64, device=device)          # token ids, positions
-        self.slots = torch.full((batch,), scratch_slot, dtype=torch.int64, device=device)
+    ``ids`` rows: token ids, positions, context lengths, filled from the host with one copy per step. The
+    slot each new token's K/V goes to is computed inside the graph from the block table and the position
+    (``table[pos // block_size] * block_size + pos % block_size``, lesson 03's slot rule), so no slot
+    tensor travels per sequence. A padding row has context length 0 and its table's first block is the
+    scratch block: it writes there and reads nothing.
+    """
+
+    def __init__(self, batch: int, max_blocks: int, scratch_block: int, device: torch.device):
+        self.ids = torch.zeros(3, batch, dtype=torch.int64, device=device)
         self.tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
-        self.lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.tables[:, 0] = scratch_block
 
 
 class DecodeGraphs:
@@ -79,7 +85,7 @@ class DecodeGraphs:
         self.buckets = buckets(max_batch)
         self.max_blocks = -(-model.config.max_position_embeddings // manager.block_size)
         self.capacity = self.max_blocks * manager.block_size
-        self.scratch_slot = int(manager.allocate(SCRATCH_SEQ, 1)[0])
+        self.scratch_block = int(manager.allocate(SCRATCH_SEQ, 1)[0]) // manager.block_size
         self.buffers: dict[int, _Buffers] = {}
         self.graphs: dict[tuple[int, int], tuple] = {}    # (bucket, bound) -> (CUDAGraph or None, logits)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -110,24 +116,22 @@ class DecodeGraphs:
             self.manager.free(SCRATCH_SEQ)
 
     # ------------------------------------------------------------------ one step
-    def run(self, seq_ids: list, token_ids: list[int], positions: list[int], slots: torch.Tensor) -> torch.Tensor | None:
-        """Logits ``[len(seq_ids), vocab]`` (float32) of one decode step; None if recording failed."""
+    def run(self, seq_ids: list, token_ids: list[int], positions: list[int]) -> torch.Tensor | None:
+        """Logits ``[len(seq_ids), vocab]`` (float32) of one decode step; None if recording failed. Each
+        sequence's slot for its new token must be reserved already (``append_slots``)."""
         n = len(seq_ids)
         bucket = next(b for b in self.buckets if b >= n)
         bound = self.bound(max(positions) + 1)         # a decode's context ends at its new token
         entry = self.graphs.get((bucket, bound)) or self._record(bucket, bound)
         if entry is None:
             return None
-        buf, pad = self.buffers[bucket], bucket - n
-        buf.ids.copy_(torch.tensor([token_ids + [0] * pad, positions + [0] * pad], dtype=torch.int64),
-                      non_blocking=True)
-        buf.slots[:n].copy_(slots)
+        buf, pad = self.buffers[bucket], [0] * (bucket - n)
+        lens = [p + 1 for p in positions]
+        buf.ids.copy_(torch.tensor([token_ids + pad, positions + pad, lens + pad], dtype=torch.int64))
         table = self.manager.block_table(seq_ids)
         buf.tables[:n, :table.shape[1]].copy_(table)       # columns past a row's length are never followed
-        buf.lens[:n].copy_(self.manager.context_lens(seq_ids))
-        if pad:                                            # (each call is a launch: skipped when none is due)
-            buf.slots[n:].fill_(self.scratch_slot)
-            buf.lens[n:].zero_()
+        if pad:                                            # earlier, larger steps left their rows here
+            buf.tables[n:, 0].fill_(self.scratch_block)
         graph, logits = entry
         if graph is None:                                  # capture=False: the same step, eagerly
             logits = self._forward(buf, bound)
@@ -136,18 +140,22 @@ class DecodeGraphs:
         return logits[:n]
 
     def _forward(self, buf: _Buffers, bound: int) -> torch.Tensor:
-        step = StaticDecodeStep(self.manager, buf.tables, buf.lens, buf.slots, bound)
-        return self.model.logits(self.model.forward(buf.ids[0], buf.ids[1], step))
+        size = self.manager.block_size
+        tokens, positions, lens = buf.ids
+        blocks = buf.tables.gather(1, (positions // size).unsqueeze(1)).squeeze(1).to(torch.int64)
+        slots = blocks * size + positions % size
+        step = StaticDecodeStep(self.manager, buf.tables, lens.to(torch.int32), slots, bound)
+        return self.model.logits(self.model.forward(tokens, positions, step))
 
     def _record(self, bucket: int, bound: int) -> tuple | None:
         device = self.manager.device
         buf = self.buffers.get(bucket)
         if buf is None:
-            buf = self.buffers[bucket] = _Buffers(bucket, self.max_blocks, self.scratch_slot, device)
-        # Until the first replay every row is padding (context 0, the scratch slot): the warm-up and the
-        # recording change nothing a sequence owns.
-        buf.slots.fill_(self.scratch_slot)
-        buf.lens.zero_()
+            buf = self.buffers[bucket] = _Buffers(bucket, self.max_blocks, self.scratch_block, device)
+        # Until the first replay every row is padding (context 0, writing into the scratch block): the
+        # warm-up and the recording change nothing a sequence owns.
+        buf.ids.zero_()
+        buf.tables[:, 0] = self.scratch_block
         if not self.capture:
             self.graphs[(bucket, bound)] = (None, None)
             return self.graphs[(bucket, bound)]

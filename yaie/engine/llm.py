@@ -240,7 +240,7 @@ class LLM:
             ids = self.tokenizer.encode(prompt)
             text = prompt
         else:
-            if not isinstance(prompt, (list, tuple)) or not all(_is_token_id(t) for t in prompt):
+            if not isinstance(prompt, (list, tuple)) or not _all_token_ids(prompt):
                 shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:60] + "..."
                 raise ValueError(f"{rule}; got {type(prompt).__name__} {shown}")
             ids, text = [int(t) for t in prompt], None
@@ -408,14 +408,14 @@ class LLM:
         ``plan.sampled`` (``texts`` are theirs)."""
         # A prefill feeds its chunk: the tokens after its cached prefix (a prefix-cache hit, or the chunks
         # of earlier steps), up to the end of its tokens or of the step's budget.
-        token_ids = [r.token_ids[-1] for r in plan.decodes] + [t for r, (start, end) in zip(plan.prefills,
-                                                                                          plan.prefill_ranges)
-                                                              for t in r.token_ids[start:end]]
-        positions = [len(r.token_ids) - 1 for r in plan.decodes] + [
+        # (A decode reads its last token and length, not ``token_ids``: that would copy its whole context.)
+        token_ids = [r.last_token for r in plan.decodes] + [t for r, (start, end) in zip(plan.prefills,
+                                                                                        plan.prefill_ranges)
+                                                            for t in r.token_ids[start:end]]
+        positions = [r.num_tokens - 1 for r in plan.decodes] + [
             p for start, end in plan.prefill_ranges for p in range(start, end)]
         if graphs is not None and not plan.prefills and graphs.fits(len(plan.decodes)):
-            logits = graphs.run([r.request_id for r in plan.decodes], token_ids, positions,
-                                torch.cat(plan.decode_slots))
+            logits = graphs.run([r.request_id for r in plan.decodes], token_ids, positions)
             if logits is not None:       # None: recording failed, run this step (and the next) eagerly
                 return _sample_rows(logits, texts)
         requests = plan.decodes + plan.prefills
@@ -426,8 +426,8 @@ class LLM:
         hidden = self.model.forward(torch.tensor(token_ids, device=self.device),
                                     torch.tensor(positions, device=self.device), step)
         # Logits only where a token is sampled: not after a chunk that leaves part of its prompt for later.
-        ends = [len(r.token_ids) for r in plan.decodes] + [end for _, end in plan.prefill_ranges]
-        rows = [row for row, r, end in zip(step.last_token_rows, requests, ends) if end == len(r.token_ids)]
+        ends = [r.num_tokens for r in plan.decodes] + [end for _, end in plan.prefill_ranges]
+        rows = [row for row, r, end in zip(step.last_token_rows, requests, ends) if end == r.num_tokens]
         if not rows:
             return []
         rows = torch.tensor(rows, device=self.device)
@@ -471,6 +471,12 @@ def _sample_rows(logits: torch.Tensor, texts: list[_Text]) -> list[int]:
 def _is_token_id(value) -> bool:
     """An int (Python's or numpy's), not a bool and not a float."""
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _all_token_ids(values) -> bool:
+    """Every value passes :func:`_is_token_id`; plain Python ints (the usual case) are checked in one
+    pass at C speed, anything else one by one."""
+    return set(map(type, values)) <= {int} or all(_is_token_id(t) for t in values)
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:

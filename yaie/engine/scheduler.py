@@ -74,8 +74,17 @@ class Request:
 
     @property
     def token_ids(self) -> list[int]:
-        """Prompt + generated tokens: what a (re-)prefill feeds."""
+        """Prompt + generated tokens: what a (re-)prefill feeds (a new list: a decode step reads
+        ``num_tokens`` and ``last_token`` instead, which copy nothing)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def max_cached_tokens(self) -> int:
@@ -105,7 +114,7 @@ class StepPlan:
         """The requests that get a token from this step, in row order: every decode, and each prefill whose
         chunk reaches the end of its tokens (a partial chunk only fills the cache)."""
         return self.decodes + [r for r, (_, end) in zip(self.prefills, self.prefill_ranges)
-                               if end == len(r.token_ids)]
+                               if end == r.num_tokens]
 
     def add_prefill(self, request: Request, slots: torch.Tensor, start: int) -> None:
         self.prefills.append(request)
@@ -238,7 +247,7 @@ class Scheduler:
                 continue                          # preempted earlier in this loop
             wanted = 1
             if request.prefilling:
-                wanted = min(len(request.token_ids) - request.num_computed_tokens, budget)
+                wanted = min(request.num_tokens - request.num_computed_tokens, budget)
                 if wanted <= 0:
                     continue                      # no budget left in this step: its next chunk waits
             while True:

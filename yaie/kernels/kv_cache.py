@@ -428,17 +428,29 @@ class KVCacheManager:
         self._lens[seq_id] = num_tokens
 
     def _slots(self, table: list[int], start: int, count: int) -> torch.Tensor:
-        """Slot indices (int64, on the cache's device) of logical tokens ``start .. start+count-1``."""
+        """Slot indices (int64, on the cache's device) of logical tokens ``start .. start+count-1``.
+
+        Tokens that fall in one block have consecutive slots: they are returned as a slice of one device
+        tensor holding every slot id (made once), which costs neither a copy nor a kernel. A decode step
+        asks for one slot per sequence; building each from a Python list instead would be a
+        host-to-device copy per sequence per step (tens of microseconds each on a GPU). The slice shares
+        memory with that tensor: read it, never write into it.
+        """
         size = self.block_size
-        if count <= 64:
-            # A decode step asks for one slot per sequence: plain Python and one tensor made on the device
-            # cost a few microseconds, where the tensor arithmetic below costs several operator calls.
-            slots = [table[p // size] * size + p % size for p in range(start, start + count)]
-            return torch.tensor(slots, dtype=torch.int64, device=self.device)
+        offset = start % size
+        if 0 < count and offset + count <= size:
+            first = table[start // size] * size + offset
+            return self._all_slots()[first:first + count]
         positions = torch.arange(start, start + count)
         ids = torch.tensor(table, dtype=torch.int64)
         slots = ids[positions // size] * size + positions % size
         return slots.to(self.device)
+
+    def _all_slots(self) -> torch.Tensor:
+        """``arange(num_blocks * block_size)`` on the cache's device, made on first use."""
+        if getattr(self, "_slot_ids", None) is None:
+            self._slot_ids = torch.arange(self.num_blocks * self.block_size, dtype=torch.int64, device=self.device)
+        return self._slot_ids
 
     def _out_of_blocks(self, needed: int, what: str) -> OutOfBlocks:
         return OutOfBlocks(f"{what} needs {needed} free device blocks, only {len(self._free)} of "
