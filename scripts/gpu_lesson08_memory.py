@@ -7,6 +7,15 @@ tensors it keeps) after the engine's generate call, and again after the prompt p
 on a cache of the script's own, timed apart (prefill seconds, decode ms per token; on a GPU also the
 peak of allocated memory over what was allocated before). Beside it, the bf16 KV cache a full-attention
 model of the same shape (every layer a softmax layer over the whole context) would hold for the same tokens.
+
+    python scripts/gpu_lesson08_memory.py MODEL_DIR --full FULL_MODEL_DIR [--out memory.json]
+
+``--full``: decode speed in the engine, the Based model beside a full-attention one, at the same prompt
+lengths: tokens per second of one sequence's decode, from two ``generate`` calls on the same prompt (1
+and 1 + 64 new tokens; the difference is 64 decode steps). The full-attention model runs through the
+engine's paged KV cache (CUDA graphs where the engine uses them, no prefix caching so the second call
+computes its prompt again); its context limit is raised to cover the longest prompt (a copy of its
+config in a temporary folder): the speed of a step does not depend on the weights having seen such lengths.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import tempfile
 import time
 
 os.environ.setdefault("YAIE_SOLUTIONS", "all")
@@ -31,6 +42,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--lengths", default="1024,16384")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (no GPU memory figures)")
+    p.add_argument("--full", default=None, help="a full-attention model: decode tokens/s beside the Based model's")
+    p.add_argument("--decode-steps", type=int, default=64)
     args = p.parse_args()
     cuda = args.device == "cuda"
     if not cuda:
@@ -71,9 +84,62 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = dict(model=str(args.model), gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, rows=rows)
+    if args.full:
+        lengths = [int(x) for x in args.lengths.split(",")]
+        decode = {"based": engine_decode_speed(llm, lengths, args.decode_steps, sync)}
+        with tempfile.TemporaryDirectory() as tmp:
+            full = LLM(long_context_copy(args.full, tmp, max(lengths) + args.decode_steps + 16), device=args.device,
+                       prefix_caching=False)
+            decode["full_attention"] = engine_decode_speed(full, lengths, args.decode_steps, sync)
+        result["engine_decode"] = dict(
+            based_model=str(args.model), full_attention_model=str(args.full), decode_steps=args.decode_steps,
+            rows=[dict(prompt_tokens=n, based_tokens_per_s=b, full_attention_tokens_per_s=f,
+                       based_over_full=round(b / f, 3))
+                  for n, b, f in zip(lengths, decode["based"], decode["full_attention"])])
+        for row in result["engine_decode"]["rows"]:
+            print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def long_context_copy(model_dir: str, tmp: str, context: int) -> str:
+    """A copy of ``model_dir`` in ``tmp`` whose config allows ``context`` positions (weights linked, not copied)."""
+    dst = os.path.join(tmp, "model")
+    os.makedirs(dst)
+    for name in os.listdir(model_dir):
+        src = os.path.join(os.path.abspath(model_dir), name)
+        if name == "config.json":
+            with open(src) as f:
+                config = json.load(f)
+            config["max_position_embeddings"] = max(int(config.get("max_position_embeddings", 0)), context)
+            with open(os.path.join(dst, name), "w") as f:
+                json.dump(config, f, indent=2)
+        elif os.path.isfile(src):
+            try:
+                os.symlink(src, os.path.join(dst, name))
+            except OSError:
+                shutil.copy(src, os.path.join(dst, name))
+    return dst
+
+
+def engine_decode_speed(llm, lengths: list[int], steps: int, sync) -> list[float]:
+    """Decode tokens per second of one sequence in ``llm.generate``, after prompts of ``lengths`` random ids."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = llm.config.vocab_size
+    llm.generate([[2, 3, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))   # warm-up
+    speeds = []
+    for n in lengths:
+        ids = torch.randint(2, vocab - 64, (n,), generator=gen).tolist()
+        times = []
+        for new in (1, 1 + steps):
+            sync()
+            t0 = time.perf_counter()
+            llm.generate([ids], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+            sync()
+            times.append(time.perf_counter() - t0)
+        speeds.append(round(steps / max(times[1] - times[0], 1e-9), 1))
+    return speeds
 
 
 if __name__ == "__main__":

@@ -148,9 +148,9 @@ def test_prefill_value_dims_and_chunks(device, seed, seq, value_dim, chunk):
 
 
 @task(2, "based_prefill")
-@pytest.mark.parametrize("seq", [17, 300])
-def test_prefill_float16(device, seed, seq):
-    q, k, v, out, state, case = _prefill_case(device, seed, torch.float16, seq, 64, 16)
+@pytest.mark.parametrize("seq,chunk", [(17, 16), (300, 16), (300, None)])
+def test_prefill_float16(device, seed, seq, chunk):
+    q, k, v, out, state, case = _prefill_case(device, seed, torch.float16, seq, 64, chunk)
     assert_close(out, ref_based(q, k, v), name="based_prefill output", dtype=torch.float16, case=case,
                  atol=1e-2, rtol=1e-2, hint="accumulate the tile and the state in float32; cast only the operands")
     check_state(state, k, v, case, atol=2e-2, rtol=1e-2, hint="keep the state in float32")
@@ -166,6 +166,23 @@ def test_prefill_bfloat16_gpu(device, seed, seq, value_dim):
                  atol=2e-2, rtol=1.6e-2, hint="accumulate in float32; the state is float32")
     scale = float(seq)      # the sums grow with the length; their bf16-operand error with them
     check_state(state, k, v, case, atol=1e-2 * scale ** 0.5, rtol=2e-2, hint="keep the state in float32")
+
+
+@task(2, "based_prefill")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("seq,value_dim", [(1, 64), (300, 128), (4097, 64)])
+def test_prefill_default_route_gpu(device, seed, dtype, seq, value_dim):
+    """chunk_size=None: whatever route your default takes (short and long sequences may differ)."""
+    heads, batch = (2, 1) if seq > 2048 else (4, 2)
+    q, k, v, out, state, case = _prefill_case(device, seed, dtype, seq, value_dim, None, heads=heads, batch=batch)
+    low = dtype != torch.float32
+    atol, rtol = (2e-2, 1.6e-2) if low else (2e-5, 1e-4)
+    assert_close(out, ref_based(q, k, v), name="based_prefill output", dtype=dtype, case=case, atol=atol, rtol=rtol,
+                 hint="chunk_size=None (your default route); accumulate in float32")
+    scale = float(seq) ** 0.5
+    check_state(state, k, v, case, atol=(1e-2 if low else 1e-3) * scale, rtol=2e-2 if low else 1e-4,
+                hint="the default route must return the state too")
 
 
 @task(2, "based_prefill")

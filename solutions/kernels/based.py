@@ -36,6 +36,14 @@ blocks of ``phi``: the state holds ``sum v`` (order 0), ``sum k v^T`` (order 1) 
 normaliser, all in float32. The kernel never builds ``phi(k)`` in memory: it forms the 256
 second-order features of a chunk in registers, ``k_a k_b``, and multiplies them straight away.
 
+**Short sequences** (the reference's default route up to ``QUADRATIC_MAX_SEQ`` tokens). The chunked
+kernel walks the chunks of a sequence in order, one program per (sequence, head): at a few thousand
+tokens that is too little parallel work for a large GPU. The quadratic form has plenty: every block of
+queries against its keys, as flash attention tiles softmax attention but without the running maximum
+(the weights are never below 1/2, nothing can overflow the sums). Its work grows with ``seq^2``, so it
+wins only up to some length (bench/results/lesson08_h100.md). The state for decoding comes from a second
+kernel, ``phi(K)^T V`` as a plain matrix product split over programs by feature rows.
+
 **Recurrent decode** (task 3): one token updates the state and reads its output from it.
 
 Layouts: ``q, k [batch, heads, seq, 16]``, ``v [batch, heads, seq, d_v]`` (any strides); the state is
@@ -61,6 +69,7 @@ EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_VALUE_DIM = 256
 DEFAULT_CHUNK = 32                                     # on the H100 chunks of 16 and 32 time alike, 64 and 128 are slower
+QUADRATIC_MAX_SEQ = 4096                               # based_prefill's default route: the quadratic form up to here
 
 
 class BasedState(NamedTuple):
@@ -477,6 +486,166 @@ def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int, block_v: i
                                     STATE_DOT_FP32=fp32, PRECISION=precision, num_warps=num_warps, **extra)
 
 
+# yaie: solution-only
+@triton.jit
+def _based_quadratic_kernel(
+    Q, K, V, O,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+    seq_len, value_dim, heads,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The quadratic form in tiles, for short sequences: ``BLOCK_M`` queries against all their keys.
+
+    Grid: (query blocks, value blocks, batch * heads). Flash attention's loop without its running max:
+    the weights ``w = 1 + s + s^2/2`` are never below 1/2, so numerator and normaliser can be summed as
+    they come, in float32, and divided once at the end. Per key block: ``s = q k^T`` (a ``[BLOCK_M, 16]``
+    by ``[16, BLOCK_N]`` tensor-core product), ``w`` elementwise, ``num += w @ v``, ``den += sum(w)``.
+    Work grows with ``seq^2`` (the chunked kernel's with ``seq``), but every program is independent:
+    at a few thousand tokens this keeps the whole GPU busy where the chunked kernel, one program per
+    (sequence, head) walking the chunks in order, cannot. No state comes out: see :func:`_based_state_kernel`.
+    """
+    # The last query blocks read the most key blocks: start them first so none is left to run alone.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh = tl.program_id(2)
+    batch = (bh // heads).to(tl.int64)
+    head = (bh % heads).to(tl.int64)
+    q_base = Q + batch * stride_qb + head * stride_qh
+    k_base = K + batch * stride_kb + head * stride_kh
+    v_base = V + batch * stride_vb + head * stride_vh
+    o_base = O + batch * stride_ob + head * stride_oh
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_f = tl.arange(0, 16)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_ok = offs_m < seq_len
+    v_ok = offs_v < value_dim
+
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_f[None, :], mask=m_ok[:, None], other=0.0)
+    q = (q * 0.5).to(V.dtype.element_ty)              # (q/2).(k/2) = q.k/4 = s; exact (a power of two)
+    num = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # Key blocks wholly before this query block: every weight counts, no mask.
+    for start in range(0, pid_m * BLOCK_M, BLOCK_N):
+        keys = start + offs_n
+        k_t = tl.load(k_base + keys[None, :] * stride_ks + offs_f[:, None])                    # [16, BLOCK_N]
+        v = tl.load(v_base + keys[:, None] * stride_vs + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+        s = tl.dot(q, (k_t * 0.5).to(v.dtype), input_precision=PRECISION)                      # fp32
+        w = 1.0 + s + 0.5 * s * s
+        den += tl.sum(w, 1)
+        num = tl.dot(w.to(v.dtype), v, num, input_precision=PRECISION)
+
+    # The key blocks of the query block itself: the causal mask (key <= query). Keys past the end
+    # read 0 and only ever meet query rows past the end, which are not stored.
+    for start in range(pid_m * BLOCK_M, (pid_m + 1) * BLOCK_M, BLOCK_N):
+        keys = start + offs_n
+        k_ok = keys < seq_len
+        k_t = tl.load(k_base + keys[None, :] * stride_ks + offs_f[:, None], mask=k_ok[None, :], other=0.0)
+        v = tl.load(v_base + keys[:, None] * stride_vs + offs_v[None, :],
+                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        s = tl.dot(q, (k_t * 0.5).to(v.dtype), input_precision=PRECISION)
+        w = tl.where(offs_m[:, None] >= keys[None, :], 1.0 + s + 0.5 * s * s, 0.0)
+        den += tl.sum(w, 1)
+        num = tl.dot(w.to(v.dtype), v, num, input_precision=PRECISION)
+
+    out = num / den[:, None]
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_v[None, :], out.to(O.dtype.element_ty),
+             mask=m_ok[:, None] & v_ok[None, :])
+
+
+# yaie: solution-only
+@triton.jit
+def _based_state_kernel(
+    K, V, STATE_KV, STATE_K,
+    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    seq_len, value_dim, heads,
+    ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The state after the whole sequence, ``phi(K)^T V`` and ``sum phi(K)``, for the quadratic path.
+
+    Grid: (blocks of ``ROWS`` feature rows, value blocks, batch * heads). Row ``r`` of the state is
+    feature ``r`` of :func:`taylor_feature_map`: ``1`` (r = 0), ``k_a / 2`` (r = 1 + a) or
+    ``k_a k_b / (4 sqrt 2)`` (r = 17 + 16 a + b). A program builds its rows of ``phi(k)^T`` for a chunk
+    of tokens, ``[ROWS, CHUNK]``, by loading k at the columns ``a`` and ``b`` each row needs, and adds
+    ``phi^T @ v`` to its ``[ROWS, BLOCK_V]`` float32 sum: a plain matrix product, split over programs
+    by rows so that nothing has to be added up across programs afterwards.
+    """
+    pid_r = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh = tl.program_id(2)
+    batch = (bh // heads).to(tl.int64)
+    head = (bh % heads).to(tl.int64)
+    k_base = K + batch * stride_kb + head * stride_kh
+    v_base = V + batch * stride_vb + head * stride_vh
+
+    rows = pid_r * ROWS + tl.arange(0, ROWS)          # feature rows 0..272 (the last block runs past 273)
+    order1 = (rows >= 1) & (rows < 17)
+    order2 = (rows >= 17) & (rows < 273)
+    col_a = tl.where(order2, (rows - 17) // 16, tl.where(order1, rows - 1, 0))   # the k column(s) of row r
+    col_b = tl.where(order2, (rows - 17) % 16, 0)
+    offs_c = tl.arange(0, CHUNK)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = offs_v < value_dim
+
+    kv = tl.zeros([ROWS, BLOCK_V], dtype=tl.float32)
+    ksum = tl.zeros([ROWS], dtype=tl.float32)
+    for start in range(0, seq_len, CHUNK):
+        tokens = start + offs_c
+        t_ok = tokens < seq_len
+        k_a = tl.load(k_base + tokens[None, :] * stride_ks + col_a[:, None], mask=t_ok[None, :], other=0.0)
+        k_b = tl.load(k_base + tokens[None, :] * stride_ks + col_b[:, None], mask=t_ok[None, :], other=0.0)
+        v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
+                    mask=t_ok[:, None] & v_ok[None, :], other=0.0)
+        k_a = k_a.to(tl.float32)
+        phi_t = tl.where(order2[:, None], k_a * k_b.to(tl.float32) * 0.17677669529663687,   # 1/(4 sqrt 2)
+                         tl.where(order1[:, None], 0.5 * k_a, 1.0))
+        phi_t = tl.where(t_ok[None, :], phi_t, 0.0)   # tokens past the end count nothing (not even row 0)
+        kv = tl.dot(phi_t.to(v.dtype), v, kv, input_precision=PRECISION)
+        ksum += tl.sum(phi_t, 1)
+
+    r_ok = rows < 273
+    kv_base = STATE_KV + bh.to(tl.int64) * (273 * value_dim)
+    tl.store(kv_base + rows[:, None] * value_dim + offs_v[None, :], kv, mask=r_ok[:, None] & v_ok[None, :])
+    if pid_v == 0:
+        tl.store(STATE_K + bh.to(tl.int64) * 273 + rows, ksum, mask=r_ok)
+
+
+# yaie: solution-only
+def _launch_quadratic(q, k, v, out, block_m: int = 128, block_n: int = 64, block_v: int | None = None,
+                      num_warps: int = 8, num_stages: int | None = None) -> None:
+    """Launch :func:`_based_quadratic_kernel` (the benchmark sweeps its settings through here)."""
+    batch, heads, seq, _ = q.shape
+    value_dim = v.shape[-1]
+    block_v = block_v or min(128, max(16, triton.next_power_of_2(value_dim)))
+    grid = (triton.cdiv(seq, block_m), triton.cdiv(value_dim, block_v), batch * heads)
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    _based_quadratic_kernel[grid](
+        q, k, v, out,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        seq, value_dim, heads,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_V=block_v,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, **extra)
+
+
+# yaie: solution-only
+def _launch_state(k, v, state_kv, state_k, rows: int = 64, chunk: int = 64, num_warps: int = 4) -> None:
+    """Launch :func:`_based_state_kernel` into contiguous ``state_kv [b, h, 273, d_v]``, ``state_k [b, h, 273]``."""
+    batch, heads, seq, _ = k.shape
+    value_dim = v.shape[-1]
+    block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
+    grid = (triton.cdiv(EXPANDED_DIM, rows), triton.cdiv(value_dim, block_v), batch * heads)
+    _based_state_kernel[grid](
+        k, v, state_kv, state_k,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        seq, value_dim, heads,
+        ROWS=rows, CHUNK=chunk, BLOCK_V=block_v,
+        PRECISION="ieee" if k.dtype == torch.float32 else "tf32", num_warps=num_warps)
+
+
 # yaie: task 2
 def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
                   return_state: bool = True) -> tuple[torch.Tensor, BasedState | None]:
@@ -485,13 +654,16 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     Chunk by chunk: the exact causal ``chunk x chunk`` tile inside the chunk, plus the running state of
     all earlier chunks (sums of ``v``, ``k v^T`` and ``(k x k) v^T`` for the numerator, of ``1``, ``k`` and
     ``k x k`` for the normaliser, in float32). Any length (the last chunk may be partial).
+    With ``chunk_size=None`` an implementation may take another route where it is faster (the reference
+    computes sequences of up to ``QUADRATIC_MAX_SEQ`` tokens in the quadratic form, tile by tile, and
+    the state apart); the results are the same.
 
     Args:
         q, k: ``[batch, heads, seq, 16]``; v: ``[batch, heads, seq, d_v]`` (d_v up to 256; 64 and 128 are
             the usual ones); one dtype: float16, bfloat16 or float32; any strides; CUDA, or CPU under the
             Triton interpreter.
-        chunk_size: tokens per chunk, 16, 32, 64 or 128; ``None``: the implementation's choice (the reference
-            uses 32: on the H100 chunks of 16 and 32 time alike, larger ones are slower).
+        chunk_size: tokens per chunk, 16, 32, 64 or 128 (the chunked kernel); ``None``: the implementation's
+            choice (the reference: the quadratic form up to ``QUADRATIC_MAX_SEQ`` tokens, else chunks of 32).
         return_state: also return the state after the last token (for decoding on).
     Returns:
         ``(out, state)``: ``out [batch, heads, seq, d_v]`` in the inputs' dtype (``out_i`` as in
@@ -508,10 +680,17 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     batch, heads, seq, _ = q.shape
     value_dim = v.shape[-1]
     out = torch.empty(batch, heads, seq, value_dim, dtype=v.dtype, device=v.device)
-    # The kernel writes the final state (the "rows" variant also uses it as working memory).
+    # The kernels write the final state (the "rows" variant also uses it as working memory).
     state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=v.device),
                        torch.empty(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=v.device))
-    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size or DEFAULT_CHUNK, _block_v(value_dim))
+    if chunk_size is None and seq <= QUADRATIC_MAX_SEQ:
+        # Short sequences: every query block in parallel (seq^2 work, but the whole GPU at work); the
+        # state, when wanted, from its own kernel.
+        _launch_quadratic(q, k, v, out)
+        if return_state:
+            _launch_state(k, v, state.kv, state.k)
+    else:
+        _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size or DEFAULT_CHUNK, _block_v(value_dim))
     return out, (state if return_state else None)
 
 

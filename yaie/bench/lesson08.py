@@ -4,11 +4,14 @@ Shapes: batch 16, 16 heads, feature dim 16 (q, k), value dim 64, bf16, 1k to 16k
 
 Rows (``based_prefill``):
 
-* ``yaie triton``: :func:`based_prefill` as the engine calls it (default chunk, the final state returned);
-* ``yaie triton (variant, chunk C, BV b, w warps[, s stages])``: the reference kernels with other launch
-  settings (reference solutions only), to judge the defaults: ``registers`` is the kernel
-  :func:`based_prefill` runs (the whole state in registers), ``rows`` the second design that keeps the
-  order-2 state in memory 16 rows at a time;
+* ``yaie triton``: :func:`based_prefill` as the engine calls it (the default route, the final state
+  returned): up to ``QUADRATIC_MAX_SEQ`` tokens the quadratic tile kernel plus the state kernel, beyond
+  it the chunked kernel (which returns the state itself);
+* ``yaie triton (output only)``: the same without the state (what the fla kernels return);
+* ``yaie quadratic (BM m, BN n, w warps[, s stages])``: the reference's quadratic tile kernel alone with
+  other launch settings (output only; up to ``QUADRATIC_SWEEP_MAX`` tokens, its work grows with seq^2);
+* ``yaie chunked (variant, chunk C, BV b, w warps)``: the chunked kernels (output and state) with other
+  settings: ``registers`` keeps the whole state in registers, ``rows`` the order-2 state in memory;
 * ``fla fused_chunk_based`` and ``fla parallel_based``: flash-linear-attention's Triton kernels
   (``fla-core``, a benchmark-only extra: ``pip install -e .[bench]``). Without fla these rows are
   skipped with a note. fla takes ``[batch, seq, heads, dim]``; it is given views of the same
@@ -16,13 +19,17 @@ Rows (``based_prefill``):
 * ``torch SDPA causal (head_dim 64)``: softmax attention of the same batch with q, k, v of head dim 64
   (what a full-attention layer of the same width costs).
 
-FLOPs: all Based rows count the same work, the linear form's ``4 * 273 * d_v`` per token and head (the
-state read ``phi(q) @ S`` and the state update ``phi(k)^T v``); SDPA rows the usual
-``4 * seq^2 * head_dim / 2`` per head under the causal mask. Within the Based rows the TFLOP/s ratio is
-the speed ratio.
+Rows (``based_state``): the state kernel of the quadratic route alone, ``phi(K)^T V`` and ``sum phi(K)``,
+with other settings (rows of the state per program, tokens per step, warps).
+
+FLOPs: all ``based_prefill`` rows count the same work, the linear form's ``4 * 273 * d_v`` per token and
+head (the state read ``phi(q) @ S`` and the state update ``phi(k)^T v``), whatever route they take;
+``based_state`` rows half of it (the update only); SDPA rows the usual ``4 * seq^2 * head_dim / 2`` per
+head under the causal mask. Within one kernel's rows the TFLOP/s ratio is the speed ratio.
 
 Each shape is checked once before timing: our output against fla's and against the float32 chunked
-reference on the first sequence; a kernel that is fast and wrong is reported as MISMATCH.
+reference on the first sequence; a kernel that is fast and wrong is reported as MISMATCH. Every sweep
+setting is compared with the default route's output (and state) before it is timed.
 """
 
 from __future__ import annotations
@@ -38,9 +45,18 @@ from yaie.switch import module
 LESSON = "lesson08"
 DEVICE = "cuda"
 BATCH, HEADS, FEATURES, VALUE_DIM = 16, 16, 16, 64
-SWEEP = [  # (kernel variant, chunk, block_v, num_warps, num_stages or None)
-    ("registers", 64, 64, 4, None), ("registers", 64, 32, 4, None), ("registers", 128, 64, 8, None),
-    ("registers", 16, 64, 4, None), ("rows", 32, 64, 4, None), ("rows", 64, 64, 8, None), ("rows", 64, 32, 4, None),
+DTYPE = torch.bfloat16
+QUADRATIC_SWEEP = [  # (block_m, block_n, num_warps, num_stages or None)
+    (128, 64, 8, None), (128, 64, 4, None), (64, 64, 4, None), (128, 128, 8, None), (128, 64, 8, 3),
+    (64, 32, 4, 3), (128, 32, 4, 2),
+]
+QUADRATIC_SWEEP_MAX = 8192
+STATE_SWEEP = [  # (rows, chunk, num_warps)
+    (64, 64, 4), (32, 64, 4), (64, 128, 4), (64, 64, 8), (128, 64, 8), (32, 128, 4),
+]
+CHUNKED_SWEEP = [  # (kernel variant, chunk, block_v, num_warps)
+    ("registers", 32, 64, 4), ("registers", 16, 64, 4), ("registers", 32, 32, 4), ("registers", 16, 32, 4),
+    ("registers", 32, 16, 4), ("registers", 16, 16, 2), ("registers", 64, 16, 4), ("rows", 32, 64, 4),
 ]
 
 
@@ -71,30 +87,48 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
-    """Other launch settings of the reference kernel (needs its private launcher)."""
-    launch = getattr(based, "_launch_prefill", None)
-    if launch is None:
+def _timed_setting(name, kernel, launch, check, shape, warmup, rep, flops) -> list[Row]:
+    """Run ``launch`` once, compare with ``check()`` (a relative difference), time it: one row, or none
+    (with a note) when the setting does not compile or run."""
+    try:
+        launch()
+        err = check()
+        ms = bench_ms(launch, warmup, rep)
+    except Exception as exc:  # noqa: BLE001 - a config that does not compile is a finding, not a crash
+        print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
         return []
-    rows = []
+    flag = "" if err < 2e-2 else " MISMATCH"
+    print(f"  {name}: {ms:.3f} ms, rel. diff to the default {err:.1e}{flag}", flush=True)
+    return [Row(LESSON, kernel, name + flag, shape, "bf16", ms, flops=flops)]
+
+
+def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
+    """Other launch settings of the reference kernels (they need its private launchers)."""
+    if not all(hasattr(based, f) for f in ("_launch_prefill", "_launch_quadratic", "_launch_state")):
+        return []
+    seq = q.shape[2]
+    rows: list[Row] = []
+    ref_out, ref_state = based.based_prefill(q, k, v)
     out = torch.empty_like(v)
     kv = torch.empty(BATCH, HEADS, 273, VALUE_DIM, device=DEVICE, dtype=torch.float32)
     ks = torch.empty(BATCH, HEADS, 273, device=DEVICE, dtype=torch.float32)
-    for variant, chunk, block_v, warps, stages in SWEEP:
-        name = (f"yaie triton ({variant}, chunk {chunk}, BV {block_v}, {warps} warps"
-                + (f", {stages} stages)" if stages else ")"))
-        try:
-            def fn():
-                launch(q, k, v, out, kv, ks, chunk, block_v, warps, stages, variant)
-            fn()
-            ref, _ = based.based_prefill(q, k, v)
-            err = _rel_err(out, ref)
-            ms = bench_ms(fn, warmup, rep)
-        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a finding, not a crash
-            print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
-            continue
-        print(f"  {name}: {ms:.3f} ms, rel. diff to default {err:.1e}", flush=True)
-        rows.append(Row(LESSON, "based_prefill", name, shape, "bf16", ms, flops=flops))
+    if seq <= QUADRATIC_SWEEP_MAX:
+        for bm, bn, warps, stages in QUADRATIC_SWEEP:
+            name = f"yaie quadratic (BM {bm}, BN {bn}, {warps} warps" + (f", {stages} stages)" if stages else ")")
+            rows += _timed_setting(
+                name, "based_prefill",
+                lambda: based._launch_quadratic(q, k, v, out, bm, bn, None, warps, stages),
+                lambda: _rel_err(out, ref_out), shape, warmup, rep, flops)
+        for nrows, chunk, warps in STATE_SWEEP:
+            rows += _timed_setting(
+                f"yaie state kernel (rows {nrows}, chunk {chunk}, {warps} warps)", "based_state",
+                lambda: based._launch_state(k, v, kv, ks, nrows, chunk, warps),
+                lambda: max(_rel_err(kv, ref_state.kv), _rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
+    for variant, chunk, block_v, warps in CHUNKED_SWEEP:
+        rows += _timed_setting(
+            f"yaie chunked ({variant}, chunk {chunk}, BV {block_v}, {warps} warps)", "based_prefill",
+            lambda: based._launch_prefill(q, k, v, out, kv, ks, chunk, block_v, warps, None, variant),
+            lambda: max(_rel_err(out, ref_out), _rel_err(kv, ref_state.kv)), shape, warmup, rep, flops)
     return rows
 
 
@@ -102,7 +136,7 @@ def run(args) -> list[Row]:
     based = module(8)
     quick = bool(getattr(args, "quick", False))
     warmup, rep = (10, 30) if quick else (25, 100)
-    dtype = torch.bfloat16
+    dtype = DTYPE
     fla, why = load_fla()
     if fla is None:
         print(f"note: flash-linear-attention (fla-core) is not importable ({why}); its rows are skipped. "
@@ -126,13 +160,14 @@ def run(args) -> list[Row]:
         print(f"{shape}: first call {time.perf_counter() - t0:.1f} s (compile)", flush=True)
         ref, _ = based.based_chunked_reference(q[:1].float(), k[:1].float(), v[:1].float())
         errors = {"chunked reference (fp32, sequence 0)": _rel_err(out[:1], ref)}
-        impls = [("yaie triton", ours)]
+        impls = [("yaie triton", ours),
+                 ("yaie triton (output only)", lambda: based.based_prefill(q, k, v, return_state=False)[0])]
         if fla is not None:
             fused_chunk, parallel = fla
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))     # [b, s, h, d] views of the same memory
             impls.append(("fla fused_chunk_based", lambda: fused_chunk(qt, kt, vt)))
             impls.append(("fla parallel_based", lambda: parallel(qt, kt, vt)))
-            for name, fn in impls[1:]:
+            for name, fn in impls[2:]:
                 try:
                     errors[name] = _rel_err(out, fn().transpose(1, 2))
                 except Exception as exc:  # noqa: BLE001
@@ -146,7 +181,7 @@ def run(args) -> list[Row]:
         for name, fn in impls:
             ms = bench_ms(fn, warmup, rep)
             timed[name] = ms
-            label = name if status == "ok" or name != "yaie triton" else name + " (MISMATCH)"
+            label = name if status == "ok" or not name.startswith("yaie") else name + " (MISMATCH)"
             rows.append(Row(LESSON, "based_prefill", label, shape, "bf16", ms, flops=flops))
         rows.extend(_sweep_rows(based, q, k, v, shape, warmup, rep, flops))
 
@@ -159,7 +194,8 @@ def run(args) -> list[Row]:
         line = ", ".join(f"{n} {ms:.3f} ms" for n, ms in timed.items()) + f", SDPA {sdpa_ms:.3f} ms"
         fla_best = min((ms for n, ms in timed.items() if n.startswith("fla")), default=None)
         if fla_best is not None:
-            line += f"; yaie vs faster fla: {fla_best / timed['yaie triton']:.2f}x"
+            line += (f"; yaie vs faster fla: {fla_best / timed['yaie triton']:.2f}x with the state, "
+                     f"{fla_best / timed['yaie triton (output only)']:.2f}x output only")
         print("  " + line, flush=True)
         del q, k, v
         if DEVICE == "cuda":
