@@ -70,8 +70,8 @@ def test_fixed_buffer_decode_steps_give_the_engines_tokens(preemption):
     runner, scheduler = llm.last_graphs, llm.last_scheduler
     used = {next(b for b in buckets(6) if b >= n) for n in calls}
     assert {1, 4} <= used and any(n not in buckets(6) for n in calls), calls   # buckets change, padding used
-    assert {bucket for bucket, _ in runner.graphs} == used
-    assert {bound for _, bound in runner.graphs} == {runner.capacity}      # the bundled model: 512 tokens
+    assert {bucket for bucket, _, _ in runner.graphs} == used
+    assert {bound for _, bound, _ in runner.graphs} == {runner.capacity}   # the bundled model: 512 tokens
     stats = scheduler.stats
     assert stats.preempted_by_swap + stats.preempted_by_recompute > 0, stats
     manager = scheduler.manager
@@ -115,6 +115,38 @@ def test_sliding_window_model_decodes_through_the_kernel_like_transformers(tmp_p
     assert got == want, f"seed={seed}: engine {got} vs transformers {want}"
     assert set(windows) == windows_seen, windows
     assert llm.last_graphs.graphs, "the decode steps ran through the fixed-buffer runner"
+
+
+def test_decode_steps_over_a_shared_prefix_run_as_cascades_and_give_transformers_tokens(tmp_path, monkeypatch):
+    """Requests that share cached blocks decode through the cascade (lesson 05: the shared blocks once for
+    all queries, each request's own blocks apart, states merged), in the fixed-buffer steps; greedy tokens
+    equal transformers'. The shared length is rounded down to the granule (16 tokens here, instead of 256,
+    to keep the interpreter's work small), so 40 shared tokens give a 32-token cascade prefix."""
+    pytest.importorskip("transformers")
+    from yaie.engine import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "CASCADE_MIN_SHARED_TOKENS", 16)
+    seed = fresh_seed()
+    hf = save_random_model("llama", tmp_path, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    prefix = [1] + torch.randint(3, 96, (39,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(3, 96, (n,), generator=gen).tolist() for n in (2, 5, 9, 3)]
+    cascades = []
+    real = ops._cascade_decode
+
+    def spy(q, k, v, step, layer, scale):
+        cascades.append(step.cascade.pages)
+        return real(q, k, v, step, layer, scale)
+
+    monkeypatch.setattr(ops, "_cascade_decode", spy)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with single_thread():
+        llm = eager_graphs(LLM(tmp_path, device="cpu", dtype=torch.float32, block_size=4, num_blocks=64))
+        got = [llm.generate(prompts[0], params)[0].token_ids]      # caches the prefix for the others
+        got += [out.token_ids for out in llm.generate(prompts[1:], params)]
+    want = [hf_greedy(hf, ids, 6, []) for ids in prompts]
+    assert got == want, f"seed={seed}: engine {got} vs transformers {want}"
+    assert cascades and set(cascades) == {8}, cascades           # 32 of the 40 shared tokens: 8 blocks of 4
+    assert any(shared == 8 for _, _, shared in llm.last_graphs.graphs)
 
 
 def test_a_run_that_stops_early_gets_a_fresh_cache_and_the_old_one_is_released_first(monkeypatch):

@@ -339,11 +339,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, lay
       sliding-window layer passes its window to each (lesson 04 task 4, lesson 06 task 5);
     * otherwise each sequence's K/V is gathered from its blocks and lesson 01's ``cpu_attention_forward``
       runs on it (:func:`attention`);
+    * ``step.cascade`` (a CUDA-graph decode step whose sequences share their first blocks,
+      :mod:`yaie.engine.cuda_graphs`): cascade decode through lesson 05 (:func:`_cascade_decode`);
     * ``step.plan_run`` (opt-in: ``YAIE_PLAN_RUN=1``; not for sliding-window layers): lesson 05's
       ``FlashInferPagedAttention`` runs decodes and prefills together in one launch per layer, planned once
       per step (:func:`_plan_run_attention`); when all the step's sequences start with the same cached blocks
       (``CASCADE_MIN_SHARED_TOKENS`` or more), its ``CascadeAttention`` reads those once for all of them.
     """
+    if getattr(step, "cascade", None) is not None and sliding_window is None:
+        return _cascade_decode(q, k, v, step, layer, scale)
     if step.plan_run and sliding_window is None and _plan_run_available():
         return _plan_run_attention(q, step, layer, scale)
     out = None
@@ -455,6 +459,59 @@ def _plan_run_attention(q, step, layer, scale) -> torch.Tensor:
 
 
 CASCADE_MIN_SHARED_TOKENS = 256   # a shared prefix shorter than this is read per sequence (no cascade)
+
+
+def cascade_decode_available(config) -> bool:
+    """Whether decode steps may run as cascades: lesson 05 is there and no layer has a sliding window."""
+    return _plan_run_available() and not any(w is not None for w in getattr(config, "sliding_windows", []))
+
+
+def _cascade_decode(q, k, v, step, layer, scale) -> torch.Tensor:
+    """Decode attention of a step whose sequences all start with the same ``step.cascade.pages`` blocks.
+
+    Level 0: the queries of every sequence attend to the shared blocks in ONE multi-query pass (lesson 05's
+    ``FlashInferPagedAttention``, no causal mask: every query comes after them), so those blocks are read
+    once per step, not once per sequence. Level 1: each sequence's query attends to its own blocks after the
+    shared ones plus its new token (lesson 05's ``prefix_prefill_attention``: the new token is its one query).
+    ``merge_state`` joins the two states exactly. The plan is made on the first call for these sizes (the
+    CUDA-graph warm-up), after which every call only launches kernels (what a graph can record)."""
+    cascade = step.cascade
+    k_cache, v_cache = step.manager.k_cache[layer], step.manager.v_cache[layer]
+    key = (q.shape[1], q.shape[2], scale)
+    shared = cascade.plans.get(key)
+    if shared is None:
+        shared = cascade.plans[key] = _plan_shared_prefix(q, k_cache, cascade, scale)
+    o_shared, lse_shared = shared.run(q, k_cache, v_cache)
+    batch = q.shape[0]
+    cu_seqlens = getattr(cascade, "cu_seqlens", None)
+    if cu_seqlens is None or cu_seqlens.shape[0] != batch + 1:
+        cu_seqlens = cascade.cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    o_own, lse_own = call_in(5, 1, "prefix_prefill_attention", q, k, v, k_cache, v_cache, step.own_tables,
+                             cu_seqlens, step.own_context_lens, 1, scale=scale, validate=False)
+    # prefix_prefill's lse is heads-first, merge_state's token-major.
+    out, _ = call_in(5, 2, "merge_state", o_shared, lse_shared, o_own, lse_own.t().contiguous())
+    return out
+
+
+def _plan_shared_prefix(q, k_cache, cascade, scale):
+    """Lesson 05's plan of the cascade's level 0: one "request" made of every query row, over the shared
+    pages (``cascade.page_ids``, a buffer the plan keeps and the graph runner refills), not causal."""
+    batch, size = q.shape[0], k_cache.shape[1]
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    def plan(module):
+        wrapper = module.FlashInferPagedAttention()
+        wrapper.plan(i32([0, batch]), i32([0, cascade.pages]), cascade.page_ids, i32([size]), q.shape[1],
+                     k_cache.shape[2], q.shape[2], size, causal=False, scale=scale)
+        return wrapper
+
+    module = lesson_module(5, 2)
+    try:
+        return plan(module)
+    except NotImplementedError as err:
+        return plan(_fallback(5, "FlashInferPagedAttention", module, err, 2))
 
 
 def _shared_pages(step, tables: list[list[int]], size: int) -> int:

@@ -19,6 +19,16 @@ The price: a graph replays exactly what it recorded, so
 * nothing in the step may wait for the GPU (no ``.item()``, no value checks on the host): the engine's
   kernels are called with ``validate=False`` on CUDA already.
 
+**Cascade decode** (lesson 05): when every sequence of a step starts with the same cached blocks (a
+shared system prompt, the samples of one prompt) and they hold ``CASCADE_MIN_SHARED_TOKENS`` or more, the
+step records as a cascade: per layer, all the step's queries attend to those shared blocks in one
+multi-query pass (lesson 05's ``FlashInferPagedAttention``, planned while warming up, never inside the
+recording), each sequence's own blocks after them go to lesson 05's prefix-prefill kernel (with the new
+token as its one query), and lesson 05's ``merge_state`` joins the two. The shared blocks are read once
+per step instead of once per sequence. The shared length is rounded down to a multiple of
+``CASCADE_MIN_SHARED_TOKENS`` (so a handful of graphs serves a run) and is part of the graph's key;
+the shared blocks' ids live in a fixed buffer like the rest.
+
 Graphs are recorded lazily, the first time a (bucket, bound) is needed, and live as long as the KV cache
 they write into (the engine keeps both from one ``generate`` call to the next). Only decode-only steps replay a graph; a step with a
 prefill runs eagerly. If recording fails (a student kernel that syncs, say), the engine says so once and
@@ -31,10 +41,13 @@ import sys
 
 import torch
 
+from yaie import ops
 from yaie.model.paged import StaticDecodeStep
 
 SCRATCH_SEQ = "__yaie_cuda_graph_scratch__"   # the cache "sequence" that owns the padding rows' block
 MIN_BOUND = 1024   # smallest context bound: below 2 * 512 tokens lesson 04 does not split anyway
+CASCADE_MIN_SHARED_TOKENS = ops.CASCADE_MIN_SHARED_TOKENS   # and the granule of a cascade graph's shared length
+MAX_CASCADE_LENGTHS = 8   # distinct shared lengths that get cascade graphs; other steps record plain ones
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -62,6 +75,23 @@ class _Buffers:
         self.tables[:, 0] = scratch_block
 
 
+class _Cascade:
+    """The shared prefix of a bucket's cascade graphs: ``pages`` blocks, whose ids live in ``page_ids``
+    (int32, on the device, overwritten before a replay when they change; ``host_ids`` is what it holds),
+    and the lesson 05 plans of its multi-query pass, made in the warm-up (:func:`yaie.ops.paged_attention`)."""
+
+    def __init__(self, pages: int, device: torch.device):
+        self.pages = pages
+        self.page_ids = torch.zeros(pages, dtype=torch.int32, device=device)
+        self.host_ids: list[int] | None = None
+        self.plans: dict = {}
+
+    def load(self, ids: list[int]) -> None:
+        if ids != self.host_ids:
+            self.page_ids.copy_(torch.tensor(ids, dtype=torch.int32))
+            self.host_ids = list(ids)
+
+
 class DecodeGraphs:
     """Replays recorded decode steps of ``model`` over ``manager``'s cache.
 
@@ -87,9 +117,14 @@ class DecodeGraphs:
         self.capacity = self.max_blocks * manager.block_size
         self.scratch_block = int(manager.allocate(SCRATCH_SEQ, 1)[0]) // manager.block_size
         self.buffers: dict[int, _Buffers] = {}
-        self.graphs: dict[tuple[int, int], tuple] = {}    # (bucket, bound) -> (CUDAGraph or None, logits)
+        self.graphs: dict[tuple[int, int, int], tuple] = {}   # (bucket, bound, shared pages) -> (graph, logits)
+        self.cascades: dict[tuple[int, int], _Cascade] = {}     # (bucket, shared pages) -> its prefix buffers
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.failed: str | None = None       # why recording failed (or "closed"); then steps run eagerly
+        # Cascade decode needs lesson 05 and layers without a sliding window; a failed cascade recording
+        # turns it off (with a note) and the plain graphs go on.
+        self.no_cascade: str | None = None if ops.cascade_decode_available(model.config) else "unavailable"
+        self.cascade_pages = max(1, CASCADE_MIN_SHARED_TOKENS // manager.block_size)   # the granule, in pages
 
     @staticmethod
     def supported(model, device: torch.device) -> bool:
@@ -122,60 +157,105 @@ class DecodeGraphs:
         n = len(seq_ids)
         bucket = next(b for b in self.buckets if b >= n)
         bound = self.bound(max(positions) + 1)         # a decode's context ends at its new token
-        entry = self.graphs.get((bucket, bound)) or self._record(bucket, bound)
+        tables = [self.manager.block_ids(s) for s in seq_ids]
+        shared = self.shared_pages(tables)
+        entry = self.graphs.get((bucket, bound, shared)) or self._record(bucket, bound, shared)
         if entry is None:
             return None
+        if entry[0] == "plain":                        # the cascade recording failed: the plain graph
+            shared, entry = 0, entry[1]
         buf, pad = self.buffers[bucket], [0] * (bucket - n)
         lens = [p + 1 for p in positions]
         buf.ids.copy_(torch.tensor([token_ids + pad, positions + pad, lens + pad], dtype=torch.int64))
-        table = self.manager.block_table(seq_ids)
-        buf.tables[:n, :table.shape[1]].copy_(table)       # columns past a row's length are never followed
+        width = max(len(t) for t in tables)
+        rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        buf.tables[:n, :width].copy_(rows)                 # columns past a row's length are never followed
         if pad:                                            # earlier, larger steps left their rows here
             buf.tables[n:, 0].fill_(self.scratch_block)
+        if shared:
+            self.cascades[(bucket, shared)].load(tables[0][:shared])
         graph, logits = entry
         if graph is None:                                  # capture=False: the same step, eagerly
-            logits = self._forward(buf, bound)
+            logits = self._forward(buf, bound, self.cascades.get((bucket, shared)))
         else:
             graph.replay()
         return logits[:n]
 
-    def _forward(self, buf: _Buffers, bound: int) -> torch.Tensor:
+    def shared_pages(self, tables: list[list[int]]) -> int:
+        """Leading blocks that every sequence's table holds alike (never a sequence's last block, which its
+        new token is in), rounded down to the cascade granule; 0 when too short, or no cascade."""
+        if self.no_cascade or len(tables) < 2:
+            return 0
+        first = tables[0]
+        pages = min(len(t) for t in tables) - 1
+        for table in tables[1:]:
+            if table[:pages] != first[:pages]:
+                pages = next(i for i, (a, b) in enumerate(zip(table, first)) if a != b)
+                if pages < self.cascade_pages:
+                    return 0
+        pages -= pages % self.cascade_pages
+        lengths = {p for _, p in self.cascades}
+        if pages and pages not in lengths and len(lengths) >= MAX_CASCADE_LENGTHS:
+            return 0
+        return pages
+
+    def _forward(self, buf: _Buffers, bound: int, cascade: _Cascade | None = None) -> torch.Tensor:
         size = self.manager.block_size
         tokens, positions, lens = buf.ids
         blocks = buf.tables.gather(1, (positions // size).unsqueeze(1)).squeeze(1).to(torch.int64)
         slots = blocks * size + positions % size
         step = StaticDecodeStep(self.manager, buf.tables, lens.to(torch.int32), slots, bound)
+        if cascade is not None:
+            step.cascade = cascade
+            # Each sequence's own part: its blocks after the shared ones, the tokens there before its new one.
+            step.own_tables = buf.tables[:, cascade.pages:]
+            step.own_context_lens = (lens - 1 - cascade.pages * size).clamp_min(0).to(torch.int32)
         return self.model.logits(self.model.forward(tokens, positions, step))
 
-    def _record(self, bucket: int, bound: int) -> tuple | None:
+    def _record(self, bucket: int, bound: int, shared: int = 0) -> tuple | None:
         device = self.manager.device
         buf = self.buffers.get(bucket)
         if buf is None:
             buf = self.buffers[bucket] = _Buffers(bucket, self.max_blocks, self.scratch_block, device)
+        cascade = None
+        if shared:
+            cascade = self.cascades.get((bucket, shared))
+            if cascade is None:
+                cascade = self.cascades[(bucket, shared)] = _Cascade(shared, device)
         # Until the first replay every row is padding (context 0, writing into the scratch block): the
         # warm-up and the recording change nothing a sequence owns.
         buf.ids.zero_()
         buf.tables[:, 0] = self.scratch_block
         if not self.capture:
-            self.graphs[(bucket, bound)] = (None, None)
-            return self.graphs[(bucket, bound)]
+            self.graphs[(bucket, bound, shared)] = (None, None)
+            return self.graphs[(bucket, bound, shared)]
         try:
-            # Warm up on the stream the graph is recorded on: Triton compiles its kernels and lesson 04
-            # allocates its per-stream split counters here, not inside the recording.
+            # Warm up on the stream the graph is recorded on: Triton compiles its kernels, lesson 04
+            # allocates its per-stream split counters and lesson 05 plans here, not inside the recording.
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(buf, bound)
+                    self._forward(buf, bound, cascade)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                logits = self._forward(buf, bound)
+                logits = self._forward(buf, bound, cascade)
         except Exception as err:  # noqa: BLE001 - any failure: say so once, run eagerly from now on
-            self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            torch.cuda.synchronize(device)
+            if shared:             # only the cascade failed, maybe: no more cascades, try the plain graph
+                self.no_cascade = reason
+                print(f"yaie: recording a cascade decode graph failed ({reason}); decoding without cascade "
+                      "from now on", file=sys.stderr, flush=True)
+                plain = self.graphs.get((bucket, bound, 0)) or self._record(bucket, bound, 0)
+                if plain is None:
+                    return None
+                self.graphs[(bucket, bound, shared)] = ("plain", plain)
+                return self.graphs[(bucket, bound, shared)]
+            self.failed = reason
             print(f"yaie: recording a CUDA graph of the decode step failed ({self.failed}); decoding without "
                   "graphs from now on", file=sys.stderr, flush=True)
-            torch.cuda.synchronize(device)
             return None
-        self.graphs[(bucket, bound)] = (graph, logits)
-        return self.graphs[(bucket, bound)]
+        self.graphs[(bucket, bound, shared)] = (graph, logits)
+        return self.graphs[(bucket, bound, shared)]
