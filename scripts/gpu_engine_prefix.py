@@ -11,7 +11,8 @@
 2. Benchmark (the ~1.1B random Llama of ``yaie bench engine``, bf16): ``--requests`` requests (64) whose
    prompts are one ``--system-len`` (2048) token system prompt plus ``--unique-len`` (64) tokens of their
    own, ``--new-tokens`` (128) greedy tokens each, end-of-sequence ignored, all submitted at once
-   (``LLM.generate``'s loop). With prefix caching off and on, each on its own warm engine, the prefix
+   (``LLM.generate``'s loop). With prefix caching off, on, and on without cascade decode (the decode steps
+   over the shared prompt then read it once per request), each on its own warm engine, the prefix
    cache emptied before every timed run (a cold cache: the first request computes the system prompt):
    end-to-end time, generated tokens/s, and the time to first token of every request (host clock at the
    step that returned its first token). Median of ``--repeats`` runs. Also, with caching on, new requests
@@ -38,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("YAIE_SOLUTIONS", "all")
 
 import solutions.kernels.prefix_prefill as lesson05_kernel  # noqa: E402
+from yaie import ops  # noqa: E402
 from yaie.bench.engine import CONFIGS, build_model  # noqa: E402
-from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
+from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams, cuda_graphs  # noqa: E402
 from yaie.engine.cuda_graphs import SCRATCH_SEQ  # noqa: E402
 from yaie.model.testing import hf_greedy, save_random_model  # noqa: E402
 
@@ -80,28 +82,51 @@ def leak_report(llm) -> dict:
                 free_after_clear=manager.num_free_blocks, usable_blocks=scheduler.usable_blocks)
 
 
+class CascadeSpy:
+    """Counts the engine's cascade decode calls (yaie.ops._cascade_decode, looked up at call time)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.real = ops._cascade_decode
+
+    def __enter__(self):
+        def spy(*args, **kwargs):
+            self.calls += 1
+            return self.real(*args, **kwargs)
+        ops._cascade_decode = spy
+        return self
+
+    def __exit__(self, *exc):
+        ops._cascade_decode = self.real
+        return False
+
+
 def check(device: str) -> dict:
     result = {}
     with tempfile.TemporaryDirectory() as folder:
-        hf = save_random_model("llama", folder, seed=3).to(device)
+        hf = save_random_model("llama", folder, seed=3, max_position_embeddings=1024).to(device)
         gen = torch.Generator().manual_seed(3)
-        prefix = [1] + torch.randint(3, 96, (70,), generator=gen).tolist()
+        # 300 shared tokens: decode steps of the requests that share them run as cascades (256 of them).
+        prefix = [1] + torch.randint(3, 96, (299,), generator=gen).tolist()
         prompts = [prefix + torch.randint(3, 96, (n,), generator=gen).tolist() for n in (1, 5, 17, 40)]
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         want = [hf_greedy(hf, ids, 12, []) for ids in prompts]
         off = LLM(folder, device=device, dtype=torch.float32, block_size=16, prefix_caching=False)
         got_off = [o.token_ids for o in off.generate(prompts, params)]
         llm = LLM(folder, device=device, dtype=torch.float32, block_size=16)
-        with KernelSpy() as spy:
+        with KernelSpy() as spy, CascadeSpy() as cascade:
             first = llm.generate(prompts[0], params)[0].token_ids      # caches the prefix
             rest = [o.token_ids for o in llm.generate(prompts[1:], params)]
         got_on = [first] + rest
         stats = llm.prefix_cache_stats()
+        graphs = llm.last_graphs
         result["random_llama_fp32"] = dict(
             transformers_equal=got_on == want, caching_off_equal=got_off == want,
             requests_equal_to_transformers=sum(g == w for g, w in zip(got_on, want)), requests=len(prompts),
             cached_tokens=stats.cached_tokens, prompt_tokens=stats.prompt_tokens,
-            prefix_prefill_kernel_calls=spy.calls, leaks=leak_report(llm))
+            prefix_prefill_kernel_calls=spy.calls, cascade_decode_calls=cascade.calls,
+            cascade_graphs=sorted(k for k in graphs.graphs if k[2]) if graphs else None,
+            cascade_failure=graphs.no_cascade if graphs else None, leaks=leak_report(llm))
     # The bundled model, bf16 (its dtype), a shared story opening: caching on equals caching off.
     opening = "Once upon a time, there was a little girl named Lily. She loved to play outside with her dog. "
     prompts = [opening + e for e in ("One day, she saw", "Her mom said", "The dog ran to", "It was a sunny")]
@@ -154,11 +179,16 @@ def benchmark(args) -> dict:
                 for _ in range(args.requests)]
 
     prompts = requests()
+    default_cascades = cuda_graphs.MAX_CASCADE_LENGTHS
     per_request = -(-(args.system_len + args.unique_len + args.new_tokens) // 16)
     rows, outputs = [], {}
     with tempfile.TemporaryDirectory() as folder:
         build_model(args.size, Path(folder), args.device, dtype)
-        for mode, caching in (("prefix caching off", False), ("prefix caching on", True)):
+        modes = (("prefix caching off", False, True), ("prefix caching on", True, True),
+                 ("prefix caching on, cascade decode off", True, False))
+        for mode, caching, cascade in modes:
+            # MAX_CASCADE_LENGTHS = 0: no shared length gets a cascade graph (plain decode graphs only).
+            cuda_graphs.MAX_CASCADE_LENGTHS = default_cascades if cascade else 0
             llm = LLM(folder, device=args.device, dtype=dtype, block_size=16, prefix_caching=caching,
                       num_blocks=per_request * args.requests + 64)
             run_workload(llm, prompts, args.new_tokens, args.device)          # warm-up: graphs, tuning
@@ -169,15 +199,18 @@ def benchmark(args) -> dict:
             stats = llm.prefix_cache_stats()
             row = summarize(mode + " (cold cache)", runs)
             row["cached_tokens_last_run"] = (stats.cached_tokens // (args.repeats + 1)) if stats else 0
+            graphs = llm.last_graphs
+            row["cascade_graphs"] = sorted(k for k in graphs.graphs if k[2]) if graphs else []
             rows.append(row)
             outputs[mode] = runs[-1]["outputs"]
-            if caching:      # new requests after a run that cached the system prompt: only their own tokens
+            if caching and cascade:   # new requests after a run that cached the system prompt: only their own tokens
                 run_workload(llm, requests(), args.new_tokens, args.device)
                 warm = [run_workload(llm, requests(), args.new_tokens, args.device) for _ in range(args.repeats)]
                 rows.append(summarize(mode + " (system prompt cached by an earlier run)", warm))
             del llm
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+        cuda_graphs.MAX_CASCADE_LENGTHS = default_cascades
     same = sum(a == b for a, b in zip(outputs["prefix caching off"], outputs["prefix caching on"]))
     return dict(rows=rows, identical_outputs=same, requests=args.requests,
                 speedup_tokens_per_s=rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"],
@@ -216,6 +249,10 @@ def markdown(report: dict) -> str:
                   "(target >= 3x); median time to first token, off / on: "
                   f"{bench['ttft_median_ratio']:.1f}x. Greedy outputs identical with caching on and off: "
                   f"{bench['identical_outputs']} of {bench['requests']} requests."]
+        for r in bench["rows"]:
+            if r.get("cascade_graphs"):
+                lines.append(f"Cascade decode graphs of \"{r['system']}\" (batch bucket, context bound, shared "
+                             f"blocks): {r['cascade_graphs']}.")
     return "\n".join(lines) + "\n"
 
 
