@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,12 +53,49 @@ def test_split_tiles_write_partial_rows_and_a_merge_list():
 
 def test_interleaved_order_alternates_kinds_and_keeps_the_answer():
     batch, plain = plan_of([1, 1, 1, 1, 20], [30, 9, 17, 40, 25], chunk=10_000)
-    mixed = fi.FlashInferPagedAttention(config={"interleave": True})
+    mixed = fi.FlashInferPagedAttention(config={"order": "interleave"})
     mixed.plan(*batch.csr(), 8, 2, 16, 8, causal=True, kv_chunk_size=10_000)
     kinds = mixed._plan.narrow.tolist()                 # 4 narrow (decode) items, 3 wide (prefill) tiles
     assert kinds == [1, 0, 1, 0, 1, 0, 1] and sorted(mixed._plan.host_work) == sorted(plain._plan.host_work)
     torch.testing.assert_close(mixed.run(batch.q, batch.k_cache, batch.v_cache)[0],
                                plain.run(batch.q, batch.k_cache, batch.v_cache)[0])
+
+
+def test_longest_order_puts_the_heavy_items_first():
+    """``order='longest'``: a wide key costs 4 narrow ones, so the prefill tiles (4 x 13..25 keys) come before
+    the decodes (9..40 keys) but a decode of 40 keys before a prefill tile of 4 x 5."""
+    batch, _ = plan_of([1, 1, 1, 1, 20], [30, 9, 17, 40, 25], chunk=10_000)
+    wrapper = fi.FlashInferPagedAttention(config={"order": "longest"})
+    wrapper.plan(*batch.csr(), 8, 2, 16, 8, causal=True, kv_chunk_size=10_000)
+    costs = [(w[4] - w[3]) * (1 if n else 4) for w, n in zip(wrapper._plan.host_work, wrapper._plan.narrow.tolist())]
+    assert costs == sorted(costs, reverse=True) and costs == [100, 84, 52, 40, 30, 17, 9]
+
+
+def test_auto_order_interleaves_unless_an_item_would_straggle():
+    """``auto`` interleaves when no item costs more than one program slot's share of the work (many
+    comparable items: a mixed step), else longest first (a few long items: a cascade's shared prefix)."""
+    cost = np.array([4096] * 8 + [2500] * 8)            # 8 decodes, 8 wide tiles (cost 4 x 2500 each)
+    work = np.zeros((16, fi.WORK_FIELDS), dtype=np.int64)
+    work[:, 4] = cost
+    narrow = np.array([1] * 8 + [0] * 8)
+    mixed = fi._work_order(work, narrow, "auto", slots=4)
+    assert narrow[mixed].tolist() == [0, 1] * 8         # 10_000 <= (8 * 4096 + 8 * 10_000) / 4: interleave
+    straggling = fi._work_order(work, narrow, "auto", slots=16)
+    assert narrow[straggling].tolist() == [0] * 8 + [1] * 8   # one wave holds everything: longest first
+
+
+def test_work_orders_give_the_same_answer():
+    batch, plain = plan_of([1, 9, 1, 30], [30, 9, 17, 40], chunk=16)
+    outs = []
+    for order in ("auto", "longest", "interleave"):
+        wrapper = fi.FlashInferPagedAttention(config={"order": order})
+        wrapper.plan(*batch.csr(), 8, 2, 16, 8, causal=True, kv_chunk_size=16)
+        outs.append(wrapper.run(batch.q, batch.k_cache, batch.v_cache))
+    for out, lse in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0])
+        torch.testing.assert_close(lse, outs[0][1])
+    with pytest.raises(ValueError, match="order"):
+        fi.FlashInferPagedAttention(config={"order": "random"}).plan(*batch.csr(), 8, 2, 16, 8, causal=True)
 
 
 def test_work_list_runs_longest_first():

@@ -65,6 +65,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -87,8 +88,8 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_indptr(name: str, t, length: int | None = None) -> list[int]:
-    """A 1-D int32 offsets tensor starting at 0 and never decreasing; returns it as a list (one copy)."""
+def _check_indptr_layout(name: str, t, length: int | None = None) -> None:
+    """A 1-D int32 offsets tensor of ``length`` (if given) >= 2 entries: checks that read no values."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
         raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1] of offsets, got "
                          f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
@@ -96,11 +97,21 @@ def _check_indptr(name: str, t, length: int | None = None) -> list[int]:
         raise ValueError(f"{name} must hold batch + 1 >= 2 offsets (at least one request), got {t.numel()}")
     if length is not None and t.numel() != length:
         raise ValueError(f"{name} must have {length} entries (batch + 1), got {t.numel()}")
-    values = t.tolist()
+
+
+def _check_offset_values(name: str, values: np.ndarray) -> None:
+    """Offsets read on the host (a numpy array) must start at 0 and never decrease."""
     if values[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {values[0]}")
-    if any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{name} must not decrease, got {values}")
+        raise ValueError(f"{name} must start at 0, got {int(values[0])}")
+    if np.any(values[1:] < values[:-1]):
+        raise ValueError(f"{name} must not decrease, got {values.tolist()}")
+
+
+def _check_indptr(name: str, t, length: int | None = None) -> list[int]:
+    """A 1-D int32 offsets tensor starting at 0 and never decreasing; returns it as a list (one copy)."""
+    _check_indptr_layout(name, t, length)
+    values = t.tolist()
+    _check_offset_values(name, np.asarray(values))
     return values
 
 
@@ -116,13 +127,17 @@ def _check_sizes(num_heads, num_kv_heads, head_dim, scale) -> None:
         raise ValueError(f"scale must be None or a positive finite number, got {scale!r}")
 
 
-def _check_causal_lengths(q_lens: list[int], kv_lens: list[int], causal) -> None:
+def _check_causal_lengths(q_lens, kv_lens, causal) -> None:
+    """Under ``causal`` every request needs ``q_len <= kv_len`` (lists or numpy arrays of lengths)."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-        if causal and ql > kl:
-            raise ValueError(f"request {b} has {ql} queries but {kl} keys: under causal=True the queries are "
-                             f"the last q_len tokens of the keys, so q_len <= kv_len")
+    if not causal:
+        return
+    bad = np.flatnonzero(np.asarray(q_lens) > np.asarray(kv_lens))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"request {b} has {int(q_lens[b])} queries but {int(kv_lens[b])} keys: under causal=True "
+                         f"the queries are the last q_len tokens of the keys, so q_len <= kv_len")
 
 
 def _check_tensor(name: str, t, rank: int, layout: str) -> None:
@@ -347,6 +362,7 @@ class _Plan:
     first key, end key, page-table offset (paged) or first K/V row (contiguous), which of the rows' partial
     states this is (-1: the only state, written to the output), offset into ``part_rows``).
     ``merges`` int32 ``[num_merges, 3]``: (query row, first partial row, number of partial rows).
+    ``work``, ``narrow``, ``merges`` and ``part_rows`` are views of ONE device buffer (one copy per plan).
     """
 
     num_heads: int
@@ -362,8 +378,17 @@ class _Plan:
     merges: torch.Tensor | None
     part_rows: torch.Tensor | None   # int32 [levels * total_q]: first partial row of each (level, query row)
     num_partial_rows: int
-    host_work: list          # the work list as Python tuples (for pictures and tests)
-    num_splits: list         # per tile (level by level), how many chunks its keys were cut into
+    work_host: np.ndarray    # the work list on the host, int64 [num_work, WORK_FIELDS]
+    splits: np.ndarray       # per tile (level by level), how many chunks its keys were cut into
+
+    @property
+    def host_work(self) -> list[tuple]:
+        """The work list as Python tuples, in launch order (for pictures and tests)."""
+        return [tuple(row) for row in self.work_host.tolist()]
+
+    @property
+    def num_splits(self) -> list[int]:
+        return self.splits.tolist()
 
 
 # yaie: solution-only
@@ -388,21 +413,23 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
 def _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   lo, hi, scale_log2, offs_d,
-                  PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MASK: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, FP32_DOT: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Fold keys ``lo .. hi-1`` of one request into the running (acc, l, m) of a tile of query rows.
 
-    Keys past ``hi`` (the last, partial tile) and keys after a row's position ``pos`` get score -inf (the
-    plan gives rows without a causal mask a position past every key).
+    ``MASK=True``: keys past ``hi`` (a ragged last tile) and keys after a row's position ``pos`` get the
+    score ``MASKED`` (the plan gives rows without a causal mask a position past every key). ``MASK=False``
+    (the caller promises whole tiles that every row sees): no masks at all, the fast path of the long part
+    of a prefill's keys. Masked scores are a large negative number, not -inf: the running max of a row that
+    has seen no visible key yet stays finite, so ``exp2(m - m_new)`` is never ``exp2(-inf + inf) = NaN``
+    (no extra ``where`` per tile); what such a row summed is multiplied by ``exp2(MASKED - real) = 0`` at
+    its first visible key, and a row that never sees one is recognised at the end by ``m == -1e30``.
+
     Paged: key ``t`` is row ``t % PAGE_SIZE`` of page ``KV_INDICES[page_base + t // PAGE_SIZE]``, and the
     page ids are read one tile AHEAD so a tile's K/V addresses are known before its iteration starts
     (lesson 04: this lets Triton's pipeliner keep several K/V tiles in flight). Contiguous: key ``t`` is row
     ``page_base + t`` of K and V.
-
-    One loop with masks everywhere (not a mask-free loop for the inner tiles plus a masked one for the
-    edges, as lesson 06 does): the kernel already has a narrow and a wide copy of this loop, and the
-    masks cost little next to the loads; two copies more would double the compile time.
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -423,16 +450,22 @@ def _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
             row = (page_base + t).to(tl.int64)
             k_ptrs = K + row[:, None] * stride_kt + kh * stride_kh + offs_d[None, :]
             v_ptrs = V + row[:, None] * stride_vt + kh * stride_vh + offs_d[None, :]
-        n_ok = t < hi
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if MASK:
+            n_ok = t < hi
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif HEAD_DIM != BLOCK_D:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), FP32_DOT, PRECISION) * scale_log2
-        s = tl.where(n_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+        if MASK:
+            s = tl.where(n_ok[None, :] & (t[None, :] <= pos[:, None]), s, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no visible key yet: subtract 0
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT, PRECISION)
         m_i = m_new
@@ -445,10 +478,15 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, 
                  stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                  stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
                  M: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FAST_PATH: tl.constexpr,
                  FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """One work item for one KV head: a tile of M packed rows (query token r // GROUP, query head
-    kv_head * GROUP + r % GROUP) against the keys ``kv_lo .. kv_hi`` of its request."""
+    kv_head * GROUP + r % GROUP) against the keys ``kv_lo .. kv_hi`` of its request.
+
+    ``FAST_PATH`` (wide tiles): the keys every row of the tile sees, whole ``BLOCK_N`` tiles from ``kv_lo``
+    up to the first row's position, run without masks; only the rest (the causal diagonal, the ragged end)
+    is masked. A narrow (decode) tile is memory bound: one masked loop, one copy of the code less to compile.
+    """
     q_start = tl.load(w + 0)
     q_len = tl.load(w + 1)
     q_pos0 = tl.load(w + 2)
@@ -469,17 +507,27 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, 
                 mask=row_ok[:, None] & d_ok, other=0.0)
     pos = q_pos0 + tok                                   # causal: each row's position among the keys
 
-    m_i = tl.full([M], float("-inf"), tl.float32)
+    m_i = tl.full([M], -1.0e30, tl.float32)              # MASKED: no visible key yet
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BLOCK_D], tl.float32)
+    masked_lo = kv_lo
+    if FAST_PATH:
+        # Every row sees the keys up to the first row's position (q_pos0; NO_MASK: all of them).
+        seen = tl.maximum(tl.minimum(kv_hi, q_pos0 + 1), kv_lo)
+        masked_lo = kv_lo + ((seen - kv_lo) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
+                                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                      kv_lo, masked_lo, scale_log2, offs_d, False, PAGED, HEAD_DIM, BLOCK_D,
+                                      BLOCK_N, PAGE_SIZE, FP32_DOT, PRECISION)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
                                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                  kv_lo, kv_hi, scale_log2, offs_d, PAGED, HEAD_DIM,
+                                  masked_lo, kv_hi, scale_log2, offs_d, True, PAGED, HEAD_DIM, BLOCK_D,
                                   BLOCK_N, PAGE_SIZE, FP32_DOT, PRECISION)
 
-    # The state of this tile over its keys: normalised output and natural-log lse (-inf: no keys).
-    has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    # The state of this tile over its keys: normalised output and natural-log lse (-inf: no visible key,
+    # the running max never left MASKED; what such a row summed is junk and is dropped).
+    has_keys = m_i > -5.0e29
+    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     mask = row_ok[:, None] & d_ok
@@ -497,38 +545,49 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, 
 @triton.jit
 def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_LSE, PART_ROWS,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                     stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
+                     stride_ot, stride_oh, stride_lt, num_heads, num_kv_heads, scale_log2,
                      NARROW_M: tl.constexpr, WIDE_M: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      PAGED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid (work items, KV heads). A decode's tile is narrow (NARROW_M rows), a prefill's wide (WIDE_M):
-    one launch runs both, each program taking the branch its work item asks for."""
-    item = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    """A 1-D grid of (work item, KV head) pairs, the KV heads of one item side by side: programs start in
+    the order of the plan's work list, which is how the plan decides what runs beside what. A decode's
+    tile is narrow (NARROW_M rows x BLOCK_N keys per step), a prefill's wide (WIDE_M x WIDE_N): one launch
+    runs both, each program taking the branch its work item asks for."""
+    pid = tl.program_id(0)
+    item = pid // num_kv_heads
+    kv_head = pid - item * num_kv_heads
     w = WORK + item * 8
     if tl.load(NARROW + item) != 0:
         _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, kv_head,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
-                     NARROW_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, FP32_DOT, PRECISION)
+                     NARROW_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, False, FP32_DOT, PRECISION)
     else:
         _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, kv_head,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
-                     WIDE_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, FP32_DOT, PRECISION)
+                     WIDE_M, GROUP, HEAD_DIM, BLOCK_D, WIDE_N, PAGE_SIZE, PAGED, True, FP32_DOT, PRECISION)
 
 
 # yaie: solution-only
 def _tile_config(group: int, head_dim: int, override: dict | None = None) -> dict:
-    """Tile sizes: narrow tiles hold one decode token's group of heads (at least 16 rows, tl.dot's smallest),
-    wide tiles a prefill chunk's tokens x heads; small tiles in the interpreter (fast on a CPU)."""
+    """Launch settings. Narrow tiles hold one decode token's group of heads (at least 16 rows, tl.dot's
+    smallest) and step through 64 keys at a time (memory bound: big loads). Wide tiles hold a prefill
+    chunk's tokens x heads: 128 rows x 32 keys (compute bound: the prefix-prefill kernel's choice for
+    prefills of a few hundred tokens, which fits 4 warps' registers); 64 x 32 for head dims above 128.
+    ``order``: the work list's order (see :func:`_work_order`). Small tiles in the interpreter (fast on a
+    CPU)."""
     narrow = max(16, triton.next_power_of_2(group))
     if triton_interpreted():
-        config = dict(NARROW_M=narrow, WIDE_M=max(32, narrow), BLOCK_N=16, num_warps=1, num_stages=1)
+        config = dict(NARROW_M=narrow, WIDE_M=max(32, narrow), BLOCK_N=16, WIDE_N=16, num_warps=1, num_stages=1)
+    elif head_dim <= 128:
+        config = dict(NARROW_M=narrow, WIDE_M=max(128, narrow), BLOCK_N=64, WIDE_N=32, num_warps=4, num_stages=3)
     else:
-        config = dict(NARROW_M=narrow, WIDE_M=max(64, narrow), BLOCK_N=64 if head_dim <= 128 else 32,
-                      num_warps=4, num_stages=3)
+        config = dict(NARROW_M=narrow, WIDE_M=max(64, narrow), BLOCK_N=32, WIDE_N=32, num_warps=4, num_stages=3)
+    config["order"] = "auto"
     config.update(override or {})
+    if config["order"] not in ("auto", "longest", "interleave"):
+        raise ValueError(f"config order must be 'auto', 'longest' or 'interleave', got {config['order']!r}")
     return config
 
 
@@ -545,7 +604,7 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_kv_chunk(tile_kv_lens: list[int], num_kv_heads: int, sms: int, granule: int = 64,
+def choose_kv_chunk(tile_kv_lens, num_kv_heads: int, sms: int, granule: int = 64,
                     min_chunk: int = MIN_CHUNK) -> int:
     """The split-KV heuristic: about how many keys one program should take so that the batch's work shares
     out evenly over one wave of ``PROGRAMS_PER_SM`` programs per multiprocessor.
@@ -556,65 +615,96 @@ def choose_kv_chunk(tile_kv_lens: list[int], num_kv_heads: int, sms: int, granul
     chunk (a multiple of ``granule``, at least ``min_chunk``: a chunk's fixed costs, loading q and writing a
     partial state to merge, must stay small); a tile splits into ``max(1, round(length / chunk))`` equal
     chunks. A batch of many short tiles gets a chunk longer than any tile: nothing is split.
+    ``tile_kv_lens``: a list or a 1-D array of key counts.
     """
-    longest = max(tile_kv_lens, default=0)
+    lens = np.asarray(tile_kv_lens, dtype=np.int64)
+    longest = int(lens.max()) if lens.size else 0
     target = PROGRAMS_PER_SM * sms
-    share = -(-num_kv_heads * sum(tile_kv_lens) // target)           # key reads per program, ideally
+    share = -(-num_kv_heads * int(lens.sum()) // target)             # key reads per program, ideally
     chunk = max(min_chunk, -(-share // granule) * granule)
     return chunk if chunk < longest else max(longest, 1)
 
 
 # yaie: solution-only
-def _chunks(length: int, chunk: int, exact: bool) -> tuple[int, int]:
-    """(number of chunks, keys per chunk) of a tile of ``length`` keys: ``exact`` (a chunk size the caller
-    asked for) cuts every ``chunk`` keys; otherwise ``max(1, round(length / chunk))`` equal chunks."""
-    if exact or length == 0:
-        return max(1, -(-length // chunk)), chunk
-    count = max(1, round(length / chunk))
-    return count, -(-length // count)
+def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ranges ``0..counts[0]-1, 0..counts[1]-1, ...`` laid end to end, as (owner, index) arrays:
+    ``owner[j]`` is which range element ``j`` belongs to, ``index[j]`` its place in it. The one idiom that
+    turns the plan's nested loops (tiles of a request, chunks of a tile, rows of a tile) into array ops."""
+    owner = np.repeat(np.arange(counts.size), counts)
+    index = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, index
 
 
 # yaie: solution-only
-def _tiles(q_lens, kv_lens, q_starts, bases, causal, group, narrow_m, wide_m) -> list[tuple]:
-    """Cut every request's queries into tiles: (first query row, tokens, first position, 0, end key, page base,
-    narrow). Rows without a causal mask get a position past every key (the kernel masks ``key > position``)."""
-    tiles = []
-    for ql, kl, q0, base in zip(q_lens, kv_lens, q_starts, bases):
-        if ql == 0:
-            continue                                   # nothing to compute (and nothing to write)
-        narrow = ql * group <= narrow_m
-        per_tile = (narrow_m if narrow else wide_m) // group
-        for t0 in range(0, ql, per_tile):
-            n = min(per_tile, ql - t0)
-            if causal:
-                pos0 = kl - ql + t0                    # the tile's first query's position among the keys
-                hi = min(kl, pos0 + n)                 # no key after the tile's last query
-            else:
-                pos0, hi = NO_MASK, kl
-            tiles.append((q0 + t0, n, pos0, 0, hi, base, narrow))
-    return tiles
+def _chunks(length, chunk: int, exact: bool):
+    """(number of chunks, keys per chunk) of tiles of ``length`` keys (an int or an array): ``exact`` (a
+    chunk size the caller asked for) cuts every ``chunk`` keys; otherwise ``max(1, round(length / chunk))``
+    equal chunks (round half to even, as Python's ``round``)."""
+    lengths = np.asarray(length, dtype=np.int64)
+    if exact:
+        count = np.maximum(1, -(-lengths // chunk))
+        size = np.full_like(lengths, chunk)
+    else:
+        count = np.maximum(1, np.round(lengths / chunk).astype(np.int64))
+        size = np.where(lengths > 0, -(-lengths // count), chunk)
+    if lengths.ndim == 0:
+        return int(count), int(size)
+    return count, size
 
 
 # yaie: solution-only
-def _work_order(work, narrow_flags, interleave: bool) -> list[int]:
-    """Longest first: the heaviest programs start in the first wave, the short ones fill the gaps (a wide
-    tile's key costs 4 narrow ones). ``interleave`` (an experiment, ``config={"interleave": True}``): narrow
-    (decode, memory-bound) and wide (prefill, compute-bound) items alternate in proportion, each kind longest
-    first, so the two kinds share the multiprocessors instead of running one after the other."""
-    def cost(i):
-        return (work[i][4] - work[i][3]) * (1 if narrow_flags[i] else 4)
+def _tiles(q_lens, kv_lens, q_starts, bases, causal, group, narrow_m, wide_m) -> dict:
+    """Cut every request's queries into tiles, as arrays (one entry per tile): first query row ``q0``,
+    tokens ``n``, first position ``pos0``, end key ``hi`` (the first key is 0), page base ``base``, ``narrow``.
+    A request of ``q_len * group <= narrow_m`` rows (a decode) gets one narrow tile; longer ones wide tiles
+    of ``wide_m // group`` tokens. Rows without a causal mask get a position past every key (the kernel
+    masks ``key > position``); a causal tile's keys end at its last query's position."""
+    keep = q_lens > 0                                  # a request without queries: nothing to compute
+    q_lens, kv_lens, q_starts, bases = q_lens[keep], kv_lens[keep], q_starts[keep], bases[keep]
+    narrow = q_lens * group <= narrow_m
+    per_tile = np.where(narrow, narrow_m // group, wide_m // group)
+    request, index = _expand(-(-q_lens // per_tile))
+    t0 = index * per_tile[request]                     # the tile's first query within its request
+    n = np.minimum(per_tile[request], q_lens[request] - t0)
+    if causal:
+        pos0 = kv_lens[request] - q_lens[request] + t0
+        hi = np.minimum(kv_lens[request], pos0 + n)    # no key after the tile's last query
+    else:
+        pos0 = np.full(request.size, NO_MASK, dtype=np.int64)
+        hi = kv_lens[request]
+    return dict(q0=q_starts[request] + t0, n=n, pos0=pos0, hi=hi, base=bases[request], narrow=narrow[request])
 
-    if not interleave:
-        return sorted(range(len(work)), key=lambda i: -cost(i))
-    kinds = [sorted((i for i in range(len(work)) if narrow_flags[i] == k), key=lambda i: -cost(i)) for k in (0, 1)]
-    ranked = [((j + 0.5) / len(kind), k, i) for k, kind in enumerate(kinds) for j, i in enumerate(kind)]
-    return [i for _, _, i in sorted(ranked)]
+
+# yaie: solution-only
+def _work_order(work: np.ndarray, narrow: np.ndarray, order: str, slots: float) -> np.ndarray:
+    """The launch order of the work items (programs start in this order).
+
+    ``longest``: longest first (a wide tile's key costs 4 narrow ones), so the heaviest programs start in
+    the first wave and the short ones fill the gaps. ``interleave``: narrow (decode, memory-bound) and wide
+    (prefill, compute-bound) items alternate in proportion, each kind longest first, so the two kinds share
+    the multiprocessors instead of running one after the other: the decodes' reads overlap the prefills'
+    matrix products. ``auto``: interleave unless some item costs more than a program slot's share of the
+    whole work (``slots`` items run at a time): such an item must start first or it ends last, alone
+    (the shared prefix of a cascade, cut into a few long chunks, is one).
+    """
+    cost = (work[:, 4] - work[:, 3]) * np.where(narrow != 0, 1, 4)
+    longest = np.argsort(-cost, kind="stable")
+    if order == "auto":
+        order = "interleave" if cost.size and cost.max() * slots <= cost.sum() else "longest"
+    if order == "longest":
+        return longest
+    rank = np.zeros(cost.size)
+    for kind in (0, 1):
+        members = longest[(narrow[longest] != 0) == kind]
+        rank[members] = (np.arange(members.size) + 0.5) / max(members.size, 1)
+    return np.lexsort((np.arange(cost.size), narrow != 0, rank))
 
 
 # yaie: solution-only
 def _make_plan(levels, num_heads, num_kv_heads, head_dim, block_size, total_q, total_kv, scale, kv_chunk_size,
                config, device) -> _Plan:
-    """Build the work list of one or more levels (each a list of tiles over the same query rows).
+    """Build the work list of one or more levels (each a list of tiles over the same query rows), with array
+    operations only (numpy; no loop over tiles or rows), and copy it to the device in one transfer.
 
     Every tile's keys are cut into chunks (``kv_chunk_size``, or :func:`choose_kv_chunk`); a query row
     then has one state per chunk of each level. A row with a single state is written straight to the output;
@@ -624,53 +714,54 @@ def _make_plan(levels, num_heads, num_kv_heads, head_dim, block_size, total_q, t
     group = num_heads // num_kv_heads
     config = _tile_config(group, head_dim, config)
     tiles = [_tiles(*level, group, config["NARROW_M"], config["WIDE_M"]) for level in levels]
+    sms = num_sms(device)
     if kv_chunk_size is None:
-        flat = [t[4] for level in tiles for t in level]
-        chunk = choose_kv_chunk(flat, num_kv_heads, num_sms(device), config["BLOCK_N"])
+        chunk = choose_kv_chunk(np.concatenate([t["hi"] for t in tiles]), num_kv_heads, sms, config["BLOCK_N"])
     else:
         chunk = kv_chunk_size
-    cuts = [[_chunks(t[4] - t[3], chunk, kv_chunk_size is not None) for t in level]
-            for level in tiles]
-    counts = [[count for count, _ in level] for level in cuts]
-    states = [0] * total_q                             # states of each query row, over all levels
-    for level, level_counts in zip(tiles, counts):
-        for (q0, n, *_), count in zip(level, level_counts):
-            for i in range(q0, q0 + n):
-                states[i] += count
+    states = np.zeros(total_q, dtype=np.int64)         # states of each query row, over all levels
+    for t in tiles:
+        t["count"], t["size"] = _chunks(t["hi"], chunk, kv_chunk_size is not None)
+        tile_of_row, offset = _expand(t["n"])
+        t["rows"] = t["q0"][tile_of_row] + offset      # the query rows of the tiles, tile after tile
+        t["per_row"] = np.zeros(total_q, dtype=np.int64)
+        t["per_row"][t["rows"]] = t["count"][tile_of_row]
+        states += t["per_row"]
     # Partial rows, token-major: row i's states are consecutive; level by level, chunk by chunk.
-    first_row, merges, partial_rows = [0] * total_q, [], 0
-    for i, count in enumerate(states):
-        if count > 1:
-            first_row[i] = partial_rows
-            merges.append((i, partial_rows, count))
-            partial_rows += count
-    part_rows = []                                     # [levels * total_q]: a row's first partial of a level
-    taken = [0] * total_q
-    for level, level_counts in zip(tiles, counts):
-        at = list(first_row)
-        for (q0, n, *_), count in zip(level, level_counts):
-            for i in range(q0, q0 + n):
-                at[i] += taken[i]
-                taken[i] += count
-        part_rows.extend(at)
-    work, narrow_flags = [], []
-    for index, (level, level_cuts) in enumerate(zip(tiles, cuts)):
-        for (q0, n, pos0, lo, hi, base, narrow), (count, size) in zip(level, level_cuts):
-            direct = all(states[i] == 1 for i in range(q0, q0 + n))
-            for c in range(count):
-                work.append((q0, n, pos0, lo + c * size, min(hi, lo + (c + 1) * size), base,
-                             -1 if direct else c, index * total_q))
-                narrow_flags.append(int(narrow))
-    order = _work_order(work, narrow_flags, config.get("interleave", False))
-    work = [work[i] for i in order]
-    narrow_flags = [narrow_flags[i] for i in order]
-    work_t = torch.tensor(work or [(0,) * WORK_FIELDS], dtype=torch.int32).reshape(-1, WORK_FIELDS)
+    split = states > 1
+    first_row = np.zeros(total_q, dtype=np.int64)
+    first_row[split] = np.cumsum(states[split]) - states[split]
+    merges = np.stack([np.flatnonzero(split), first_row[split], states[split]], axis=1)
+    part_rows, taken = [], np.zeros(total_q, dtype=np.int64)
+    for t in tiles:                                    # a row's first partial row of each level
+        part_rows.append(first_row + np.where(t["per_row"] > 0, taken, 0))
+        taken += t["per_row"]
+    work, narrow = [np.zeros((0, WORK_FIELDS), dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for index, t in enumerate(tiles):
+        if not t["n"].size:
+            continue
+        direct = np.maximum.reduceat(states[t["rows"]], np.cumsum(t["n"]) - t["n"]) == 1   # all rows: 1 state
+        tile, c = _expand(t["count"])
+        lo = c * t["size"][tile]
+        work.append(np.stack([t["q0"][tile], t["n"][tile], t["pos0"][tile], lo,
+                              np.minimum(t["hi"][tile], lo + t["size"][tile]), t["base"][tile],
+                              np.where(direct[tile], -1, c), np.full(tile.size, index * total_q)], axis=1))
+        narrow.append(t["narrow"][tile].astype(np.int64))
+    work, narrow = np.concatenate(work), np.concatenate(narrow)
+    order = _work_order(work, narrow, config["order"], PROGRAMS_PER_SM * sms / num_kv_heads)
+    work, narrow = work[order], narrow[order]
+    # One host-to-device copy: work list, kinds, merge list and partial-row table in one int32 buffer.
+    pieces = [work.ravel(), narrow] + ([merges.ravel(), *part_rows] if merges.size else [])
+    packed = torch.from_numpy(np.concatenate(pieces).astype(np.int32)).to(device)
+    num_work, num_merges = work.shape[0], merges.shape[0]
+    at = num_work * (WORK_FIELDS + 1)
     return _Plan(num_heads, num_kv_heads, head_dim, block_size, total_q, total_kv,
                  head_dim ** -0.5 if scale is None else float(scale), config,
-                 work_t[: len(work)].to(device), torch.tensor(narrow_flags, dtype=torch.int32).to(device),
-                 torch.tensor(merges, dtype=torch.int32).reshape(-1, 3).to(device) if merges else None,
-                 torch.tensor(part_rows or [0], dtype=torch.int32).to(device) if merges else None,
-                 partial_rows, work, [c for level in counts for c in level])
+                 packed[: num_work * WORK_FIELDS].view(num_work, WORK_FIELDS),
+                 packed[num_work * WORK_FIELDS: at],
+                 packed[at: at + 3 * num_merges].view(num_merges, 3) if num_merges else None,
+                 packed[at + 3 * num_merges:] if num_merges else None,
+                 int(states[split].sum()), work, np.concatenate([t["count"] for t in tiles]))
 
 
 # yaie: solution-only
@@ -692,13 +783,13 @@ def _run_plan(plan: _Plan, q, k, v, kv_indices, paged: bool):
         strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     else:
         strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
-    _plan_run_kernel[(num_work, plan.num_kv_heads)](
+    _plan_run_kernel[(num_work * plan.num_kv_heads,)](
         q, k, v, kv_indices, plan.work, plan.narrow, out, lse, part_o, part_lse,
         plan.part_rows if plan.part_rows is not None else plan.work,
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), lse.stride(0),
-        num_heads, plan.scale * LOG2E,
+        num_heads, plan.num_kv_heads, plan.scale * LOG2E,
         NARROW_M=cfg["NARROW_M"], WIDE_M=cfg["WIDE_M"], GROUP=num_heads // plan.num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim), BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=max(plan.block_size, 1),
+        BLOCK_D=_block_d(head_dim), BLOCK_N=cfg["BLOCK_N"], WIDE_N=cfg["WIDE_N"], PAGE_SIZE=max(plan.block_size, 1),
         PAGED=paged, FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"],
@@ -748,34 +839,61 @@ def _check_run_inputs(plan: _Plan | None, q, k, v, paged: bool) -> None:
 
 
 # yaie: solution-only
-def _read_paged_level(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, block_size, causal, page_offset=0):
-    """Check one CSR description of a paged batch and read it on the host. Returns ((q_lens, kv_lens,
-    first query rows, first entries in kv_indices + page_offset, causal), total_q, highest page id + 1)."""
-    qo = _check_indptr("qo_indptr", qo_indptr)
-    kvp = _check_indptr("kv_indptr", kv_indptr, len(qo))
+def _host_copies(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """The values of small int tensors on the host, as int64 numpy arrays. CPU tensors are read in place;
+    GPU ones are packed into one buffer and copied in ONE transfer (one device sync for all, not one each)."""
+    out: list = [None] * len(tensors)
+    on_gpu: dict = {}
+    for i, t in enumerate(tensors):
+        if t.device.type == "cpu":
+            out[i] = t.numpy().astype(np.int64)
+        else:
+            on_gpu.setdefault(t.device, []).append(i)
+    for indices in on_gpu.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).cpu().numpy().astype(np.int64)
+        ends = np.cumsum([tensors[i].numel() for i in indices])
+        for i, piece in zip(indices, np.split(flat, ends[:-1])):
+            out[i] = piece
+    return out
+
+
+# yaie: solution-only
+def _check_paged_layout(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, block_size) -> None:
+    """The checks of one CSR description of a paged batch that read no values (no device sync)."""
+    _check_indptr_layout("qo_indptr", qo_indptr)
+    _check_indptr_layout("kv_indptr", kv_indptr, qo_indptr.numel())
     if not _is_int(block_size) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     if not isinstance(kv_indices, torch.Tensor) or kv_indices.dtype != torch.int32 or kv_indices.dim() != 1:
         raise ValueError("kv_indices must be a 1-D int32 tensor of page ids")
-    if kv_indices.numel() != kvp[-1]:
-        raise ValueError(f"kv_indices must hold kv_indptr[-1] = {kvp[-1]} page ids, got {kv_indices.numel()}")
     if not isinstance(kv_last_page_len, torch.Tensor) or kv_last_page_len.dtype != torch.int32 \
-            or tuple(kv_last_page_len.shape) != (len(qo) - 1,):
-        raise ValueError(f"kv_last_page_len must be int32 [batch = {len(qo) - 1}]")
+            or tuple(kv_last_page_len.shape) != (qo_indptr.numel() - 1,):
+        raise ValueError(f"kv_last_page_len must be int32 [batch = {qo_indptr.numel() - 1}]")
     _check_device(kv_indices.device)
-    pages = [b - a for a, b in zip(kvp, kvp[1:])]
-    last = kv_last_page_len.tolist()
-    for b, (n, t) in enumerate(zip(pages, last)):
-        if (n > 0 and not 1 <= t <= block_size) or (n == 0 and t != 0):
-            raise ValueError(f"kv_last_page_len[{b}] = {t}: must be 1..block_size={block_size} for a request "
-                             f"with pages, 0 without ({n} pages)")
-    ids = kv_indices.tolist()
-    if ids and min(ids) < 0:
-        raise ValueError(f"kv_indices holds a negative page id ({min(ids)})")
-    q_lens = [b - a for a, b in zip(qo, qo[1:])]
-    kv_lens = [(n - 1) * block_size + t if n else 0 for n, t in zip(pages, last)]
+
+
+# yaie: solution-only
+def _paged_level(qo, kvp, ids, last, block_size, causal, page_offset=0):
+    """Check the values of one CSR description of a paged batch (numpy arrays read by :func:`_host_copies`).
+    Returns ((q_lens, kv_lens, first query rows, first entries in kv_indices + page_offset, causal),
+    total_q, highest page id + 1)."""
+    _check_offset_values("qo_indptr", qo)
+    _check_offset_values("kv_indptr", kvp)
+    if ids.size != kvp[-1]:
+        raise ValueError(f"kv_indices must hold kv_indptr[-1] = {int(kvp[-1])} page ids, got {ids.size}")
+    pages = np.diff(kvp)
+    bad = np.flatnonzero(np.where(pages > 0, (last < 1) | (last > block_size), last != 0))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"kv_last_page_len[{b}] = {int(last[b])}: must be 1..block_size={block_size} for a request "
+                         f"with pages, 0 without ({int(pages[b])} pages)")
+    if ids.size and ids.min() < 0:
+        raise ValueError(f"kv_indices holds a negative page id ({int(ids.min())})")
+    q_lens = np.diff(qo)
+    kv_lens = np.where(pages > 0, (pages - 1) * block_size + last, 0)
     _check_causal_lengths(q_lens, kv_lens, causal)
-    return (q_lens, kv_lens, qo[:-1], [b + page_offset for b in kvp[:-1]], causal), qo[-1], max(ids, default=-1) + 1
+    return (q_lens, kv_lens, qo[:-1], kvp[:-1] + page_offset, causal), int(qo[-1]), \
+        (int(ids.max()) + 1 if ids.size else 0)
 
 
 # ================================================================ task 6: paged plan/run
@@ -869,8 +987,9 @@ class FlashInferPagedAttention:
         _check_sizes(num_heads, num_kv_heads, head_dim, scale)
         if kv_chunk_size is not None and (not _is_int(kv_chunk_size) or kv_chunk_size < 1):
             raise ValueError(f"kv_chunk_size must be None or an int >= 1, got {kv_chunk_size!r}")
-        level, total_q, pages_needed = _read_paged_level(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                                                         block_size, causal)
+        _check_paged_layout(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, block_size)
+        values = _host_copies([qo_indptr, kv_indptr, kv_indices, kv_last_page_len])   # one sync at most
+        level, total_q, pages_needed = _paged_level(*values, block_size, causal)
         self._plan = _make_plan([level], num_heads, num_kv_heads, head_dim, block_size, total_q, pages_needed,
                                 scale, kv_chunk_size, self.config, kv_indices.device)
         self._kv_indices = kv_indices
@@ -954,18 +1073,20 @@ class FlashInferAttention:
         Raises:
             ValueError: as :meth:`FlashInferPagedAttention.plan` for the offsets and sizes.
         """
-        qo = _check_indptr("qo_indptr", qo_indptr)
-        kvp = _check_indptr("kv_indptr", kv_indptr, len(qo))
+        _check_indptr_layout("qo_indptr", qo_indptr)
+        _check_indptr_layout("kv_indptr", kv_indptr, qo_indptr.numel())
         _check_sizes(num_heads, num_kv_heads, head_dim, scale)
         if kv_chunk_size is not None and (not _is_int(kv_chunk_size) or kv_chunk_size < 1):
             raise ValueError(f"kv_chunk_size must be None or an int >= 1, got {kv_chunk_size!r}")
         device = torch.device(device) if device is not None else kv_indptr.device
         _check_device(device)
-        q_lens = [b - a for a, b in zip(qo, qo[1:])]
-        kv_lens = [b - a for a, b in zip(kvp, kvp[1:])]
+        qo, kvp = _host_copies([qo_indptr, kv_indptr])
+        _check_offset_values("qo_indptr", qo)
+        _check_offset_values("kv_indptr", kvp)
+        q_lens, kv_lens = np.diff(qo), np.diff(kvp)
         _check_causal_lengths(q_lens, kv_lens, causal)
-        self._plan = _make_plan([(q_lens, kv_lens, qo[:-1], kvp[:-1], causal)], num_heads, num_kv_heads, head_dim, 0,
-                                qo[-1], kvp[-1], scale, kv_chunk_size, self.config, device)
+        self._plan = _make_plan([(q_lens, kv_lens, qo[:-1], kvp[:-1], causal)], num_heads, num_kv_heads, head_dim,
+                                0, int(qo[-1]), int(kvp[-1]), scale, kv_chunk_size, self.config, device)
 
     # yaie: task 7
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1025,10 +1146,13 @@ class CascadeAttention:
             raise ValueError("qo_indptr, kv_indptr, kv_indices and kv_last_page_len must be lists of one "
                              "length (>= 1), one entry per level")
         _check_sizes(num_heads, num_kv_heads, head_dim, scale)
+        for args in zip(*lists):
+            _check_paged_layout(*args, block_size)
+        values = _host_copies([t for args in zip(*lists) for t in args])    # every level: one sync at most
         levels, totals, pages_needed, offset = [], set(), 0, 0
         for i, args in enumerate(zip(*lists)):
-            level, total_q, needed = _read_paged_level(*args, block_size, causal and i == len(qo_indptr) - 1,
-                                                       page_offset=offset)
+            level, total_q, needed = _paged_level(*values[4 * i: 4 * i + 4], block_size,
+                                                  causal and i == len(qo_indptr) - 1, page_offset=offset)
             levels.append(level)
             totals.add(total_q)
             pages_needed = max(pages_needed, needed)

@@ -15,9 +15,12 @@ random over the cache.
   (or, where that module is missing, lesson 06's varlen kernel over K/V gathered from the cache, gather
   timed, said so in the row's name);
 * each of the two baseline launches alone, and plan/run on the decodes alone and the prefills alone;
-* ``plan (host)``: the host time of one ``plan`` call (perf_counter, median of 20; not a GPU time);
-* a few launch settings of the plan/run kernel (``config=...``), and the work list ordered with decode and
-  prefill items alternating (``interleave=True``) instead of longest first.
+* ``plan (host)``: the host time of one ``plan`` call (perf_counter, median of 20; not a GPU time), with
+  every CSR tensor on the GPU, and as the engine calls it (offsets on the host, page ids on the GPU);
+* last, after the cascade rows (``mixed_step variants``): the plan/run kernel under other launch settings
+  (``config=...``: wide-tile shape, warps, pipeline stages) and work orders (``order="longest"``: longest
+  first; ``"interleave"``: decode and prefill items alternating; the default ``"auto"`` picks one), each
+  on the whole step and, for tile settings, on the prefills alone and the decodes alone.
 
 ``cascade_decode``: a decode step of 64 requests sharing an 8192-token prefix, each with 256 tokens of its
 own (block tables share the prefix's pages):
@@ -149,6 +152,7 @@ def cascade_shapes(quick: bool):
 def _timed(rows, kernel, impl, shape, fn, moved, warmup, rep, flops=None):
     try:
         rows.append(Row(LESSON, kernel, impl, shape, "bf16", bench_ms(fn, warmup, rep), bytes_moved=moved, flops=flops))
+        print(f"    {kernel} | {impl}: {rows[-1].ms:.4f} ms", flush=True)    # kept in the log if a timeout hits
     except Exception as err:  # noqa: BLE001 - a failing variant is reported, not fatal
         print(f"  {impl}: failed ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})",
               flush=True)
@@ -215,7 +219,9 @@ def _host_ms(fn, repeats=20) -> float:
     return statistics.median(times)
 
 
-def mixed_step(rows, fi, pa, pp, decodes, ctx, prefills, new, cached, gen, warmup, rep, variants):
+def mixed_step(rows, fi, pa, pp, decodes, ctx, prefills, new, cached, gen, warmup, rep, variants, main=True):
+    """The mixed step's rows; ``variants`` (configs) add rows of the plan/run kernel under other launch
+    settings or work orders; ``main=False`` measures only those (plus the checks)."""
     q_lens = [1] * decodes + [new] * prefills
     kv_lens = [ctx] * decodes + [cached + new] * prefills
     batch = PagedBatch(q_lens, kv_lens, gen)
@@ -230,6 +236,9 @@ def mixed_step(rows, fi, pa, pp, decodes, ctx, prefills, new, cached, gen, warmu
     plan_args = (*batch.csr(), *batch.sizes)
     wrapper.plan(*plan_args, causal=True)
     plan_ms = _host_ms(lambda: fi.FlashInferPagedAttention().plan(*plan_args, causal=True))
+    # The engine's way: offsets and last-page lengths built on the host, the page ids on the GPU.
+    host_args = tuple(t.cpu() if i != 2 else t for i, t in enumerate(batch.csr())) + batch.sizes
+    plan_host_ms = _host_ms(lambda: fi.FlashInferPagedAttention().plan(*host_args, causal=True))
     out, _ = wrapper.run(batch.q, batch.k_cache, batch.v_cache)
 
     # Baselines: lesson 04 for the decodes, the prefix-prefill kernel (or lesson 06 + gather) for the prefills.
@@ -281,9 +290,16 @@ def mixed_step(rows, fi, pa, pp, decodes, ctx, prefills, new, cached, gen, warmu
     base_err = _rel_err(base[rows_checked.to(out.device)], exact)
     status = "ok" if ours_err < 1e-2 else "MISMATCH"
     print(f"  relative error vs float64 (2 decodes + the prefills): plan/run {ours_err:.1e} [{status}], "
-          f"the two baseline kernels {base_err:.1e}; plan/run vs baseline {err:.1e}; plan (host) {plan_ms:.3f} ms; "
-          f"{wrapper._plan.work.shape[0]} work items x {NUM_KV_HEADS} KV heads", flush=True)
+          f"the two baseline kernels {base_err:.1e}; plan/run vs baseline {err:.1e}; plan (host) {plan_ms:.3f} ms "
+          f"({plan_host_ms:.3f} ms with the offsets on the host); {wrapper._plan.work.shape[0]} work items x "
+          f"{NUM_KV_HEADS} KV heads, order {_order_of(wrapper)}", flush=True)
     tag = "" if status == "ok" else " (MISMATCH)"
+    if not main:
+        _mixed_variants(rows, fi, batch, shape, base, plan_args, dec_rows, pre_rows, q_dec, q_pre, moved, flops,
+                        variants)
+        del batch
+        torch.cuda.empty_cache()
+        return
     _timed(rows, "mixed_step", "yaie plan/run (1 launch)" + tag, shape,
            lambda: wrapper.run(batch.q, batch.k_cache, batch.v_cache), moved, warmup, rep, flops)
     _timed(rows, "mixed_step", f"lesson 04 decode + {prefill_name} (2 launches)", shape, two_launches, moved,
@@ -300,21 +316,50 @@ def mixed_step(rows, fi, pa, pp, decodes, ctx, prefills, new, cached, gen, warmu
         _timed(rows, "mixed_step", f"yaie plan/run, {name} alone", shape,
                lambda sub=sub, q_part=q_part: sub.run(q_part, batch.k_cache, batch.v_cache), None, warmup, rep)
     rows.append(Row(LESSON, "mixed_step", "plan (host time, not GPU)", shape, "bf16", plan_ms))
-    for config in variants:
-        variant = fi.FlashInferPagedAttention(config=config)
-        variant.plan(*plan_args, causal=True)
-        label = "yaie plan/run " + ",".join(f"{k}={v}" for k, v in config.items())
-        try:
-            got, _ = variant.run(batch.q, batch.k_cache, batch.v_cache)
-            bad = _rel_err(got, base) >= 2e-2
-        except Exception as err_:  # noqa: BLE001
-            print(f"  {label}: failed ({type(err_).__name__}: {str(err_).splitlines()[0][:160]})", flush=True)
-            continue
-        _timed(rows, "mixed_step variants", label + (" (MISMATCH)" if bad else ""), shape,
-               lambda variant=variant: variant.run(batch.q, batch.k_cache, batch.v_cache), moved, 10, 40, flops)
+    rows.append(Row(LESSON, "mixed_step", "plan (host time), offsets on the host, page ids on the GPU", shape,
+                    "bf16", plan_host_ms))
+    _mixed_variants(rows, fi, batch, shape, base, plan_args, dec_rows, pre_rows, q_dec, q_pre, moved, flops, variants)
     _summary(rows, shape, "mixed_step", "yaie plan/run (1 launch)" + tag, "(2 launches)")
     del batch
     torch.cuda.empty_cache()
+
+
+def _order_of(wrapper) -> str:
+    """Which work order the plan used: 'interleave' when a narrow item comes before the last wide one."""
+    narrow = wrapper._plan.narrow.tolist()
+    if 0 not in narrow or 1 not in narrow:
+        return "one kind of item"
+    return "interleave" if narrow.index(1) < len(narrow) - 1 - narrow[::-1].index(0) else "longest first"
+
+
+def _variant_label(config: dict) -> str:
+    return "yaie plan/run " + (",".join(f"{k}={v}" for k, v in config.items()) or "default")
+
+
+def _mixed_variants(rows, fi, batch, shape, base, plan_args, dec_rows, pre_rows, q_dec, q_pre, moved, flops,
+                    variants):
+    """Rows of the plan/run kernel under other settings (``config``): the whole step, and, for settings
+    of the tiles (not only of the work order), the prefills alone and the decodes alone."""
+    for config in variants:
+        label = _variant_label(config)
+        variant = fi.FlashInferPagedAttention(config=config)
+        try:
+            variant.plan(*plan_args, causal=True)
+            got, _ = variant.run(batch.q, batch.k_cache, batch.v_cache)
+            bad = _rel_err(got, base) >= 2e-2
+        except Exception as err_:  # noqa: BLE001 - a failing variant is reported, not fatal
+            print(f"  {label}: failed ({type(err_).__name__}: {str(err_).splitlines()[0][:160]})", flush=True)
+            continue
+        tag = " (MISMATCH)" if bad else ""
+        _timed(rows, "mixed_step variants", f"{label} ({_order_of(variant)}){tag}", shape,
+               lambda variant=variant: variant.run(batch.q, batch.k_cache, batch.v_cache), moved, 10, 40, flops)
+        if set(config) <= {"order"} and config:
+            continue                                   # the order changes nothing for one kind of item
+        for name, part, q_part in (("prefills", pre_rows, q_pre), ("decodes", dec_rows, q_dec)):
+            sub = fi.FlashInferPagedAttention(config=config)
+            sub.plan(*batch.csr(part), *batch.sizes, causal=True)
+            _timed(rows, "mixed_step variants", f"{label}, {name} alone", shape,
+                   lambda sub=sub, q_part=q_part: sub.run(q_part, batch.k_cache, batch.v_cache), None, 10, 40)
 
 
 def cascade_decode(rows, fi, pa, batch_size, prefix, own, gen, warmup, rep, profile=False):
@@ -327,7 +372,9 @@ def cascade_decode(rows, fi, pa, batch_size, prefix, own, gen, warmup, rep, prof
     print(f"{shape}: K/V bytes per step: per-request decode {per_request / 1e6:.1f} MB, cascade "
           f"{cascade_bytes / 1e6:.1f} MB ({per_request / cascade_bytes:.1f}x less)", flush=True)
     cascade = fi.CascadeAttention()
-    cascade.plan(*batch.cascade_levels(), *batch.sizes, causal=True)
+    levels = batch.cascade_levels()
+    cascade.plan(*levels, *batch.sizes, causal=True)
+    plan_ms = _host_ms(lambda: fi.CascadeAttention().plan(*levels, *batch.sizes, causal=True))
     single = fi.FlashInferPagedAttention()
     single.plan(*batch.csr(), *batch.sizes, causal=True)
 
@@ -350,6 +397,9 @@ def cascade_decode(rows, fi, pa, batch_size, prefix, own, gen, warmup, rep, prof
                  lambda: cascade.run(batch.q, batch.k_cache, batch.v_cache), cascade_bytes + qo, warmup, rep)
     _timed_graph(rows, "cascade_decode", "lesson 04 paged decode (CUDA graph)", shape, decode, per_request + qo,
                  warmup, rep)
+    rows.append(Row(LESSON, "cascade_decode", "cascade plan (host time, not GPU)", shape, "bf16", plan_ms))
+    print(f"  cascade: {cascade._plan.work.shape[0]} work items x {NUM_KV_HEADS} KV heads, order "
+          f"{_order_of(cascade)}, plan (host) {plan_ms:.3f} ms", flush=True)
     if profile:
         _profile(f"cascade {shape}", lambda: cascade.run(batch.q, batch.k_cache, batch.v_cache))
     _summary(rows, shape, "cascade_decode", "yaie cascade (2 levels)", "lesson 04")
@@ -365,8 +415,9 @@ def _summary(rows, shape, kernel, ours, theirs_mark):
               f"({group[theirs[0]] / group[ours]:.2f}x)", flush=True)
 
 
-VARIANTS = [dict(num_stages=2), dict(WIDE_M=128, num_warps=8), dict(BLOCK_N=32), dict(BLOCK_N=128, num_stages=2),
-            dict(interleave=True), dict(interleave=True, WIDE_M=128, num_warps=8)]
+VARIANTS = [{}, dict(order="longest"), dict(order="interleave"), dict(WIDE_M=64, WIDE_N=64), dict(WIDE_M=64, WIDE_N=32),
+            dict(WIDE_N=64), dict(WIDE_N=64, num_warps=8), dict(WIDE_N=64, num_warps=8, num_stages=2),
+            dict(num_stages=2)]
 
 
 def run(args) -> list[Row]:
@@ -383,9 +434,12 @@ def run(args) -> list[Row]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[Row] = []
     for shape in mixed_shapes(quick):
-        mixed_step(rows, fi, pa, pp, *shape, gen, warmup, rep, [] if quick else VARIANTS)
+        mixed_step(rows, fi, pa, pp, *shape, gen, warmup, rep, [])
     for index, shape in enumerate(cascade_shapes(quick)):
         cascade_decode(rows, fi, pa, *shape, gen, warmup, rep, profile=index == 0)
+    if not quick:      # last: the rows above are what the lesson reports, these what it was tuned with
+        for shape in mixed_shapes(quick):
+            mixed_step(rows, fi, pa, pp, *shape, gen, warmup, rep, VARIANTS, main=False)
     return rows
 
 

@@ -68,6 +68,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -90,8 +91,8 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_indptr(name: str, t, length: int | None = None) -> list[int]:
-    """A 1-D int32 offsets tensor starting at 0 and never decreasing; returns it as a list (one copy)."""
+def _check_indptr_layout(name: str, t, length: int | None = None) -> None:
+    """A 1-D int32 offsets tensor of ``length`` (if given) >= 2 entries: checks that read no values."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
         raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1] of offsets, got "
                          f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
@@ -99,11 +100,21 @@ def _check_indptr(name: str, t, length: int | None = None) -> list[int]:
         raise ValueError(f"{name} must hold batch + 1 >= 2 offsets (at least one request), got {t.numel()}")
     if length is not None and t.numel() != length:
         raise ValueError(f"{name} must have {length} entries (batch + 1), got {t.numel()}")
-    values = t.tolist()
+
+
+def _check_offset_values(name: str, values: np.ndarray) -> None:
+    """Offsets read on the host (a numpy array) must start at 0 and never decrease."""
     if values[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {values[0]}")
-    if any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{name} must not decrease, got {values}")
+        raise ValueError(f"{name} must start at 0, got {int(values[0])}")
+    if np.any(values[1:] < values[:-1]):
+        raise ValueError(f"{name} must not decrease, got {values.tolist()}")
+
+
+def _check_indptr(name: str, t, length: int | None = None) -> list[int]:
+    """A 1-D int32 offsets tensor starting at 0 and never decreasing; returns it as a list (one copy)."""
+    _check_indptr_layout(name, t, length)
+    values = t.tolist()
+    _check_offset_values(name, np.asarray(values))
     return values
 
 
@@ -119,13 +130,17 @@ def _check_sizes(num_heads, num_kv_heads, head_dim, scale) -> None:
         raise ValueError(f"scale must be None or a positive finite number, got {scale!r}")
 
 
-def _check_causal_lengths(q_lens: list[int], kv_lens: list[int], causal) -> None:
+def _check_causal_lengths(q_lens, kv_lens, causal) -> None:
+    """Under ``causal`` every request needs ``q_len <= kv_len`` (lists or numpy arrays of lengths)."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-        if causal and ql > kl:
-            raise ValueError(f"request {b} has {ql} queries but {kl} keys: under causal=True the queries are "
-                             f"the last q_len tokens of the keys, so q_len <= kv_len")
+    if not causal:
+        return
+    bad = np.flatnonzero(np.asarray(q_lens) > np.asarray(kv_lens))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"request {b} has {int(q_lens[b])} queries but {int(kv_lens[b])} keys: under causal=True "
+                         f"the queries are the last q_len tokens of the keys, so q_len <= kv_len")
 
 
 def _check_tensor(name: str, t, rank: int, layout: str) -> None:
@@ -231,7 +246,7 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_kv_chunk(tile_kv_lens: list[int], num_kv_heads: int, sms: int, granule: int = 64,
+def choose_kv_chunk(tile_kv_lens, num_kv_heads: int, sms: int, granule: int = 64,
                     min_chunk: int = MIN_CHUNK) -> int:
     """The split-KV heuristic: about how many keys one program should take so that the batch's work shares
     out evenly over one wave of ``PROGRAMS_PER_SM`` programs per multiprocessor.
@@ -242,10 +257,12 @@ def choose_kv_chunk(tile_kv_lens: list[int], num_kv_heads: int, sms: int, granul
     chunk (a multiple of ``granule``, at least ``min_chunk``: a chunk's fixed costs, loading q and writing a
     partial state to merge, must stay small); a tile splits into ``max(1, round(length / chunk))`` equal
     chunks. A batch of many short tiles gets a chunk longer than any tile: nothing is split.
+    ``tile_kv_lens``: a list or a 1-D array of key counts.
     """
-    longest = max(tile_kv_lens, default=0)
+    lens = np.asarray(tile_kv_lens, dtype=np.int64)
+    longest = int(lens.max()) if lens.size else 0
     target = PROGRAMS_PER_SM * sms
-    share = -(-num_kv_heads * sum(tile_kv_lens) // target)           # key reads per program, ideally
+    share = -(-num_kv_heads * int(lens.sum()) // target)             # key reads per program, ideally
     chunk = max(min_chunk, -(-share // granule) * granule)
     return chunk if chunk < longest else max(longest, 1)
 
