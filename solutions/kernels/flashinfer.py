@@ -380,6 +380,7 @@ class _Plan:
     num_partial_rows: int
     work_host: np.ndarray    # the work list on the host, int64 [num_work, WORK_FIELDS]
     splits: np.ndarray       # per tile (level by level), how many chunks its keys were cut into
+    kinds: int               # 1: narrow tiles only, 2: wide only, 3: both (which branches the kernel compiles)
 
     @property
     def host_work(self) -> list[tuple]:
@@ -548,16 +549,24 @@ def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_L
                      stride_ot, stride_oh, stride_lt, num_heads, num_kv_heads, scale_log2,
                      NARROW_M: tl.constexpr, WIDE_M: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                     PAGED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                     KINDS: tl.constexpr, PAGED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """A 1-D grid of (work item, KV head) pairs, the KV heads of one item side by side: programs start in
     the order of the plan's work list, which is how the plan decides what runs beside what. A decode's
     tile is narrow (NARROW_M rows x BLOCK_N keys per step), a prefill's wide (WIDE_M x WIDE_N): one launch
-    runs both, each program taking the branch its work item asks for."""
+    runs both, each program taking the branch its work item asks for.
+
+    ``KINDS``: 3 when the plan has both kinds of tile, 1 narrow only, 2 wide only. A kernel's registers are
+    those of its heaviest branch, for every program: a batch of decodes alone compiles without the wide
+    branch, so its programs stay as light as lesson 04's (more of them fit on a multiprocessor)."""
     pid = tl.program_id(0)
     item = pid // num_kv_heads
     kv_head = pid - item * num_kv_heads
     w = WORK + item * 8
-    if tl.load(NARROW + item) != 0:
+    if KINDS == 3:
+        narrow = tl.load(NARROW + item) != 0
+    else:
+        narrow = KINDS == 1
+    if narrow:
         _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, kv_head,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
@@ -761,7 +770,8 @@ def _make_plan(levels, num_heads, num_kv_heads, head_dim, block_size, total_q, t
                  packed[num_work * WORK_FIELDS: at],
                  packed[at: at + 3 * num_merges].view(num_merges, 3) if num_merges else None,
                  packed[at + 3 * num_merges:] if num_merges else None,
-                 int(states[split].sum()), work, np.concatenate([t["count"] for t in tiles]))
+                 int(states[split].sum()), work, np.concatenate([t["count"] for t in tiles]),
+                 int(narrow.any()) + 2 * int((narrow == 0).any()))
 
 
 # yaie: solution-only
@@ -790,7 +800,7 @@ def _run_plan(plan: _Plan, q, k, v, kv_indices, paged: bool):
         num_heads, plan.num_kv_heads, plan.scale * LOG2E,
         NARROW_M=cfg["NARROW_M"], WIDE_M=cfg["WIDE_M"], GROUP=num_heads // plan.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim), BLOCK_N=cfg["BLOCK_N"], WIDE_N=cfg["WIDE_N"], PAGE_SIZE=max(plan.block_size, 1),
-        PAGED=paged, FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+        KINDS=plan.kinds, PAGED=paged, FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"] if q.element_size() <= 2 else min(cfg["num_stages"], 2))   # fp32 tiles: 2x smem
