@@ -1,11 +1,11 @@
-"""Lesson 06's Hopper variant (``solutions/kernels/flash_attention_hopper.py``): same function as the reference.
+"""Lesson 06's Hopper variant (``solutions/kernels/flash_attention_hopper.py``): same functions as the reference.
 
-On the CPU the fast kernel runs in the Triton interpreter (float16; its tensor descriptors work there) on
-small ragged, grouped-query, causal and cached-context shapes; on a GPU (``gpu`` marker) bfloat16 and
-float16 at the grader's GPU sizes and past the autotuning threshold, where the FlashAttention rule applies:
-the largest error against float64 may be at most twice PyTorch's own in that dtype plus rounding.
-Outputs are NaN-poisoned before the kernel writes them. Inputs the fast kernel does not take must reach the
-reference and give its answer.
+Forward and backward (both dq modes). On the CPU the fast kernels run in the Triton interpreter (float16;
+tensor descriptors and atomics work there) on small ragged, grouped-query, causal and cached-context shapes;
+on a GPU (``gpu`` marker) bfloat16 and float16 at the grader's GPU sizes and past the autotuning threshold.
+The FlashAttention rule applies: the largest error against float64 may be at most twice PyTorch's own in that
+dtype plus rounding. Outputs (out, dq, dk, dv) are NaN-poisoned before the kernels write them. Inputs the fast
+kernels do not take must reach the reference and give its answer.
 """
 
 from __future__ import annotations
@@ -95,6 +95,32 @@ def test_fast_kernel_matches_float64_in_the_interpreter(poisoned, seed, index, p
     assert max_err(lse, exact_lse) < 1e-4, f"lse, case {case}"
 
 
+def grads_and_references(case, dtype, seed, mode, strided_q=False):
+    """(fast grads, float64 grads, grads of PyTorch's own attention in ``dtype``) for one case."""
+    causal = case[-1]
+    q, k, v = inputs(case, dtype, seed, strided_q=strided_q)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    dout = torch.randn(q.shape, device=DEVICE, generator=gen).to(dtype)
+    assert fast.fast_path_reason(q, k, v, "dense", dout) is None, "these inputs must take the fast kernels"
+    out, lse = ref.attention_reference(q.float(), k.float(), v.float(), causal)
+    got = fast.flash_attention_backward(dout, q, k, v, out.to(dtype), lse, causal=causal, dq_mode=mode)
+    exact_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    exact = torch.autograd.grad(ref.attention_reference(*exact_leaves, causal)[0], exact_leaves, dout.double())
+    low_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    low = torch.autograd.grad(ref.attention_reference(*low_leaves, causal)[0], low_leaves, dout)
+    return got, exact, low
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter cases; GPU cases below")
+@pytest.mark.parametrize("mode", fast.DQ_MODES)
+@pytest.mark.parametrize("index", range(len(CPU_CASES)))
+def test_fast_backward_matches_float64_in_the_interpreter(poisoned, seed, index, mode):
+    case = CPU_CASES[index]
+    got, exact, low = grads_and_references(case, torch.float16, seed, mode, strided_q=index == 0)
+    for name, g, e, lo in zip(("dq", "dk", "dv"), got, exact, low):
+        check_flash_rule(g, e, lo, f"{name}, case {case}, dq mode {mode}")
+
+
 def varlen_inputs(lens_q, lens_k, heads, kv_heads, head_dim, dtype, seed):
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     q = torch.randn(sum(lens_q), heads, head_dim, device=DEVICE, generator=gen).to(dtype)
@@ -109,7 +135,7 @@ def varlen_inputs(lens_q, lens_k, heads, kv_heads, head_dim, dtype, seed):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_varlen_matches_each_sequence(poisoned, seed, causal):
     if DEVICE == "cuda" and not ON_HOPPER:
-        pytest.skip("the fast kernel runs on Hopper GPUs only")
+        pytest.skip("the fast kernels run on Hopper GPUs only")
     scale_up = 8 if DEVICE == "cuda" else 1
     lens_k = [40 * scale_up, 7 * scale_up, 33 * scale_up, 1]
     lens_q = [40 * scale_up, 3 * scale_up, 20 * scale_up, 1]     # whole prompts, and new tokens after a context
@@ -126,7 +152,7 @@ def test_varlen_matches_each_sequence(poisoned, seed, causal):
         assert max_err(lse[:, rq][None], exact_lse) < 1e-4, f"lse of sequence {b}"
 
 
-def test_inputs_the_fast_kernel_does_not_take_get_the_reference(seed):
+def test_inputs_the_fast_kernels_do_not_take_get_the_reference(seed):
     case = (1, 2, 2, 20, 20, 40, True)
     q, k, v = inputs(case, torch.float16, seed)
     assert "head_dim 40" in fast.fast_path_reason(q, k, v)
@@ -141,6 +167,13 @@ def test_inputs_the_fast_kernel_does_not_take_get_the_reference(seed):
     out, _ = fast.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 12, 12, causal=True, sliding_window=4)
     want, _ = ref.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 12, 12, causal=True, sliding_window=4)
     assert torch.equal(out, want)
+    # The backward of an unsupported head dim is the reference's, bit for bit.
+    q, k, v = inputs(case, torch.float16, seed)
+    out, lse = ref.flash_attention_forward(q, k, v, causal=True)
+    dout = torch.randn_like(q)
+    got = fast.flash_attention_backward(dout, q, k, v, out, lse, causal=True)
+    want = ref.flash_attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_configurations_parse():
@@ -150,6 +183,11 @@ def test_configurations_parse():
     for bad in ("128,64,8", "128,64,8,3,0,1,1", "a,b,c,d"):
         with pytest.raises(ValueError):
             fast.parse_config(bad)
+    assert fast.parse_backward_config("atomic,64,128,8,2") == ("atomic", 64, 128, 8, 2)
+    assert fast.parse_backward_config("kernel, 64, 128, 8, 3") == ("kernel", 64, 128, 8, 3)
+    for bad in ("fast,64,128,8,2", "kernel,64,128,8", "atomic,64,128,8,x"):
+        with pytest.raises(ValueError):
+            fast.parse_backward_config(bad)
 
 
 def test_bad_input_raises_value_error(seed):
@@ -160,13 +198,20 @@ def test_bad_input_raises_value_error(seed):
         fast.flash_attention_forward(q, k, v[:, :, :4])
     with pytest.raises(ValueError):
         fast.flash_attention_forward(q, k, v, scale=0.0)
+    out, lse = ref.flash_attention_forward(q, k, v)
+    with pytest.raises(ValueError):
+        fast.flash_attention_backward(out[:, :, :4], q, k, v, out, lse)      # dout of the wrong shape
+    with pytest.raises(ValueError):
+        fast.flash_attention_backward(out, q, k, v, out, lse, dq_mode="fast")
     q, k, v, cu_q, cu_k = varlen_inputs([3, 5], [4, 6], 2, 2, 16, torch.float16, seed)
     with pytest.raises(ValueError):
         fast.flash_attention_varlen_forward(q, k, v, cu_q.long(), cu_k, 5, 6)
+    with pytest.raises(ValueError):
+        fast.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 5, 6, causal=False, sliding_window=2)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_HOPPER, reason="the fast kernel runs on Hopper GPUs only")
+@pytest.mark.skipif(not ON_HOPPER, reason="the fast kernels run on Hopper GPUs only")
 @pytest.mark.parametrize("index, dtype", [(i, torch.bfloat16) for i in range(len(GPU_CASES))]
                          + [(i, torch.float16) for i in (0, 1)], ids=lambda x: str(x).replace("torch.", ""))
 def test_fast_kernel_flash_rule_on_hopper(poisoned, seed, index, dtype):
@@ -182,7 +227,7 @@ def test_fast_kernel_flash_rule_on_hopper(poisoned, seed, index, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_HOPPER, reason="the fast kernel runs on Hopper GPUs only")
+@pytest.mark.skipif(not ON_HOPPER, reason="the fast kernels run on Hopper GPUs only")
 @pytest.mark.parametrize("index", [0, 4])
 def test_prefetch_option_on_hopper(poisoned, seed, index):
     case = GPU_CASES[index]
@@ -196,13 +241,28 @@ def test_prefetch_option_on_hopper(poisoned, seed, index):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_HOPPER, reason="the fast kernel runs on Hopper GPUs only")
-def test_autograd_uses_the_fast_forward_and_the_reference_backward(seed):
+@pytest.mark.skipif(not ON_HOPPER, reason="the fast kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("mode", fast.DQ_MODES)
+@pytest.mark.parametrize("index, dtype", [(i, torch.bfloat16) for i in (0, 1, 4)] + [(5, torch.float16)],
+                         ids=lambda x: str(x).replace("torch.", ""))
+def test_fast_backward_flash_rule_on_hopper(poisoned, seed, index, dtype, mode):
+    case = GPU_CASES[index]
+    got, exact, low = grads_and_references(case, dtype, seed, mode, strided_q=index == 1)
+    for name, g, e, lo in zip(("dq", "dk", "dv"), got, exact, low):
+        check_flash_rule(g, e, lo, f"{name}, case {case}, {dtype}, dq mode {mode}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="the fast kernels run on Hopper GPUs only")
+def test_autograd_uses_the_fast_forward_and_backward(seed, monkeypatch):
     q, k, v = inputs((1, 4, 2, 300, 300, 128, True), torch.bfloat16, seed)
     dout = torch.randn_like(q)
+    calls = []
+    monkeypatch.setattr(ref, "flash_attention_backward", lambda *a, **kw: calls.append("reference"))
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = fast.flash_attention(*leaves, causal=True)
+    out = fast.flash_attention(*leaves, causal=True, dq_mode="atomic")
     grads = torch.autograd.grad(out, leaves, dout)
+    assert not calls, "the Hopper backward must not fall back to the reference for these inputs"
     exact_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
     exact_out, _ = ref.attention_reference(*exact_leaves, True)
     exact_grads = torch.autograd.grad(exact_out, exact_leaves, dout.double())

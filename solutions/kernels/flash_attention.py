@@ -577,6 +577,52 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# yaie: solution-only
+def _default_scale(head_dim: int, scale: float | None) -> float:
+    """The score multiplier: ``head_dim ** -0.5`` unless the caller gave one."""
+    return head_dim ** -0.5 if scale is None else float(scale)
+
+
+# yaie: solution-only
+def _dense_forward_args(q, k, v, out, lse, scale: float) -> tuple:
+    """The forward kernel's arguments for ``[batch, heads, seq, head_dim]`` tensors, up to the window.
+
+    Pointers, strides as (batch, head, token), lengths, the query heads per KV head, the base-2 score scale
+    and the autotuning bucket. The cu_seqlens pointers are unused in the dense layout (lse stands in).
+    """
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    return (q, k, v, out, lse, lse, lse,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
+            seq_q, seq_k, q.shape[1] // k.shape[1], scale * LOG2E, _tune_bucket(seq_q))
+
+
+# yaie: solution-only
+def _varlen_forward_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                         scale: float) -> tuple:
+    """The forward kernel's arguments for packed ``[tokens, heads, head_dim]`` tensors, up to the window.
+
+    Token-major strides as (batch, head, token): the batch stride is 0, each sequence starts at its offset.
+    """
+    return (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+            0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0),
+            0, out.stride(1), out.stride(0), 0, lse.stride(0), lse.stride(1),
+            int(max_seqlen_q), int(max_seqlen_k), q.shape[1] // k.shape[1], scale * LOG2E,
+            _tune_bucket(int(max_seqlen_q)))
+
+
+# yaie: solution-only
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                         sliding_window) -> None:
+    """Everything :func:`flash_attention_varlen_forward` rejects, as ``ValueError``."""
+    check_attention_inputs(q, k, v, causal, scale, layout="varlen")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
+                                       or sliding_window < 1 or not causal):
+        raise ValueError(f"sliding_window must be None or an int >= 1 with causal=True, got {sliding_window!r} "
+                         f"(causal={causal})")
+    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k),
+                      causal, q.device)
+
+
 # yaie: task 1
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                             scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -607,13 +653,10 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     check_attention_inputs(q, k, v, causal, scale)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch, num_heads, seq_q, head_dim = q.shape
-    num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    scale = head_dim ** -0.5 if scale is None else float(scale)
+    scale = _default_scale(head_dim, scale)
     out = torch.empty_like(q)
     lse = torch.empty((batch, num_heads, seq_q), device=q.device, dtype=torch.float32)
-    args = (q, k, v, out, lse, lse, lse,     # the cu_seqlens pointers are unused in the dense layout
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride(),
-            seq_q, seq_k, num_heads // num_kv_heads, scale * LOG2E, _tune_bucket(seq_q), 0)
+    args = (*_dense_forward_args(q, k, v, out, lse, scale), 0)    # window 0: no sliding window
     _launch("fwd", seq_q, num_heads, batch, args, _block_d(head_dim), HEAD_DIM=head_dim, CAUSAL=bool(causal),
             VARLEN=False, WINDOWED=False, **_kernel_options(q.dtype))
     return out, lse
@@ -663,7 +706,7 @@ def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    scale = head_dim ** -0.5 if scale is None else float(scale)
+    scale = _default_scale(head_dim, scale)
     # delta_i = sum_j P_ij dP_ij = dout_i . out_i: one number per query row, computed once up front.
     delta = (dout.float() * out.float()).sum(-1).contiguous()
     # The kernels work in base 2. A row with no visible key (lse = -inf) gets +inf, so its P is 0.
@@ -777,26 +820,16 @@ def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             sequence queries without keys (or more queries than keys under ``causal``); a
             ``sliding_window`` that is not an int >= 1, or one without ``causal``.
     """
-    check_attention_inputs(q, k, v, causal, scale, layout="varlen")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
-                                       or sliding_window < 1 or not causal):
-        raise ValueError(f"sliding_window must be None or an int >= 1 with causal=True, got {sliding_window!r} "
-                         f"(causal={causal})")
-    total_q, num_heads, head_dim = q.shape
-    total_k, num_kv_heads = k.shape[0], k.shape[1]
-    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, int(max_seqlen_q), int(max_seqlen_k),
-                      causal, q.device)
+    _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                         sliding_window)
+    num_heads, head_dim = q.shape[1], q.shape[2]
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch = cu_seqlens_q.numel() - 1
-    scale = head_dim ** -0.5 if scale is None else float(scale)
+    scale = _default_scale(head_dim, scale)
     out = torch.empty_like(q)
-    lse = torch.empty((num_heads, total_q), device=q.device, dtype=torch.float32)
-    # Token-major strides as (batch, head, token): the batch stride is 0, each sequence starts at its offset.
-    args = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-            0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0),
-            0, out.stride(1), out.stride(0), 0, lse.stride(0), lse.stride(1),
-            int(max_seqlen_q), int(max_seqlen_k), num_heads // num_kv_heads, scale * LOG2E,
-            _tune_bucket(int(max_seqlen_q)), sliding_window or 0)
+    lse = torch.empty((num_heads, q.shape[0]), device=q.device, dtype=torch.float32)
+    args = (*_varlen_forward_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale),
+            sliding_window or 0)
     _launch("fwd", int(max_seqlen_q), num_heads, batch, args, _block_d(head_dim), HEAD_DIM=head_dim,
             CAUSAL=bool(causal), VARLEN=True, WINDOWED=sliding_window is not None, **_kernel_options(q.dtype))
     return out, lse

@@ -9,7 +9,9 @@ Each row is timed for:
 
 * ``yaie triton``: lesson 06's kernels (yours, or the reference with ``--solutions``);
 * ``yaie triton hopper``: the reference's Hopper variant (``solutions/kernels/flash_attention_hopper.py``),
-  only with ``--solutions`` and on a compute-capability-9 GPU;
+  forward and backward (dq from its own kernel), only with ``--solutions`` and on a compute-capability-9 GPU;
+  ``yaie triton hopper (dq atomics)``: the same with dq added atomically by the dK/dV kernel (backward row
+  only: its forward is the same kernel);
 * ``torch SDPA default (<backend>)``: ``scaled_dot_product_attention`` with no backend forced, what a user
   gets without asking. The backend it picks is named (on the lent H100/H200 with torch 2.11: cuDNN), read
   from PyTorch's own dispatcher and confirmed by forcing that backend and getting the same output bits;
@@ -33,6 +35,8 @@ DEFAULT = "torch SDPA default"
 FLASH = "torch SDPA flash"
 OURS = "yaie triton"
 HOPPER = "yaie triton hopper"
+HOPPER_ATOMIC = "yaie triton hopper (dq atomics)"
+HOPPERS = (HOPPER, HOPPER_ATOMIC)
 
 
 def shapes(quick: bool, head_dims: tuple[int, ...] = (128, 64)) -> list[tuple[int, int, int, int]]:
@@ -157,6 +161,7 @@ def ratio_lines(rows: list[Row], baseline: str) -> list[str]:
 def run(args) -> list[Row]:
     fa = module(6)
     hopper = _hopper_module(fa)
+    failed_hoppers: set[str] = set()    # a Hopper impl that failed once is left out of the later shapes
     quick = bool(getattr(args, "quick", False))
     warmup, rep = (10, 30) if quick else (25, 100)
     dtype = torch.bfloat16
@@ -173,7 +178,9 @@ def run(args) -> list[Row]:
             default_name = f"{DEFAULT} ({backend})"
             impls = {OURS: lambda: fa.flash_attention(q, k, v, causal=causal)}
             if hopper is not None:
-                impls[HOPPER] = lambda: hopper.flash_attention(q, k, v, causal=causal)
+                for impl, mode in ((HOPPER, "kernel"), (HOPPER_ATOMIC, "atomic")):
+                    if impl not in failed_hoppers:
+                        impls[impl] = lambda m=mode: hopper.flash_attention(q, k, v, causal=causal, dq_mode=m)
             impls[default_name] = lambda: _sdpa_default(q, k, v, causal)
             impls[FLASH] = lambda: _sdpa_flash(q, k, v, causal)
 
@@ -188,12 +195,12 @@ def run(args) -> list[Row]:
                     out = fn()
                     grads = torch.autograd.grad(out, (q, k, v), dout)
                 except Exception as err:   # the Hopper variant failing must not lose the other rows
-                    if impl != HOPPER:
+                    if impl not in HOPPERS:
                         raise
                     print(f"{shape}: {impl} failed, left out from here on: {type(err).__name__}: {err}"[:2000],
                           flush=True)
                     del impls[impl]
-                    hopper = None
+                    failed_hoppers.add(impl)
                     continue
                 errors = [_rel_err(out, out_ref)] + [_rel_err(a, b) for a, b in zip(grads, grads_ref)]
                 status[impl] = "ok" if max(errors) < 2e-2 else "MISMATCH"
@@ -205,12 +212,14 @@ def run(args) -> list[Row]:
             fwd_flops = attention_flops(batch, heads, seq, head_dim, causal)
             shape_rows = []
             for impl, fn in impls.items():
-                with torch.no_grad():
-                    fwd_ms = bench_ms(fn, warmup, rep)
+                name = impl if status.get(impl, "ok") == "ok" else impl + " (MISMATCH)"
+                if impl != HOPPER_ATOMIC:      # (its forward is HOPPER's kernel)
+                    with torch.no_grad():
+                        fwd_ms = bench_ms(fn, warmup, rep)
+                    shape_rows.append(Row(LESSON, "flash_attention_forward", name, shape, "bf16", fwd_ms,
+                                          flops=fwd_flops))
                 out = fn()
                 bwd_ms = bench_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), warmup, rep)
-                name = impl if status.get(impl, "ok") == "ok" else impl + " (MISMATCH)"
-                shape_rows.append(Row(LESSON, "flash_attention_forward", name, shape, "bf16", fwd_ms, flops=fwd_flops))
                 shape_rows.append(Row(LESSON, "flash_attention_backward", name, shape, "bf16", bwd_ms,
                                       flops=int(2.5 * fwd_flops)))
                 del out
@@ -229,25 +238,30 @@ def run(args) -> list[Row]:
 # ----------------------------------------------------------------------------- Hopper configuration sweep
 
 SWEEP_SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128)]
-SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize[, prefetch_s])
-    (128, 128, 8, 2, False), (128, 128, 8, 3, False), (128, 64, 8, 3, False), (128, 64, 8, 4, False),
-    (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 64, 8, 3, True),
-    (128, 128, 8, 3, False, True), (128, 64, 8, 3, False, True), (128, 64, 8, 4, False, True),
+# Forward: (BLOCK_M, BLOCK_N, num_warps, num_stages[, warp_specialize[, prefetch_s]]). The first three are the
+# Hopper forward's autotuning list (already compiled by the benchmark when it ran first).
+SWEEP_CONFIGS = [
+    (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3, False, True),
+    (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3, True), (128, 64, 4, 3),
 ]   # (128, 128, 4, 3, True) is left out: Triton 3.6's warp-specialisation pass fails on it (seen on an H100)
+# Backward: (dq mode, BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel (the dQ kernel mirrors them).
+SWEEP_BACKWARD_CONFIGS = [("kernel", 64, 128, 8, 2), ("kernel", 64, 128, 8, 3),
+                          ("atomic", 64, 128, 8, 2), ("atomic", 64, 128, 8, 3)]
 
 
 def config_text(config: tuple) -> str:
-    """(128, 64, 8, 3, True) -> "128,64,8,3,1", the form ``YAIE_FA_HOPPER_CONFIGS`` reads (``parse_config``)."""
-    return ",".join(str(int(x)) for x in config)
+    """(128, 64, 8, 3, True) -> "128,64,8,3,1", ("atomic", 64, 128, 8, 2) -> "atomic,64,128,8,2": the forms
+    ``YAIE_FA_HOPPER_CONFIGS`` / ``YAIE_FA_HOPPER_BWD_CONFIGS`` read (``parse_config``, ``parse_backward_config``)."""
+    return ",".join(x if isinstance(x, str) else str(int(x)) for x in config)
 
 
-def best_configs(results: list[dict], count: int = 3) -> list[tuple]:
-    """The ``count`` configurations with the least total forward time over the sweep's shapes (only those
-    that ran and matched SDPA at every shape)."""
+def best_configs(results: list[dict], count: int = 3, kernel: str = "forward") -> list[tuple]:
+    """The ``count`` configurations of one pass (``kernel``: "forward" or "backward") with the least total
+    time over the sweep's shapes (only those that ran and matched SDPA at every shape)."""
     totals: dict[tuple, float] = {}
     failed = set()
     for r in results:
-        if r.get("config") is None:
+        if r.get("config") is None or r.get("kernel", "forward") != kernel:
             continue
         config = tuple(r["config"])
         if r.get("ms") is None or r.get("status") != "ok":
@@ -258,64 +272,118 @@ def best_configs(results: list[dict], count: int = 3) -> list[tuple]:
     return [c for _, c in ranked[:count]]
 
 
-def sweep(out_dir: str, quick: bool = False) -> list[dict]:
-    """Time the Hopper forward at each configuration of SWEEP_CONFIGS beside the reference kernel and SDPA
-    (default and flash), forward only, bf16; write ``lesson06_hopper_sweep.json`` and return the rows."""
-    import json
+def _sweep_row(results: list, shape: str, kernel: str, name: str, config, fn, check, flops: int) -> None:
+    """Run ``fn`` once, compare with ``check`` (a function of its result giving the largest relative
+    difference to SDPA's default), time it; record a row (an error is recorded, not raised)."""
     import traceback
+
+    row = {"shape": shape, "kernel": kernel, "impl": name, "config": config, "ms": None, "status": "ok"}
+    try:
+        row["rel_err"] = check(fn())
+        if not row["rel_err"] < 2e-2:
+            row["status"] = "MISMATCH"
+        row["ms"] = bench_ms(fn, 10, 50)
+        row["TFLOPs"] = flops / (row["ms"] * 1e-3) / 1e12
+    except Exception as err:   # a configuration that does not compile or run: recorded, skipped
+        row["status"] = "error"
+        row["error"] = "".join(traceback.format_exception_only(type(err), err))[-600:]
+    results.append(row)
+    timing = f"{row['ms']:8.3f} ms {row['TFLOPs']:6.1f} TFLOP/s" if row["ms"] is not None else row["status"]
+    print(f"{shape:26s} {kernel:10s} {name:36s} {timing} {row.get('rel_err', float('nan')):.1e}", flush=True)
+
+
+def sweep(out_dir: str, quick: bool = False, device: str = "cuda", sweep_shapes: list | None = None) -> list[dict]:
+    """Time the Hopper kernels at each configuration (forward: SWEEP_CONFIGS; backward:
+    SWEEP_BACKWARD_CONFIGS) beside the reference and SDPA, bf16; also the backward's preprocessing (delta and
+    the base-2 lse) done by PyTorch operations as the reference does, against the fused kernel. Writes
+    ``lesson06_hopper_sweep.json`` after every shape (a time limit keeps what was measured) and returns the rows.
+
+    ``device`` and ``sweep_shapes`` let the logic run on the CPU (the interpreter, tiny shapes: every row
+    then records the timing's error, after the kernels ran and were compared)."""
+    import json
     from pathlib import Path
 
     from solutions.kernels import flash_attention as reference
     from solutions.kernels import flash_attention_hopper as hopper
 
-    results = []
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    for batch, heads, seq, head_dim in SWEEP_SHAPES[:1] if quick else SWEEP_SHAPES:
+    results: list[dict] = []
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+
+    def write():
+        best = {kind: [config_text(c) for c in best_configs(results, kernel=kind)] for kind in ("forward", "backward")}
+        Path(out_dir, "lesson06_hopper_sweep.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name() if device == "cuda" else device, "torch": torch.__version__,
+             "rows": results, "best": best},
+            indent=1))
+        return best
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    for batch, heads, seq, head_dim in sweep_shapes or (SWEEP_SHAPES[:1] if quick else SWEEP_SHAPES):
         for causal in (False, True):
             shape = f"b{batch} h{heads} s{seq} d{head_dim}" + (" causal" if causal else "")
-            q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-                       for _ in range(3))
+            dtype = torch.bfloat16 if device == "cuda" else torch.float16    # (interpreter: no bf16 dots)
+            q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, device=device, generator=gen).to(dtype)
+                             for _ in range(4))
             flops = attention_flops(batch, heads, seq, head_dim, causal)
             with torch.no_grad():
                 want = _sdpa_default(q, k, v, causal)
-                candidates = [("torch SDPA default", None, lambda: _sdpa_default(q, k, v, causal)),
-                              ("torch SDPA flash", None, lambda: _sdpa_flash(q, k, v, causal)),
-                              ("yaie triton (reference)", None,
-                               lambda: reference.flash_attention_forward(q, k, v, causal=causal))]
-                for config in SWEEP_CONFIGS:
-                    candidates.append((f"hopper {config_text(config)}", config,
-                                       lambda c=config: hopper.forward_with_config(q, k, v, causal, None, c)))
-                for name, config, fn in candidates:
-                    row = {"shape": shape, "impl": name, "config": config, "ms": None, "status": "ok"}
-                    try:
-                        got = fn()
-                        got = got[0] if isinstance(got, tuple) else got
-                        row["rel_err"] = _rel_err(got, want)
-                        if not row["rel_err"] < 2e-2:
-                            row["status"] = "MISMATCH"
-                        row["ms"] = bench_ms(fn, 10, 50)
-                        row["TFLOPs"] = flops / (row["ms"] * 1e-3) / 1e12
-                    except Exception as err:   # a configuration that does not compile or run: recorded, skipped
-                        row["status"] = "error"
-                        row["error"] = "".join(traceback.format_exception_only(type(err), err))[-600:]
-                    results.append(row)
-                    tflops = f"{row['TFLOPs']:6.1f} TFLOP/s" if row.get("TFLOPs") else row["status"]
-                    print(f"{shape:28s} {name:34s} {tflops} {row.get('rel_err', float('nan')):.1e}", flush=True)
-            del q, k, v, want
-            torch.cuda.empty_cache()
-    best = best_configs(results)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    Path(out_dir, "lesson06_hopper_sweep.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results,
-         "best": [config_text(c) for c in best]}, indent=1))
-    print("best:", ";".join(config_text(c) for c in best), flush=True)
+
+            def check_out(got):
+                return _rel_err(got[0] if isinstance(got, tuple) else got, want)
+
+            forward = [("torch SDPA default", None, lambda: _sdpa_default(q, k, v, causal)),
+                       ("torch SDPA flash", None, lambda: _sdpa_flash(q, k, v, causal)),
+                       ("yaie triton (reference)", None,
+                        lambda: reference.flash_attention_forward(q, k, v, causal=causal))]
+            forward += [(f"hopper {config_text(c)}", c,
+                         lambda c=c: hopper.forward_with_config(q, k, v, causal, None, c)) for c in SWEEP_CONFIGS]
+            with torch.no_grad():
+                for name, config, fn in forward:
+                    _sweep_row(results, shape, "forward", name, config, fn, check_out, flops)
+
+            # Backward, each from the same (out, lse) of the Hopper forward; SDPA's default through autograd.
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            sdpa_out = _sdpa_default(*leaves, causal)
+            want_grads = torch.autograd.grad(sdpa_out, leaves, dout, retain_graph=True)
+            out, lse = hopper.flash_attention_forward(q, k, v, causal=causal)
+
+            def check_grads(got):
+                return max(_rel_err(a, b) for a, b in zip(got, want_grads))
+
+            backward = [("torch SDPA default", None,
+                         lambda: torch.autograd.grad(sdpa_out, leaves, dout, retain_graph=True)),
+                        ("yaie triton (reference)", None,
+                         lambda: reference.flash_attention_backward(dout, q, k, v, out, lse, causal=causal))]
+            backward += [(f"hopper {config_text(c)}", c,
+                          lambda c=c: hopper.backward_with_config(dout, q, k, v, out, lse, causal, None, None, c))
+                         for c in SWEEP_BACKWARD_CONFIGS]
+            for name, config, fn in backward:
+                _sweep_row(results, shape, "backward", name, config, fn, check_grads, int(2.5 * flops))
+
+            # The backward's preprocessing alone: PyTorch operations (the reference) against the fused kernel.
+            def torch_preprocess():
+                delta = (dout.float() * out.float()).sum(-1).contiguous()
+                lse2 = torch.where(lse == float("-inf"), float("inf"), lse * reference.LOG2E).contiguous()
+                return delta, lse2
+
+            want_delta = torch_preprocess()[0]
+            for name, fn in (("preprocess: torch operations", torch_preprocess),
+                             ("preprocess: fused kernel", lambda: hopper.backward_preprocess(out, dout, lse))):
+                _sweep_row(results, shape, "preprocess", name, None, fn,
+                           lambda got: _rel_err(got[0], want_delta), 0)
+            del q, k, v, dout, want, leaves, sdpa_out, want_grads, out, lse
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            write()
+    best = write()
+    print("best forward:", ";".join(best["forward"]), " best backward:", ";".join(best["backward"]), flush=True)
     return results
 
 
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="lesson 06 Hopper forward: time each configuration")
+    parser = argparse.ArgumentParser(description="lesson 06 Hopper kernels: time each configuration")
     parser.add_argument("command", choices=["sweep"])
     parser.add_argument("--out", default="out_lesson06")
     parser.add_argument("--quick", action="store_true")
