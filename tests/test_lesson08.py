@@ -57,45 +57,38 @@ def test_second_kernel_design_order2_state_in_memory():
     torch.testing.assert_close(kv.double(), phi_k.transpose(-1, -2) @ v.double(), atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("seq,value_dim,block_m,block_n", [(1, 64, 64, 32), (64, 16, 64, 32), (65, 48, 64, 64),
-                                                         (200, 256, 128, 64)])
-def test_quadratic_kernel_equals_the_quadratic_form(seq, value_dim, block_m, block_n):
-    """The tile kernel of the default route for short sequences: block edges, partial blocks, value blocks."""
-    q, k, v = _qkv(seq, value_dim=value_dim, seed=seq)
+@pytest.mark.parametrize("seq,value_dim,segment,block_m,dtype", [
+    (1, 64, 128, 64, torch.float32), (129, 64, 128, 64, torch.float32), (300, 32, 64, 64, torch.float32),
+    (300, 128, 128, 64, torch.float16), (513, 48, 128, 128, torch.float32), (200, 256, 64, 32, torch.float32)])
+def test_segmented_route_equals_the_quadratic_form(seq, value_dim, segment, block_m, dtype):
+    """The reference's default route with short segments: segment and block edges, partial segments,
+    value blocks, float16 (the state enters as float32 operands); the state; the same output without it."""
+    q, k, v = _qkv(seq, value_dim=value_dim, dtype=dtype, seed=seq)
     out = torch.full_like(v, float("nan"))
-    ref._launch_quadratic(q, k, v, out, block_m, block_n, None, 4)
-    torch.testing.assert_close(out.double(), _exact(q, k, v), atol=2e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("seq,value_dim,rows,chunk", [(1, 16, 64, 64), (70, 64, 32, 32), (130, 160, 64, 64)])
-def test_state_kernel_is_the_sum_of_phi_k_v(seq, value_dim, rows, chunk):
-    """The state kernel of the quadratic route: phi(K)^T V and sum phi(K), every row of 273, every column."""
-    q, k, v = _qkv(seq, value_dim=value_dim, seed=seq + 1)
-    kv = torch.full((1, 2, 273, value_dim), float("nan"))
-    ks = torch.full((1, 2, 273), float("nan"))
-    ref._launch_state(k, v, kv, ks, rows, chunk)
+    state = ref._launch_segmented(q, k, v, out, segment, True, block_m, 32, 4)
+    fp32 = dtype == torch.float32
+    tol = dict(atol=2e-5, rtol=1e-4) if fp32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), _exact(q, k, v), **tol)
     phi_k = ref.taylor_feature_map(k.double())
-    torch.testing.assert_close(kv.double(), phi_k.transpose(-1, -2) @ v.double(), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(ks.double(), phi_k.sum(-2), atol=1e-4, rtol=1e-6)
+    tol = dict(atol=1e-3, rtol=1e-4) if fp32 else dict(atol=2e-2, rtol=1e-2)     # float16 operands of phi(k)
+    torch.testing.assert_close(state.kv.double(), phi_k.transpose(-1, -2) @ v.double(), **tol)
+    torch.testing.assert_close(state.k.double(), phi_k.sum(-2), atol=1e-4, rtol=1e-6)
+    again = torch.full_like(v, float("nan"))
+    assert ref._launch_segmented(q, k, v, again, segment, False, block_m, 32, 4) is None
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
 
 
-def test_default_route_switches_at_the_threshold(monkeypatch):
-    """chunk_size=None: the quadratic route up to QUADRATIC_MAX_SEQ tokens, the chunked kernel beyond; same answers."""
-    q, k, v = _qkv(40, value_dim=32, seed=3)
-    calls = []
-    for name in ("_launch_quadratic", "_launch_prefill"):
-        real = getattr(ref, name)
-        monkeypatch.setattr(ref, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
-    results = []
-    for limit in (40, 39):
-        monkeypatch.setattr(ref, "QUADRATIC_MAX_SEQ", limit)
-        results.append(ref.based_prefill(q, k, v))
-    assert calls == ["_launch_quadratic", "_launch_prefill"]
-    (out_q, state_q), (out_c, state_c) = results
-    torch.testing.assert_close(out_q, out_c, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(state_q.kv, state_c.kv, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(state_q.k, state_c.k, atol=1e-4, rtol=1e-5)
-    assert ref.based_prefill(q, k, v, return_state=False)[1] is None
+def test_state_kernel_gives_each_segments_state():
+    """Step 1 of the segmented route: phi(K)^T V and sum phi(K) over each segment's own tokens."""
+    q, k, v = _qkv(150, value_dim=40, seed=5)
+    parts_kv = torch.full((1, 2, 3, 273, 40), float("nan"))
+    parts_k = torch.full((1, 2, 3, 273), float("nan"))
+    ref._launch_state(k, v, parts_kv, parts_k, 64, 32, 32)
+    phi_k = ref.taylor_feature_map(k.double())
+    for j, (lo, hi) in enumerate([(0, 64), (64, 128), (128, 150)]):
+        exact = phi_k[:, :, lo:hi].transpose(-1, -2) @ v[:, :, lo:hi].double()
+        torch.testing.assert_close(parts_kv[:, :, j].double(), exact, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(parts_k[:, :, j].double(), phi_k[:, :, lo:hi].sum(-2), atol=1e-4, rtol=1e-6)
 
 
 def test_prefill_reads_nothing_past_the_sequence():

@@ -170,10 +170,10 @@ def test_prefill_bfloat16_gpu(device, seed, seq, value_dim):
 
 @task(2, "based_prefill")
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,seq,value_dim", [(torch.float32, 300, 128), (torch.float16, 300, 128),
+@pytest.mark.parametrize("dtype,seq,value_dim", [(torch.float32, 2049, 128), (torch.float16, 2049, 64),
                                                  (torch.bfloat16, 1, 64), (torch.bfloat16, 300, 128),
                                                  (torch.bfloat16, 4097, 64)],
-                         ids=["fp32-300", "fp16-300", "bf16-1", "bf16-300", "bf16-4097"])
+                         ids=["fp32-2049", "fp16-2049", "bf16-1", "bf16-300", "bf16-4097"])
 def test_prefill_default_route_gpu(device, seed, dtype, seq, value_dim):
     """chunk_size=None: whatever route your default takes (short and long sequences may differ)."""
     heads, batch = (2, 1) if seq > 2048 else (4, 2)

@@ -36,13 +36,19 @@ blocks of ``phi``: the state holds ``sum v`` (order 0), ``sum k v^T`` (order 1) 
 normaliser, all in float32. The kernel never builds ``phi(k)`` in memory: it forms the 256
 second-order features of a chunk in registers, ``k_a k_b``, and multiplies them straight away.
 
-**Short sequences** (the reference's default route up to ``QUADRATIC_MAX_SEQ`` tokens). The chunked
-kernel walks the chunks of a sequence in order, one program per (sequence, head): at a few thousand
-tokens that is too little parallel work for a large GPU. The quadratic form has plenty: every block of
-queries against its keys, as flash attention tiles softmax attention but without the running maximum
-(the weights are never below 1/2, nothing can overflow the sums). Its work grows with ``seq^2``, so it
-wins only up to some length (bench/results/lesson08_h100.md). The state for decoding comes from a second
-kernel, ``phi(K)^T V`` as a plain matrix product split over programs by feature rows.
+**The segmented route** (the reference's default, ``chunk_size=None``). The chunked kernel walks the
+chunks of a sequence in order, one program per (sequence, head): on a large GPU that is too little
+parallel work, and each program carries a 273-row state. The quadratic form has plenty of parallel
+work: every block of queries against its keys, as flash attention tiles softmax attention but without
+the running maximum (the weights are never below 1/2: nothing can overflow the sums). Its work grows
+with ``seq^2``, so the reference mixes the two at a coarser grain: segments of ``DEFAULT_SEGMENT``
+tokens, the quadratic form inside a segment, the state between segments::
+
+    1. the state of each segment,  phi(K_seg)^T V_seg   (a matrix product, all segments at once)
+    2. running sums over segments   (cumsum: the state before each segment)
+    3. every query block at once:   phi(q) @ state before its segment  +  the tile form over its segment
+
+A sequence of one segment skips step 2 (and step 1 when no state is wanted).
 
 **Recurrent decode** (task 3): one token updates the state and reads its output from it.
 
@@ -69,7 +75,7 @@ EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_VALUE_DIM = 256
 DEFAULT_CHUNK = 32                                     # on the H100 chunks of 16 and 32 time alike, 64 and 128 are slower
-QUADRATIC_MAX_SEQ = 4096                               # based_prefill's default route: the quadratic form up to here
+DEFAULT_SEGMENT = 1024                                 # tokens per segment of based_prefill's default (segmented) route
 
 
 class BasedState(NamedTuple):
@@ -488,24 +494,53 @@ def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int, block_v: i
 
 # yaie: solution-only
 @triton.jit
-def _based_quadratic_kernel(
-    Q, K, V, O,
+def _read_prefix_state(q, num, den, P_KV, P_K, offs_v, v_ok, value_dim, PRECISION: tl.constexpr):
+    """``num += phi(q) @ P_kv``, ``den += phi(q) . P_k`` for a block of queries ``q`` (already halved).
+
+    ``P_KV`` points at one state ``[273, value_dim]``, ``P_K`` at its ``[273]`` normaliser. With
+    ``q/2`` the features are ``[1, q/2, (q_a/2)(q_b/2) / sqrt 2]``; the 256 order-2 ones are visited
+    16 at a time (block ``a``: ``q_a q / sqrt 2`` against state rows ``17 + 16 a .. 17 + 16 a + 15``), so no
+    ``[BLOCK_M, 256]`` tile is built. The products take float32 operands (a long sequence's sums can pass
+    float16's 65504): exact ("ieee") for float32 inputs, tf32 tensor cores for 16-bit ones.
+    """
+    inv_sqrt2 = 0.7071067811865476
+    offs_f = tl.arange(0, 16)
+    qf = q.to(tl.float32)
+    p0 = tl.load(P_KV + offs_v, mask=v_ok, other=0.0)
+    p1 = tl.load(P_KV + (1 + offs_f[:, None]) * value_dim + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+    num += p0[None, :]
+    num = tl.dot(qf, p1, num, input_precision=PRECISION)
+    den += tl.load(P_K) + tl.sum(qf * tl.load(P_K + 1 + offs_f)[None, :], 1)
+    for a in range(16):
+        q_a = tl.sum(tl.where((offs_f == a)[None, :], qf, 0.0), 1) * inv_sqrt2           # column a of q
+        feats = qf * q_a[:, None]                                                        # [BLOCK_M, 16]
+        rows = 17 + a * 16 + offs_f
+        p2 = tl.load(P_KV + rows[:, None] * value_dim + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+        num = tl.dot(feats, p2, num, input_precision=PRECISION)
+        den += tl.sum(feats * tl.load(P_K + rows)[None, :], 1)
+    return num, den
+
+
+# yaie: solution-only
+@triton.jit
+def _based_segment_kernel(
+    Q, K, V, O, PREFIX_KV, PREFIX_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-    seq_len, value_dim, heads,
+    seq_len, value_dim, heads, segment_len,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The quadratic form in tiles, for short sequences: ``BLOCK_M`` queries against all their keys.
+    """``BLOCK_M`` queries: the quadratic form over the keys of their own segment, the state before it.
 
-    Grid: (query blocks, value blocks, batch * heads). Flash attention's loop without its running max:
-    the weights ``w = 1 + s + s^2/2`` are never below 1/2, so numerator and normaliser can be summed as
-    they come, in float32, and divided once at the end. Per key block: ``s = q k^T`` (a ``[BLOCK_M, 16]``
-    by ``[16, BLOCK_N]`` tensor-core product), ``w`` elementwise, ``num += w @ v``, ``den += sum(w)``.
-    Work grows with ``seq^2`` (the chunked kernel's with ``seq``), but every program is independent:
-    at a few thousand tokens this keeps the whole GPU busy where the chunked kernel, one program per
-    (sequence, head) walking the chunks in order, cannot. No state comes out: see :func:`_based_state_kernel`.
+    Grid: (query blocks, value blocks, batch * heads); ``segment_len`` is a multiple of ``BLOCK_M``.
+    Inside the segment, flash attention's loop without its running maximum: the weights
+    ``w = 1 + s + s^2/2`` are never below 1/2, so numerator and normaliser are summed as they come, in
+    float32, and divided once at the end. Per key block: ``s = q k^T`` (a ``[BLOCK_M, 16]`` by
+    ``[16, BLOCK_N]`` tensor-core product), ``w`` elementwise, ``num += w @ v``, ``den += sum(w)``. The keys
+    of earlier segments arrive in one piece: ``phi(q) @ S`` with ``S`` the state at the segment's start
+    (``PREFIX_KV [batch * heads, segments, 273, value_dim]``: entry ``j`` sums segments ``0..j``).
     """
-    # The last query blocks read the most key blocks: start them first so none is left to run alone.
+    # The last query blocks of a segment read the most key blocks: start them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_v = tl.program_id(1)
     bh = tl.program_id(2)
@@ -528,8 +563,16 @@ def _based_quadratic_kernel(
     num = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     den = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # Key blocks wholly before this query block: every weight counts, no mask.
-    for start in range(0, pid_m * BLOCK_M, BLOCK_N):
+    segment = (pid_m * BLOCK_M) // segment_len
+    seg_start = segment * segment_len
+    if segment > 0:
+        # Every key of the earlier segments, through the state after them.
+        prefix = bh.to(tl.int64) * tl.cdiv(seq_len, segment_len) + segment - 1
+        num, den = _read_prefix_state(q, num, den, PREFIX_KV + prefix * (273 * value_dim), PREFIX_K + prefix * 273,
+                                      offs_v, v_ok, value_dim, PRECISION)
+
+    # Key blocks of the segment wholly before this query block: every weight counts, no mask.
+    for start in range(seg_start, pid_m * BLOCK_M, BLOCK_N):
         keys = start + offs_n
         k_t = tl.load(k_base + keys[None, :] * stride_ks + offs_f[:, None])                    # [16, BLOCK_N]
         v = tl.load(v_base + keys[:, None] * stride_vs + offs_v[None, :], mask=v_ok[None, :], other=0.0)
@@ -561,20 +604,23 @@ def _based_quadratic_kernel(
 def _based_state_kernel(
     K, V, STATE_KV, STATE_K,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    seq_len, value_dim, heads,
+    seq_len, value_dim, heads, segment_len,
     ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The state after the whole sequence, ``phi(K)^T V`` and ``sum phi(K)``, for the quadratic path.
+    """The state of each segment of ``segment_len`` tokens: ``phi(K)^T V`` and ``sum phi(K)`` over its tokens.
 
-    Grid: (blocks of ``ROWS`` feature rows, value blocks, batch * heads). Row ``r`` of the state is
-    feature ``r`` of :func:`taylor_feature_map`: ``1`` (r = 0), ``k_a / 2`` (r = 1 + a) or
-    ``k_a k_b / (4 sqrt 2)`` (r = 17 + 16 a + b). A program builds its rows of ``phi(k)^T`` for a chunk
-    of tokens, ``[ROWS, CHUNK]``, by loading k at the columns ``a`` and ``b`` each row needs, and adds
-    ``phi^T @ v`` to its ``[ROWS, BLOCK_V]`` float32 sum: a plain matrix product, split over programs
-    by rows so that nothing has to be added up across programs afterwards.
+    Grid: (blocks of ``ROWS`` feature rows, segments * value blocks, batch * heads); the output is
+    ``STATE_KV [batch * heads, segments, 273, value_dim]`` and ``STATE_K [batch * heads, segments, 273]``.
+    Row ``r`` of a state is feature ``r`` of :func:`taylor_feature_map`: ``1`` (r = 0), ``k_a / 2``
+    (r = 1 + a) or ``k_a k_b / (4 sqrt 2)`` (r = 17 + 16 a + b). A program builds its rows of ``phi(k)^T``
+    for a chunk of tokens, ``[ROWS, CHUNK]``, by loading k at the columns ``a`` and ``b`` each row
+    needs, and adds ``phi^T @ v`` to its ``[ROWS, BLOCK_V]`` float32 sum: a plain matrix product, split
+    over programs by rows so that nothing has to be added up across programs afterwards.
     """
     pid_r = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    segments = tl.cdiv(seq_len, segment_len)
+    segment = tl.program_id(1) % segments
+    pid_v = tl.program_id(1) // segments
     bh = tl.program_id(2)
     batch = (bh // heads).to(tl.int64)
     head = (bh % heads).to(tl.int64)
@@ -592,9 +638,11 @@ def _based_state_kernel(
 
     kv = tl.zeros([ROWS, BLOCK_V], dtype=tl.float32)
     ksum = tl.zeros([ROWS], dtype=tl.float32)
-    for start in range(0, seq_len, CHUNK):
+    seg_start = segment * segment_len
+    seg_end = tl.minimum(seg_start + segment_len, seq_len)
+    for start in range(seg_start, seg_end, CHUNK):
         tokens = start + offs_c
-        t_ok = tokens < seq_len
+        t_ok = tokens < seg_end
         k_a = tl.load(k_base + tokens[None, :] * stride_ks + col_a[:, None], mask=t_ok[None, :], other=0.0)
         k_b = tl.load(k_base + tokens[None, :] * stride_ks + col_b[:, None], mask=t_ok[None, :], other=0.0)
         v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
@@ -607,43 +655,72 @@ def _based_state_kernel(
         ksum += tl.sum(phi_t, 1)
 
     r_ok = rows < 273
-    kv_base = STATE_KV + bh.to(tl.int64) * (273 * value_dim)
-    tl.store(kv_base + rows[:, None] * value_dim + offs_v[None, :], kv, mask=r_ok[:, None] & v_ok[None, :])
+    state = bh.to(tl.int64) * segments + segment
+    tl.store(STATE_KV + (state * 273 + rows[:, None]) * value_dim + offs_v[None, :], kv,
+             mask=r_ok[:, None] & v_ok[None, :])
     if pid_v == 0:
-        tl.store(STATE_K + bh.to(tl.int64) * 273 + rows, ksum, mask=r_ok)
+        tl.store(STATE_K + state * 273 + rows, ksum, mask=r_ok)
 
 
 # yaie: solution-only
-def _launch_quadratic(q, k, v, out, block_m: int = 128, block_n: int = 64, block_v: int | None = None,
-                      num_warps: int = 8, num_stages: int | None = None) -> None:
-    """Launch :func:`_based_quadratic_kernel` (the benchmark sweeps its settings through here)."""
-    batch, heads, seq, _ = q.shape
-    value_dim = v.shape[-1]
-    block_v = block_v or min(128, max(16, triton.next_power_of_2(value_dim)))
-    grid = (triton.cdiv(seq, block_m), triton.cdiv(value_dim, block_v), batch * heads)
-    extra = {} if num_stages is None else {"num_stages": num_stages}
-    _based_quadratic_kernel[grid](
-        q, k, v, out,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        seq, value_dim, heads,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_V=block_v,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, **extra)
-
-
-# yaie: solution-only
-def _launch_state(k, v, state_kv, state_k, rows: int = 64, chunk: int = 64, num_warps: int = 4) -> None:
-    """Launch :func:`_based_state_kernel` into contiguous ``state_kv [b, h, 273, d_v]``, ``state_k [b, h, 273]``."""
+def _launch_state(k, v, state_kv, state_k, segment_len: int, rows: int = 64, chunk: int = 64,
+                  num_warps: int = 4) -> None:
+    """Launch :func:`_based_state_kernel`: the state of every segment into contiguous float32
+    ``state_kv [b, h, segments, 273, d_v]`` and ``state_k [b, h, segments, 273]`` (one segment: the
+    ``[b, h, 273, ...]`` tensors of a :class:`BasedState` will do)."""
     batch, heads, seq, _ = k.shape
     value_dim = v.shape[-1]
     block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
-    grid = (triton.cdiv(EXPANDED_DIM, rows), triton.cdiv(value_dim, block_v), batch * heads)
+    segments = triton.cdiv(seq, segment_len)
+    grid = (triton.cdiv(EXPANDED_DIM, rows), segments * triton.cdiv(value_dim, block_v), batch * heads)
     _based_state_kernel[grid](
         k, v, state_kv, state_k,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        seq, value_dim, heads,
+        seq, value_dim, heads, segment_len,
         ROWS=rows, CHUNK=chunk, BLOCK_V=block_v,
         PRECISION="ieee" if k.dtype == torch.float32 else "tf32", num_warps=num_warps)
+
+
+# yaie: solution-only
+def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_state: bool = True,
+                      block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
+                      state_rows: int = 64, state_chunk: int = 64, state_warps: int = 4) -> BasedState | None:
+    """The segmented route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
+
+    1. the state of each segment (:func:`_based_state_kernel`), 2. running sums over segments
+    (``cumsum``: entry ``j`` is the state after segment ``j``; the last one is the final state),
+    3. every query block (:func:`_based_segment_kernel`). One segment: step 2 is empty, step 1 is
+    only run when the state is wanted.
+    """
+    batch, heads, seq, _ = q.shape
+    value_dim = v.shape[-1]
+    if segment_len % block_m:
+        raise ValueError(f"segment_len must be a multiple of block_m, got {segment_len} and {block_m}")
+    segments = triton.cdiv(seq, segment_len)
+    f32 = dict(dtype=torch.float32, device=v.device)
+    prefix_kv, prefix_k = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
+    state = None
+    if segments > 1 or return_state:
+        parts_kv = torch.empty(batch, heads, segments, EXPANDED_DIM, value_dim, **f32)
+        parts_k = torch.empty(batch, heads, segments, EXPANDED_DIM, **f32)
+        _launch_state(k, v, parts_kv, parts_k, segment_len, state_rows, state_chunk, state_warps)
+        if segments > 1:
+            prefix_kv, prefix_k = parts_kv.cumsum(2), parts_k.cumsum(2)
+        else:
+            prefix_kv, prefix_k = parts_kv, parts_k
+        if return_state:
+            state = BasedState(prefix_kv[:, :, -1].clone(), prefix_k[:, :, -1].clone())
+    block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
+    grid = (triton.cdiv(seq, block_m), triton.cdiv(value_dim, block_v), batch * heads)
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    _based_segment_kernel[grid](
+        q, k, v, out, prefix_kv, prefix_k,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        seq, value_dim, heads, segment_len,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_V=block_v,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, **extra)
+    return state
 
 
 # yaie: task 2
@@ -654,16 +731,17 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     Chunk by chunk: the exact causal ``chunk x chunk`` tile inside the chunk, plus the running state of
     all earlier chunks (sums of ``v``, ``k v^T`` and ``(k x k) v^T`` for the numerator, of ``1``, ``k`` and
     ``k x k`` for the normaliser, in float32). Any length (the last chunk may be partial).
-    With ``chunk_size=None`` an implementation may take another route where it is faster (the reference
-    computes sequences of up to ``QUADRATIC_MAX_SEQ`` tokens in the quadratic form, tile by tile, and
-    the state apart); the results are the same.
+    With ``chunk_size=None`` an implementation may take another route where it is faster; the results
+    are the same (the reference cuts the sequence into segments of ``DEFAULT_SEGMENT`` tokens: the
+    quadratic form tile by tile inside a segment, the state between segments; see the module docstring).
 
     Args:
         q, k: ``[batch, heads, seq, 16]``; v: ``[batch, heads, seq, d_v]`` (d_v up to 256; 64 and 128 are
             the usual ones); one dtype: float16, bfloat16 or float32; any strides; CUDA, or CPU under the
             Triton interpreter.
         chunk_size: tokens per chunk, 16, 32, 64 or 128 (the chunked kernel); ``None``: the implementation's
-            choice (the reference: the quadratic form up to ``QUADRATIC_MAX_SEQ`` tokens, else chunks of 32).
+            choice (the chunked kernel at a chunk size of your choosing will do; the reference takes its
+            segmented route).
         return_state: also return the state after the last token (for decoding on).
     Returns:
         ``(out, state)``: ``out [batch, heads, seq, d_v]`` in the inputs' dtype (``out_i`` as in
@@ -680,17 +758,13 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     batch, heads, seq, _ = q.shape
     value_dim = v.shape[-1]
     out = torch.empty(batch, heads, seq, value_dim, dtype=v.dtype, device=v.device)
-    # The kernels write the final state (the "rows" variant also uses it as working memory).
+    if chunk_size is None:
+        # Every query block in parallel: the quadratic form inside segments, states between them.
+        return out, _launch_segmented(q, k, v, out, return_state=return_state)
+    # The kernel writes the final state (the "rows" variant also uses it as working memory).
     state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=v.device),
                        torch.empty(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=v.device))
-    if chunk_size is None and seq <= QUADRATIC_MAX_SEQ:
-        # Short sequences: every query block in parallel (seq^2 work, but the whole GPU at work); the
-        # state, when wanted, from its own kernel.
-        _launch_quadratic(q, k, v, out)
-        if return_state:
-            _launch_state(k, v, state.kv, state.k)
-    else:
-        _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size or DEFAULT_CHUNK, _block_v(value_dim))
+    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size, _block_v(value_dim))
     return out, (state if return_state else None)
 
 

@@ -4,15 +4,16 @@ Shapes: batch 16, 16 heads, feature dim 16 (q, k), value dim 64, bf16, 1k to 16k
 
 Rows (``based_prefill``):
 
-* ``yaie triton``: :func:`based_prefill` as the engine calls it (the default route, the final state
-  returned): up to ``QUADRATIC_MAX_SEQ`` tokens the quadratic tile kernel plus the state kernel, beyond
-  it the chunked kernel (which returns the state itself);
+* ``yaie triton``: :func:`based_prefill` as the engine calls it (``chunk_size=None``, the final state
+  returned): the reference's segmented route (segments of ``DEFAULT_SEGMENT`` tokens: the state of each
+  segment, running sums, then every query block at once, the quadratic form inside its segment);
 * ``yaie triton (output only)``: the same without the state (what the fla kernels return);
-* ``yaie quadratic (BM m, BN n, w warps[, s stages])``: the reference's quadratic tile kernel alone with
-  other launch settings (output only; up to ``QUADRATIC_SWEEP_MAX`` tokens, its work grows with seq^2);
-* ``yaie chunked (variant, chunk C, BV b, w warps)``: the chunked kernel (output and state) with other
-  settings, from ``CHUNKED_SWEEP_MIN`` tokens (``registers``: the kernel that keeps the whole state in
-  registers; the ``rows`` design, order-2 state in memory, was 1.15-1.2x slower at every length);
+* ``yaie segmented (segment L, BM m, BN n, w warps[, s stages])``: the segmented route with other
+  settings (the final state returned); a segment of at least the sequence is the plain quadratic form;
+* ``yaie chunked (registers, chunk C, BV b, w warps)``: the chunked kernel (output and state: the
+  lesson's task 2, ``chunk_size`` given) with other settings; chunk 32, BV 64 at every length, the
+  others from ``CHUNKED_SWEEP_MIN`` tokens (the ``rows`` design, order-2 state in memory, was
+  1.15-1.2x slower than ``registers`` at every length and is no longer timed);
 * ``fla fused_chunk_based`` and ``fla parallel_based``: flash-linear-attention's Triton kernels
   (``fla-core``, a benchmark-only extra: ``pip install -e .[bench]``). Without fla these rows are
   skipped with a note. fla takes ``[batch, seq, heads, dim]``; it is given views of the same
@@ -20,8 +21,8 @@ Rows (``based_prefill``):
 * ``torch SDPA causal (head_dim 64)``: softmax attention of the same batch with q, k, v of head dim 64
   (what a full-attention layer of the same width costs).
 
-Rows (``based_state``): the state kernel of the quadratic route alone, ``phi(K)^T V`` and ``sum phi(K)``,
-with other settings (rows of the state per program, tokens per step, warps).
+Rows (``based_state``): the segmented route's first step alone (the state of every segment of 1024
+tokens) with other settings (feature rows per program, tokens per step, warps).
 
 FLOPs: all ``based_prefill`` rows count the same work, the linear form's ``4 * 273 * d_v`` per token and
 head (the state read ``phi(q) @ S`` and the state update ``phi(k)^T v``), whatever route they take;
@@ -47,18 +48,17 @@ LESSON = "lesson08"
 DEVICE = "cuda"
 BATCH, HEADS, FEATURES, VALUE_DIM = 16, 16, 16, 64
 DTYPE = torch.bfloat16
-QUADRATIC_SWEEP = [  # (block_m, block_n, num_warps, num_stages or None); up to QUADRATIC_SWEEP_MAX tokens
-    (128, 64, 8, None), (128, 64, 4, None), (64, 64, 4, None), (128, 128, 8, None), (128, 64, 8, 3),
-    (64, 32, 4, 3),
+SEGMENT_SWEEP = [  # (segment_len, block_m, block_n, num_warps, num_stages or None)
+    (1024, 128, 64, 4, None), (1024, 64, 64, 4, None), (1024, 128, 128, 8, None), (1024, 128, 64, 8, 3),
+    (1024, 64, 32, 4, 3), (256, 128, 64, 8, None), (512, 128, 64, 8, None), (2048, 128, 64, 8, None),
+    (4096, 128, 64, 8, None),
 ]
-QUADRATIC_SWEEP_MAX = 8192
-STATE_SWEEP = [  # (rows, chunk, num_warps); up to STATE_SWEEP_MAX tokens (the quadratic route's lengths)
+STATE_SWEEP = [  # (rows, chunk, num_warps); up to STATE_SWEEP_MAX tokens
     (64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 8),
 ]
 STATE_SWEEP_MAX = 4096
-CHUNKED_SWEEP = [  # (kernel variant, chunk, block_v, num_warps); from CHUNKED_SWEEP_MIN tokens
-    ("registers", 32, 64, 4), ("registers", 16, 64, 4), ("registers", 32, 32, 4), ("registers", 16, 32, 4),
-    ("registers", 32, 16, 4), ("registers", 16, 16, 2),
+CHUNKED_SWEEP = [  # (chunk, block_v, num_warps); the first at every length, the others from CHUNKED_SWEEP_MIN
+    (32, 64, 4), (16, 64, 4), (32, 32, 4), (16, 32, 4), (32, 16, 4), (16, 16, 2),
 ]
 CHUNKED_SWEEP_MIN = 4096
 
@@ -107,7 +107,7 @@ def _timed_setting(name, kernel, launch, check, shape, warmup, rep, flops) -> li
 
 def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
     """Other launch settings of the reference kernels (they need its private launchers)."""
-    if not all(hasattr(based, f) for f in ("_launch_prefill", "_launch_quadratic", "_launch_state")):
+    if not all(hasattr(based, f) for f in ("_launch_prefill", "_launch_segmented", "_launch_state")):
         return []
     seq = q.shape[2]
     rows: list[Row] = []
@@ -115,21 +115,36 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
     out = torch.empty_like(v)
     kv = torch.empty(BATCH, HEADS, 273, VALUE_DIM, device=DEVICE, dtype=torch.float32)
     ks = torch.empty(BATCH, HEADS, 273, device=DEVICE, dtype=torch.float32)
-    for bm, bn, warps, stages in QUADRATIC_SWEEP if seq <= QUADRATIC_SWEEP_MAX else []:
-        name = f"yaie quadratic (BM {bm}, BN {bn}, {warps} warps" + (f", {stages} stages)" if stages else ")")
+    found = {}
+
+    def state_err(state):
+        return max(_rel_err(state.kv, ref_state.kv), _rel_err(state.k, ref_state.k))
+
+    for seg, bm, bn, warps, stages in SEGMENT_SWEEP:
+        if seg >= 2 * seq:                      # the same single segment as a shorter setting
+            continue
+        name = (f"yaie segmented (segment {seg}, BM {bm}, BN {bn}, {warps} warps"
+                + (f", {stages} stages)" if stages else ")"))
         rows += _timed_setting(
             name, "based_prefill",
-            lambda: based._launch_quadratic(q, k, v, out, bm, bn, None, warps, stages),
-            lambda: _rel_err(out, ref_out), shape, warmup, rep, flops)
-    for nrows, chunk, warps in STATE_SWEEP if seq <= STATE_SWEEP_MAX else []:
+            lambda: found.update(state=based._launch_segmented(q, k, v, out, seg, True, bm, bn, warps, stages)),
+            lambda: max(_rel_err(out, ref_out), state_err(found["state"])), shape, warmup, rep, flops)
+    if seq <= STATE_SWEEP_MAX:
+        segments = -(-seq // 1024)
+        parts_kv = torch.empty(BATCH, HEADS, segments, 273, VALUE_DIM, device=DEVICE, dtype=torch.float32)
+        parts_k = torch.empty(BATCH, HEADS, segments, 273, device=DEVICE, dtype=torch.float32)
+        for nrows, chunk, warps in STATE_SWEEP:
+            rows += _timed_setting(
+                f"yaie state kernel (segment 1024, rows {nrows}, chunk {chunk}, {warps} warps)", "based_state",
+                lambda: based._launch_state(k, v, parts_kv, parts_k, 1024, nrows, chunk, warps),
+                lambda: max(_rel_err(parts_kv.sum(2), ref_state.kv), _rel_err(parts_k.sum(2), ref_state.k)),
+                shape, warmup, rep, flops // 2)
+    for i, (chunk, block_v, warps) in enumerate(CHUNKED_SWEEP):
+        if i and seq < CHUNKED_SWEEP_MIN:
+            continue
         rows += _timed_setting(
-            f"yaie state kernel (rows {nrows}, chunk {chunk}, {warps} warps)", "based_state",
-            lambda: based._launch_state(k, v, kv, ks, nrows, chunk, warps),
-            lambda: max(_rel_err(kv, ref_state.kv), _rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
-    for variant, chunk, block_v, warps in CHUNKED_SWEEP if seq >= CHUNKED_SWEEP_MIN else []:
-        rows += _timed_setting(
-            f"yaie chunked ({variant}, chunk {chunk}, BV {block_v}, {warps} warps)", "based_prefill",
-            lambda: based._launch_prefill(q, k, v, out, kv, ks, chunk, block_v, warps, None, variant),
+            f"yaie chunked (registers, chunk {chunk}, BV {block_v}, {warps} warps)", "based_prefill",
+            lambda: based._launch_prefill(q, k, v, out, kv, ks, chunk, block_v, warps, None, "registers"),
             lambda: max(_rel_err(out, ref_out), _rel_err(kv, ref_state.kv)), shape, warmup, rep, flops)
     return rows
 
