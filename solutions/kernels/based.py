@@ -698,7 +698,7 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
         raise ValueError(f"segment_len must be a multiple of block_m, got {segment_len} and {block_m}")
     segments = triton.cdiv(seq, segment_len)
     f32 = dict(dtype=torch.float32, device=v.device)
-    prefix_kv, prefix_k = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
+    prefix_kv = prefix_k = torch.zeros(1, **f32)           # not read: one segment has no state before it
     state = None
     if segments > 1 or return_state:
         parts_kv = torch.empty(batch, heads, segments, EXPANDED_DIM, value_dim, **f32)
