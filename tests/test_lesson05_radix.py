@@ -91,3 +91,29 @@ def test_glue_that_reuses_the_last_token_is_caught(monkeypatch):
     monkeypatch.setattr(ref.RadixAttentionWithPagedKVCache, "match", match)
     with pytest.raises(GradingError, match="last token"):
         grader.test_second_request_reuses_the_cached_prompt("cpu")
+
+
+def test_match_is_a_question_that_changes_nothing():
+    """The scheduler asks match() every step for a waiting request: no split, no LRU refresh."""
+    manager, cache = grader.make_cache("cpu", num_blocks=16, block_size=4)
+    tokens = list(range(1, 17))                               # 4 blocks, one edge in the tree
+    cache.allocate("a", tokens)
+    cache.free("a", tokens)
+    before = [(tuple(n.tokens), n.last_access, n.lock_count) for n in cache.tree.nodes()]
+    assert cache.match(tokens[:9] + [99, 98]) == 8            # ends inside the 4-block edge
+    after = [(tuple(n.tokens), n.last_access, n.lock_count) for n in cache.tree.nodes()]
+    assert after == before
+
+
+def test_prefill_attention_with_bad_input_writes_nothing():
+    import torch
+    manager, cache = grader.make_cache("cpu", num_blocks=16, block_size=4, dtype=torch.float32,
+                                       num_kv_heads=2, head_dim=16)
+    cache.allocate("a", list(range(1, 11)))
+    for t in (manager.k_cache[0], manager.v_cache[0]):
+        t.fill_(7.0)
+    q = torch.randn(10, 4, 8)                                 # head_dim 8, the cache holds 16
+    k, v = torch.randn(10, 2, 16), torch.randn(10, 2, 16)
+    with pytest.raises(ValueError):
+        cache.prefill_attention(0, ["a"], [10], q, k, v)
+    assert bool((manager.k_cache[0] == 7.0).all()) and bool((manager.v_cache[0] == 7.0).all())

@@ -464,13 +464,16 @@ class RadixAttentionWithPagedKVCache:
         """Tokens a new sequence with these ``tokens`` would read from the cache: the cached whole-block
         prefix of ``tokens[:-1]`` (the last token is always computed: its logits pick the next token).
 
+        A question, not a use: it changes nothing (no edge is split, no ``last_access`` refreshed; the
+        tree's read-only ``_walk``), so a scheduler may ask it every step for a request that keeps waiting.
+
         Raises:
             ValueError: ``tokens`` empty or not a sequence of non-negative ints.
         """
         tokens = _check_token_ids(tokens)
         if not tokens:
             raise ValueError("tokens must not be empty")
-        return self.tree.match_prefix(tokens[:-1]).num_tokens
+        return self.tree._walk(tokens[:-1])[1]
 
     # yaie: task 2
     def make_room(self, num_blocks: int) -> bool:
@@ -657,12 +660,14 @@ class RadixAttentionWithPagedKVCache:
             table = torch.tensor(self.manager.block_ids(seq_id), dtype=torch.int64)
             positions = torch.arange(total - n, total)
             slots.append(table[positions // size] * size + positions % size)
+        cu_seqlens_q = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(q.device)
+        context_lens = torch.tensor([t - n for t, n in zip(held, query_lens)], dtype=torch.int32).to(q.device)
+        args = (q, k, v, self.manager.k_cache[layer], self.manager.v_cache[layer], self.manager.block_table(seq_ids),
+                cu_seqlens_q, context_lens, max(query_lens))
+        # Every check the kernel would make, BEFORE the cache is written: bad input changes nothing.
+        ops.call_in(5, 1, "check_prefix_prefill_inputs", *args, scale=scale)
         self.manager.write_kv(layer, torch.cat(slots).to(self.manager.device), k, v)
-        cu_seqlens_q = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        context_lens = torch.tensor([t - n for t, n in zip(held, query_lens)], dtype=torch.int32)
-        out, _ = ops.call_in(5, 1, "prefix_prefill_attention", q, k, v, self.manager.k_cache[layer],
-                             self.manager.v_cache[layer], self.manager.block_table(seq_ids),
-                             cu_seqlens_q.to(q.device), context_lens.to(q.device), max(query_lens), scale=scale)
+        out, _ = ops.call_in(5, 1, "prefix_prefill_attention", *args, scale=scale)
         return out
 
 

@@ -367,6 +367,9 @@ class RadixAttentionWithPagedKVCache:
         """Tokens a new sequence with these ``tokens`` would read from the cache: the cached whole-block
         prefix of ``tokens[:-1]`` (the last token is always computed: its logits pick the next token).
 
+        A question, not a use: it changes nothing (no edge is split, no ``last_access`` refreshed; the
+        tree's read-only ``_walk``), so a scheduler may ask it every step for a request that keeps waiting.
+
         Raises:
             ValueError: ``tokens`` empty or not a sequence of non-negative ints.
         """
