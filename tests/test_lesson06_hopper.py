@@ -79,16 +79,20 @@ def check_flash_rule(got, exact, lowp, what):
     assert err <= bound, f"{what}: largest error {err:.3g} > allowed {bound:.3g} (FlashAttention rule)"
 
 
+OPTIONS = {"plain": (32, 32, 4, 1), "prefetch_s": (32, 32, 4, 1, False, True),
+           "persistent": (32, 32, 4, 1, False, False, True)}
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter cases; GPU cases below")
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch_s"])
+@pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("index", range(len(CPU_CASES)))
-def test_fast_kernel_matches_float64_in_the_interpreter(poisoned, seed, index, prefetch):
+def test_fast_kernel_matches_float64_in_the_interpreter(poisoned, seed, index, option):
     case = CPU_CASES[index]
     causal = case[-1]
     q, k, v = inputs(case, torch.float16, seed, strided_q=index == 0)
     assert fast.fast_path_reason(q, k, v) is None, "these inputs must take the fast kernel"
-    # (The interpreter keeps its 32 x 32 blocks; the configuration's PREFETCH_S switch applies.)
-    out, lse = fast.forward_with_config(q, k, v, causal, None, (32, 32, 4, 1, False, prefetch))
+    # (The interpreter keeps its 32 x 32 blocks; the configuration's switches apply.)
+    out, lse = fast.forward_with_config(q, k, v, causal, None, OPTIONS[option])
     exact, exact_lse = ref.attention_reference(q.double(), k.double(), v.double(), causal)
     lowp, _ = ref.attention_reference(q.float(), k.float(), v.float(), causal)
     check_flash_rule(out, exact, lowp.half(), f"out, case {case}")
@@ -177,10 +181,11 @@ def test_inputs_the_fast_kernels_do_not_take_get_the_reference(seed):
 
 
 def test_configurations_parse():
-    assert fast.parse_config("128,64,8,3") == (128, 64, 8, 3, False, False)
-    assert fast.parse_config("128,128,8,3,1") == (128, 128, 8, 3, True, False)
-    assert fast.parse_config("128,128,8,3,0,1") == (128, 128, 8, 3, False, True)
-    for bad in ("128,64,8", "128,64,8,3,0,1,1", "a,b,c,d"):
+    assert fast.parse_config("128,64,8,3") == (128, 64, 8, 3, False, False, False)
+    assert fast.parse_config("128,128,8,3,1") == (128, 128, 8, 3, True, False, False)
+    assert fast.parse_config("128,128,8,3,0,1") == (128, 128, 8, 3, False, True, False)
+    assert fast.parse_config("128,128,8,3,0,0,1") == (128, 128, 8, 3, False, False, True)
+    for bad in ("128,64,8", "128,64,8,3,0,1,1,1", "a,b,c,d"):
         with pytest.raises(ValueError):
             fast.parse_config(bad)
     assert fast.parse_backward_config("atomic,64,128,8,2") == ("atomic", 64, 128, 8, 2)
@@ -228,16 +233,18 @@ def test_fast_kernel_flash_rule_on_hopper(poisoned, seed, index, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="the fast kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("option, config", [("prefetch_s", (128, 128, 8, 3, False, True)),
+                                            ("persistent", (128, 128, 8, 3, False, False, True))], ids=str)
 @pytest.mark.parametrize("index", [0, 4])
-def test_prefetch_option_on_hopper(poisoned, seed, index):
+def test_options_on_hopper(poisoned, seed, index, option, config):
     case = GPU_CASES[index]
     causal = case[-1]
     q, k, v = inputs(case, torch.bfloat16, seed)
-    out, lse = fast.forward_with_config(q, k, v, causal, None, (128, 64, 8, 3, False, True))
+    out, lse = fast.forward_with_config(q, k, v, causal, None, config)
     exact, exact_lse = ref.attention_reference(q.double(), k.double(), v.double(), causal)
     lowp, _ = ref.attention_reference(q, k, v, causal)
-    check_flash_rule(out, exact, lowp, f"out with PREFETCH_S, case {case}")
-    assert max_err(lse, exact_lse) < 1e-3, f"lse with PREFETCH_S, case {case}"
+    check_flash_rule(out, exact, lowp, f"out with {option}, case {case}")
+    assert max_err(lse, exact_lse) < 1e-3, f"lse with {option}, case {case}"
 
 
 @pytest.mark.gpu

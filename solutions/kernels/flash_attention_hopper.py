@@ -20,6 +20,8 @@ tensor cores and how the backward pass is split:
   ``P V``, and the running sum last, so that fewer float32 tiles are alive at once.
 * **Scores one block ahead (option).** ``PREFETCH_S`` issues block j+1's ``q k^T`` before block j's softmax,
   so that the tensor cores and the exponentials could overlap (FlashAttention-3's intra-warp-group trick).
+* **A persistent grid (option).** ``PERSISTENT`` launches one program per multiprocessor, each looping over
+  query blocks (the longest first under a causal mask), instead of one program per query block.
 * **Masks only where needed.** Only the blocks on the causal diagonal or at a ragged end pay for a mask.
 * **Backward.** One small kernel computes ``delta = rowsum(dO * O)`` and the base-2 ``lse`` in one pass
   (the reference does it with four PyTorch operations and float32 copies of dO and O). dK/dV then come
@@ -171,23 +173,16 @@ def _full_blocks(acc, l_i, m_i, q, k_desc, v_desc, full_end, qk_scale_log2,
 
 # yaie: solution-only
 @triton.jit
-def _hopper_fwd_kernel(
+def _attend_block(
     Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, group_size, qk_scale_log2, tune_len,
+    seqlen_q, seqlen_k, group_size, qk_scale_log2, pid_m, head, batch,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PREFETCH_S: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (sequence, head). Grid: (query blocks, heads, batch).
-
-    The arguments are the reference forward kernel's (``reference._dense_forward_args``), less the window."""
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m          # the longest programs first (fewer stragglers)
+    """Attention of query block ``pid_m`` of one (sequence, head): out and lse of its BLOCK_M rows."""
     if VARLEN:
         q_start = tl.load(CU_SEQLENS_Q + batch)
         q_len = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
@@ -199,48 +194,89 @@ def _hopper_fwd_kernel(
         k_start = tl.full([], 0, tl.int32)
         k_len = seqlen_k
     start_m = pid_m * BLOCK_M
-    if start_m >= q_len:
-        return
-    kv_head = (head // group_size).to(tl.int64)
-    head64 = head.to(tl.int64)
-    batch64 = batch.to(tl.int64)
-    q_row0 = q_start.to(tl.int64)
-    k_row0 = k_start.to(tl.int64)
-    q_desc = _rows_desc(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs, q_len, HEAD_DIM,
-                        stride_qs, BLOCK_M)
-    k_desc = _rows_desc(K + batch64 * stride_kb + kv_head * stride_kh + k_row0 * stride_ks, k_len, HEAD_DIM,
-                        stride_ks, BLOCK_N)
-    v_desc = _rows_desc(V + batch64 * stride_vb + kv_head * stride_vh + k_row0 * stride_vs, k_len, HEAD_DIM,
-                        stride_vs, BLOCK_N)
-    o_desc = _rows_desc(O + batch64 * stride_ob + head64 * stride_oh + q_row0 * stride_os, q_len, HEAD_DIM,
-                        stride_os, BLOCK_M)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = q_desc.load([start_m, 0])
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if start_m < q_len:          # varlen: this sequence may be shorter than the longest one
+        kv_head = (head // group_size).to(tl.int64)
+        head64 = head.to(tl.int64)
+        batch64 = batch.to(tl.int64)
+        q_row0 = q_start.to(tl.int64)
+        k_row0 = k_start.to(tl.int64)
+        q_desc = _rows_desc(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qs, q_len, HEAD_DIM,
+                            stride_qs, BLOCK_M)
+        k_desc = _rows_desc(K + batch64 * stride_kb + kv_head * stride_kh + k_row0 * stride_ks, k_len, HEAD_DIM,
+                            stride_ks, BLOCK_N)
+        v_desc = _rows_desc(V + batch64 * stride_vb + kv_head * stride_vh + k_row0 * stride_vs, k_len, HEAD_DIM,
+                            stride_vs, BLOCK_N)
+        o_desc = _rows_desc(O + batch64 * stride_ob + head64 * stride_oh + q_row0 * stride_os, q_len, HEAD_DIM,
+                            stride_os, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = q_desc.load([start_m, 0])
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Query row i sits at key position i + causal_shift. Blocks before full_end are seen whole by every
-    # row of this program: no mask. The rest (causal diagonal, ragged last block) are masked.
-    causal_shift = k_len - q_len
-    full_end = (k_len // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        full_end = tl.minimum(full_end, (tl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N) * BLOCK_N)
-        end = tl.minimum(k_len, start_m + BLOCK_M + causal_shift)
+        # Query row i sits at key position i + causal_shift. Blocks before full_end are seen whole by every
+        # row of this block: no mask. The rest (causal diagonal, ragged last block) are masked.
+        causal_shift = k_len - q_len
+        full_end = (k_len // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            full_end = tl.minimum(full_end, (tl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N) * BLOCK_N)
+            end = tl.minimum(k_len, start_m + BLOCK_M + causal_shift)
+        else:
+            end = k_len
+        acc, l_i, m_i = _full_blocks(acc, l_i, m_i, q, k_desc, v_desc, full_end, qk_scale_log2,
+                                     BLOCK_N, WARP_SPECIALIZE, PREFETCH_S)
+        for start_n in range(full_end, end, BLOCK_N):
+            acc, l_i, m_i = _masked_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, k_len, causal_shift,
+                                         qk_scale_log2, CAUSAL, BLOCK_N)
+
+        # Normalise once; a row with no visible key (l == 0) outputs zeros and lse = -inf.
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o_desc.store([start_m, 0], (acc / l_safe[:, None]).to(O.dtype.element_ty))   # rows past q_len: clipped
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        l_ptrs = LSE + batch64 * stride_lb + head64 * stride_lh + (q_start + offs_m).to(tl.int64) * stride_ls
+        tl.store(l_ptrs, lse, mask=offs_m < q_len)
+
+
+# yaie: solution-only
+@triton.jit
+def _hopper_fwd_kernel(
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls,
+    seqlen_q, seqlen_k, group_size, qk_scale_log2, tune_len, num_heads, num_seqs,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PREFETCH_S: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    """The forward. Grid: (query blocks, heads, batch), one query block per program; or, PERSISTENT, a
+    few programs (one per multiprocessor) that each take every num_programs-th query block in turn.
+
+    The arguments are the reference forward kernel's (``reference._dense_forward_args``) less the window,
+    then the number of heads and of sequences (which the persistent loop needs to number the blocks)."""
+    num_m = tl.cdiv(seqlen_q, BLOCK_M)
+    if PERSISTENT:
+        per_row_block = num_heads * num_seqs
+        for tile in range(tl.program_id(0), num_m * per_row_block, tl.num_programs(0)):
+            pid_m = tile // per_row_block
+            if CAUSAL:
+                pid_m = num_m - 1 - pid_m       # the longest blocks first (fewer stragglers)
+            rest = tile % per_row_block
+            _attend_block(Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
+                          stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+                          stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+                          stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, group_size, qk_scale_log2,
+                          pid_m, rest % num_heads, rest // num_heads,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, WARP_SPECIALIZE, PREFETCH_S)
     else:
-        end = k_len
-    acc, l_i, m_i = _full_blocks(acc, l_i, m_i, q, k_desc, v_desc, full_end, qk_scale_log2,
-                                 BLOCK_N, WARP_SPECIALIZE, PREFETCH_S)
-    for start_n in range(full_end, end, BLOCK_N):
-        acc, l_i, m_i = _masked_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, k_len, causal_shift,
-                                     qk_scale_log2, CAUSAL, BLOCK_N)
-
-    # Normalise once; a row with no visible key (l == 0) outputs zeros and lse = -inf.
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o_desc.store([start_m, 0], (acc / l_safe[:, None]).to(O.dtype.element_ty))   # rows past q_len: clipped
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    l_ptrs = LSE + batch64 * stride_lb + head64 * stride_lh + (q_start + offs_m).to(tl.int64) * stride_ls
-    tl.store(l_ptrs, lse, mask=offs_m < q_len)
+        pid_m = tl.program_id(0)
+        if CAUSAL:
+            pid_m = tl.num_programs(0) - 1 - pid_m      # the longest programs first (fewer stragglers)
+        _attend_block(Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
+                      stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+                      stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+                      stride_lb, stride_lh, stride_ls, seqlen_q, seqlen_k, group_size, qk_scale_log2,
+                      pid_m, tl.program_id(1), tl.program_id(2),
+                      HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, VARLEN, WARP_SPECIALIZE, PREFETCH_S)
 
 
 # ============================================================================================ backward
@@ -438,12 +474,12 @@ def _hopper_dq_kernel(
 
 # ============================================================================================ configurations
 
-def parse_config(text: str) -> tuple[int, int, int, int, bool, bool]:
-    """A forward configuration: "128,64,8,3,1,0" -> (128, 64, 8, 3, True, False); the switches default off."""
+def parse_config(text: str) -> tuple[int, int, int, int, bool, bool, bool]:
+    """A forward configuration: "128,64,8,3,1" -> (128, 64, 8, 3, True, False, False); switches default off."""
     fields = [int(x) for x in text.split(",")]
-    if len(fields) < 4 or len(fields) > 6:
+    if len(fields) < 4 or len(fields) > 7:
         raise ValueError(f"a forward configuration is BLOCK_M,BLOCK_N,num_warps,num_stages[,warp_specialize"
-                         f"[,prefetch_s]], got {text!r}")
+                         f"[,prefetch_s[,persistent]]], got {text!r}")
     return _padded(tuple(fields))
 
 
@@ -462,12 +498,13 @@ def parse_backward_config(text: str) -> tuple[str, int, int, int, int]:
 
 # yaie: solution-only
 def _padded(config: tuple) -> tuple:
-    """A forward configuration with its missing switches (warp_specialize, prefetch_s) set to off."""
-    return (*(int(x) for x in config[:4]), *(bool(x) for x in config[4:]), *(False,) * (6 - len(config)))
+    """A forward configuration with its missing switches (warp_specialize, prefetch_s, persistent) off."""
+    return (*(int(x) for x in config[:4]), *(bool(x) for x in config[4:]), *(False,) * (7 - len(config)))
 
 
-def _configs() -> list[tuple[int, int, int, int, bool, bool]]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, prefetch_s) the forward autotuner tries.
+def _configs() -> list[tuple]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages[, warp_specialize, prefetch_s, persistent]) the forward
+    autotuner tries (the persistent switch is ignored there: the grid depends on it).
 
     128 query rows over 8 warps (two warp groups of 64 rows for wgmma); keys 64 or 128 at a time; two or
     three tiles in flight (``python -m yaie.bench.lesson06 sweep`` times more, the options included).
@@ -476,7 +513,7 @@ def _configs() -> list[tuple[int, int, int, int, bool, bool]]:
     text = os.environ.get("YAIE_FA_HOPPER_CONFIGS")
     if text:
         return [parse_config(part) for part in text.split(";") if part.strip()]
-    return [(128, 128, 8, 3, False, False), (128, 64, 8, 3, False, False)]
+    return [(128, 128, 8, 3), (128, 64, 8, 3)]
 
 
 def _backward_configs() -> list[tuple[str, int, int, int, int]]:
@@ -493,8 +530,9 @@ def _backward_configs() -> list[tuple[str, int, int, int, int]]:
 def _tuned(kind: str):
     """The autotuned form of one kernel (GPU only)."""
     if kind == "fwd":
-        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "WARP_SPECIALIZE": ws, "PREFETCH_S": pf},
-                                 num_warps=w, num_stages=s) for m, n, w, s, ws, pf in _configs()]
+        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "WARP_SPECIALIZE": ws, "PREFETCH_S": pf,
+                                  "PERSISTENT": False}, num_warps=w, num_stages=s)
+                   for m, n, w, s, ws, pf, _ in map(_padded, _configs())]
         return triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "VARLEN", "tune_len"])(_hopper_fwd_kernel)
     blocks = sorted({c[1:] for c in _backward_configs()})
     if kind == "dkdv":
@@ -534,22 +572,34 @@ def _new_output(q: torch.Tensor) -> torch.Tensor:
 
 
 # yaie: solution-only
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# yaie: solution-only
 def _launch_forward(args: tuple, grid_rows: int, heads: int, batch: int, config: tuple | None = None,
                     **constexprs) -> None:
     """Fixed small blocks in the interpreter (``config``'s switches apply); on a GPU ``config`` if given, the
     first configuration for short sequences, else the autotuner."""
+    args = (*args, heads, batch)
     if triton_interpreted():
-        prefetch = config is not None and _padded(config)[5]
-        grid = ((grid_rows + 31) // 32, heads, batch)
+        _, _, _, _, _, prefetch, persistent = _padded(config or (0, 0, 0, 0))
+        blocks = ((grid_rows + 31) // 32) * heads * batch
+        grid = (min(3, blocks), 1, 1) if persistent else ((grid_rows + 31) // 32, heads, batch)
         _hopper_fwd_kernel[grid](*args, BLOCK_M=32, BLOCK_N=32, WARP_SPECIALIZE=False, PREFETCH_S=prefetch,
-                                 **constexprs)
+                                 PERSISTENT=persistent, **constexprs)
         return
     _set_allocator()
     if _use_fixed_blocks("fwd", grid_rows, config):
-        block_m, block_n, warps, stages, ws, prefetch = _padded(config or _configs()[0])
+        block_m, block_n, warps, stages, ws, prefetch, persistent = _padded(config or _configs()[0])
         grid = ((grid_rows + block_m - 1) // block_m, heads, batch)
+        if persistent:
+            # One program per multiprocessor (two where two fit: 4 warps), each looping over query blocks.
+            per_sm = 2 if warps <= 4 else 1
+            grid = (min(grid[0] * heads * batch, per_sm * _multiprocessors(torch.cuda.current_device())), 1, 1)
         _hopper_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=ws, PREFETCH_S=prefetch,
-                                 num_warps=warps, num_stages=stages, **constexprs)
+                                 PERSISTENT=persistent, num_warps=warps, num_stages=stages, **constexprs)
         return
 
     def grid(meta):
