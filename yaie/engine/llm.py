@@ -7,7 +7,10 @@ The KV cache is lesson 03's paged cache (a ``KVCacheManager``, kept from one ``g
 call to the next when the last one ended cleanly); the model reads and writes it through a
 :class:`yaie.model.paged.PagedStep`. When blocks run out the scheduler preempts the newest request by recompute or swap; each request keeps its own sampler
 (and seed), so its tokens do not depend on what it was batched with. On CUDA, decode-only steps replay
-CUDA graphs (:mod:`yaie.engine.cuda_graphs`).
+CUDA graphs (:mod:`yaie.engine.cuda_graphs`). The host does what it can while the GPU works: a step's
+forward pass is queued, then the previous step's new tokens are turned into text, and only then does the
+host wait for this step's tokens (which requests end is decided by token id and length at once, and by
+text only for requests with stop strings).
 """
 
 from __future__ import annotations
@@ -68,30 +71,51 @@ class _Text:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.eos_token_ids))
         self.hold = max((len(s) for s in params.stop), default=1) - 1
         self.decoder = StreamDecoder(llm.tokenizer)
+        self.pending: list[int] = []       # accepted, not decoded yet
         self.emitted = 0
         self.end: int | None = None
         self.finish_reason: str | None = None
 
     def push(self, request: Request, token: int) -> str:
         """Take a sampled token; return the text that became final. Sets ``finish_reason`` when done."""
+        self.accept(request, token)
+        return self.piece()
+
+    def accept(self, request: Request, token: int) -> None:
+        """Take a sampled token and decide whether the request ends (``finish_reason``), leaving the text
+        for :meth:`piece`: the engine decodes it while the GPU runs the next step. Only a request with stop
+        strings decodes here, since its end depends on its text."""
         if token in self.stop_ids:
             self.finish_reason = "stop"
-            return self._rest()
+            return
         request.output_ids.append(token)
-        self.decoder.push(token)
-        text = self.decoder.text
-        self.end = _find_stop(text, self.params.stop, max(0, self.emitted - self.hold))
-        if self.end is not None:
-            self.finish_reason = "stop"
-            return self._rest()
+        self.pending.append(token)
+        if self.params.stop:
+            self._decode()
+            self.end = _find_stop(self.decoder.text, self.params.stop, max(0, self.emitted - self.hold))
+            if self.end is not None:
+                self.finish_reason = "stop"
+                return
         if len(request.output_ids) >= request.max_new_tokens:
             self.finish_reason = "length"
+
+    def piece(self) -> str:
+        """Decode the tokens taken since the last call; return the text that became final (all that is
+        left once the request has ended; else all but the last characters that may start a stop string)."""
+        self._decode()
+        if self.finish_reason is not None:
             return self._rest()
+        text = self.decoder.text
         safe = len(text) - self.hold
         if safe > self.emitted:
             piece, self.emitted = text[self.emitted:safe], safe
             return piece
         return ""
+
+    def _decode(self) -> None:
+        for token in self.pending:
+            self.decoder.push(token)
+        self.pending.clear()
 
     def _rest(self) -> str:
         text = self.final_text
@@ -101,6 +125,7 @@ class _Text:
 
     @property
     def final_text(self) -> str:
+        self._decode()
         return self.decoder.text if self.end is None else self.decoder.text[:self.end]
 
 
@@ -343,18 +368,25 @@ class LLM:
                 request = Request(i, ids, min(p.max_tokens, room))
                 scheduler.add(request)      # ValueError if it can never fit: before any work
                 texts[i] = _Text(self, p)
+            late = []      # the last step's requests: their new text is decoded while the GPU runs this one
             while scheduler.has_unfinished():
                 plan = scheduler.schedule()
                 if plan.empty:
                     raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
                 sampled = plan.sampled
-                tokens = self._forward(scheduler.manager, plan, [texts[r.request_id] for r in sampled], graphs)
+                logits = self._launch(scheduler.manager, plan, graphs)      # queued, not waited for
+                for request, text in late:
+                    yield request, text.piece(), text
+                tokens = _sample_rows(logits, [texts[r.request_id] for r in sampled]) if logits is not None else []
+                late = []
                 for request, token in zip(sampled, tokens):
                     text = texts[request.request_id]
-                    piece = text.push(request, token)
+                    text.accept(request, token)
                     if text.finish_reason is not None:
-                        scheduler.finish(request)
-                    yield request, piece, text
+                        scheduler.finish(request)         # its blocks go back before the next step is planned
+                    late.append((request, text))
+            for request, text in late:
+                yield request, text.piece(), text
         finally:
             if cache is not None:
                 cache.in_use = False
@@ -406,6 +438,12 @@ class LLM:
     def _forward(self, manager, plan: StepPlan, texts: list[_Text], graphs: DecodeGraphs | None = None) -> list[int]:
         """One forward pass over a step's decodes and prefill chunks; returns one sampled token per request of
         ``plan.sampled`` (``texts`` are theirs)."""
+        logits = self._launch(manager, plan, graphs)
+        return _sample_rows(logits, texts) if logits is not None else []
+
+    def _launch(self, manager, plan: StepPlan, graphs: DecodeGraphs | None = None) -> torch.Tensor | None:
+        """Queue one forward pass over a step's decodes and prefill chunks on the device, without waiting for
+        it: the logits ``[len(plan.sampled), vocab]``, or None when no request of the step samples a token."""
         # A prefill feeds its chunk: the tokens after its cached prefix (a prefix-cache hit, or the chunks
         # of earlier steps), up to the end of its tokens or of the step's budget.
         # (A decode reads its last token and length, not ``token_ids``: that would copy its whole context.)
@@ -417,7 +455,7 @@ class LLM:
         if graphs is not None and not plan.prefills and graphs.fits(len(plan.decodes)):
             logits = graphs.run([r.request_id for r in plan.decodes], token_ids, positions)
             if logits is not None:       # None: recording failed, run this step (and the next) eagerly
-                return _sample_rows(logits, texts)
+                return logits
         requests = plan.decodes + plan.prefills
         step = PagedStep(manager, [r.request_id for r in requests],
                          [1] * len(plan.decodes) + [end - start for start, end in plan.prefill_ranges],
@@ -429,10 +467,9 @@ class LLM:
         ends = [r.num_tokens for r in plan.decodes] + [end for _, end in plan.prefill_ranges]
         rows = [row for row, r, end in zip(step.last_token_rows, requests, ends) if end == r.num_tokens]
         if not rows:
-            return []
+            return None
         rows = torch.tensor(rows, device=self.device)
-        logits = self.model.logits(hidden[rows])
-        return _sample_rows(logits, texts)
+        return self.model.logits(hidden[rows])
 
 
 @dataclass
