@@ -67,10 +67,12 @@ def test_stable_slots_keep_columns():
             assert stable[p].tolist().index(r) == stable[p - 1].tolist().index(r)
 
 
-@pytest.mark.parametrize("kind", ["stable", "oldest-first", "random"])
-def test_scatter_on_maps_with_and_without_stable_columns(kind):
-    """The scatter's register sums flush on every row change: any map must give the exact sums."""
-    length, capacity = 37, 8
+@pytest.mark.parametrize("kind,length,capacity", [("stable", 37, 8), ("stable", 60, 24), ("oldest-first", 37, 8),
+                                                   ("random", 37, 8)])
+def test_scatter_on_maps_with_and_without_stable_columns(kind, length, capacity):
+    """The scatter sums a block of positions per slot with two matmuls (the slot's rows at the block's first
+    and last position) and adds any third row position by position: every map must give the exact sums
+    (c = 24: entries outlive a block, only the two-matmul path runs; c = 8: all paths)."""
     index_map, starts, _ = ref.telescoping_index_map(length, capacity)
     n = starts.numel()
     if kind == "stable":
@@ -86,6 +88,28 @@ def test_scatter_on_maps_with_and_without_stable_columns(kind):
     got = ref.indexed_qk_backward(dout, q, k, index_map)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, atol=5e-5, rtol=1e-5)
+
+
+def test_inputs_of_the_wrong_kind_get_a_value_error():
+    x = torch.randn(3, 4)
+    sizes = torch.ones(3, dtype=torch.int64)
+    _, starts, ends = ref.telescoping_index_map(6, 2)
+    for call, words in [
+        (lambda: ref.telescoping_step(x, sizes, x[0], 4.0), "capacity must be an int"),
+        (lambda: ref.telescoping_step(x, sizes, x[0], True), "capacity must be an int"),
+        (lambda: ref.telescoping_step(x, [1, 1, 1], x[0], 4), "sizes must be a torch.Tensor"),
+        (lambda: ref.telescoping_index_map(6, "2"), "capacity must be an int"),
+        (lambda: ref.telescoping_index_map(0, 2), "length must be at least 1"),
+        (lambda: ref.telescoping_buffer(7, starts, ends), "x must be a torch.Tensor"),
+        (lambda: ref.telescoping_buffer(torch.ones(1, 6, dtype=torch.int64), starts, ends), "floating-point"),
+        (lambda: ref.telescoping_buffer(torch.randn(1, 6), starts.float(), ends), "integer tensors"),
+        (lambda: ref.choose_merge(torch.tensor([2, 1])), "sizes must be a list of ints"),
+        (lambda: ref.choose_merge([1, 1.0]), "sizes must be a list of ints"),
+        (lambda: ref.indexed_qk_backward([0.0], torch.randn(1, 2, 1, 1, 16), torch.randn(1, 3, 1, 16),
+                                         torch.zeros(2, 2, dtype=torch.int32)), "dout must be a torch.Tensor"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            call()
 
 
 def test_telescoping_attention_is_exact_attention_while_nothing_merges():

@@ -22,6 +22,12 @@ from yaie.switch import LessonProxy
 
 L = LessonProxy(7)
 
+# Each task is two functions: its label names both (the summary prints one label per task).
+TASK1 = "choose_merge and telescoping_step"
+TASK2 = "telescoping_index_map and telescoping_buffer"
+TASK3 = "indexed_qk_forward and indexed_pv_forward"
+TASK4 = "indexed_qk_backward and indexed_pv_backward"
+
 # (b, l, h, e, d, c, n): lengths, slots and buffer rows off the block sizes on purpose.
 CPU_CASES = [
     (2, 7, 2, 3, 64, 5, 9),
@@ -149,7 +155,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
 
 # ---------------------------------------------------------------- task 1: the merge rule
 
-@task(1, "choose_merge")
+@task(1, TASK1)
 def test_choose_merge_follows_the_rule():
     for capacity in (1, 2, 3, 4, 7, 16):
         sizes: list[int] = []
@@ -167,9 +173,12 @@ def test_choose_merge_follows_the_rule():
                 sizes[want:want + 2] = [sizes[want] + sizes[want + 1]]
     expect_value_error(L.choose_merge, [4], what="a single entry (nothing to merge)")
     expect_value_error(L.choose_merge, [2, 0, 1], what="an entry of size 0")
+    expect_value_error(L.choose_merge, [2, 1.5, 1], what="a size that is not an int (1.5)")
+    expect_value_error(L.choose_merge, None, what="sizes None instead of a list of ints")
+    expect_value_error(L.choose_merge, 3, what="sizes an int instead of a list of ints")
 
 
-@task(1, "telescoping_step")
+@task(1, TASK1)
 @pytest.mark.parametrize("capacity,length,feature", [(3, 40, (5,)), (8, 60, (2, 4)), (1, 6, (3,))])
 def test_step_matches_float64(seed, capacity, length, feature):
     x = randn(length, *feature, dtype=torch.float64, seed=seed)
@@ -192,13 +201,17 @@ def test_step_matches_float64(seed, capacity, length, feature):
                      hint="the merged entry is the size-weighted mean (s_i x_i + s_j x_j) / (s_i + s_j)")
 
 
-@task(1, "telescoping_step")
+@task(1, TASK1)
 def test_step_rejects_bad_input(seed):
     x = randn(3, 4, seed=seed)
     sizes = torch.ones(3, dtype=torch.int64)
     good = dict(entries=x, sizes=sizes, new_entry=x[0], capacity=4)
     for what, change in [
         ("capacity 0", dict(capacity=0)),
+        ("capacity 2.5 (not an int)", dict(capacity=2.5)),
+        ("capacity '4' (a string)", dict(capacity="4")),
+        ("entries as a list, not a tensor", dict(entries=x.tolist())),
+        ("new entry as an int, not a tensor", dict(new_entry=3)),
         ("more entries than the capacity", dict(capacity=2)),
         ("new entry of another shape", dict(new_entry=x[0, :3])),
         ("sizes of another length", dict(sizes=sizes[:2])),
@@ -211,7 +224,7 @@ def test_step_rejects_bad_input(seed):
 
 # ---------------------------------------------------------------- task 2: the index map
 
-@task(2, "telescoping_index_map")
+@task(2, TASK2)
 @pytest.mark.parametrize("length,capacity", [(50, 4), (33, 33), (90, 9), (5, 1), (10, 16)])
 def test_index_map_matches_the_rule(length, capacity):
     index_map, starts, ends = L.telescoping_index_map(length, capacity)
@@ -237,7 +250,7 @@ def test_index_map_matches_the_rule(length, capacity):
                 "(start of the older, end of the newer)")
 
 
-@task(2, "telescoping_buffer")
+@task(2, TASK2)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("length,capacity", [(45, 5), (30, 2)])
 def test_recurrent_equals_parallel(seed, dtype, length, capacity):
@@ -259,7 +272,7 @@ def test_recurrent_equals_parallel(seed, dtype, length, capacity):
                          hint="row r = (S[end] - S[start]) / (end - start) with S the prefix sums, in float32")
 
 
-@task(2, "telescoping_buffer")
+@task(2, TASK2)
 def test_buffer_gradient(seed):
     x = randn(1, 20, 3, dtype=torch.float64, seed=seed).requires_grad_(True)
     _, starts, ends = L.telescoping_index_map(20, 3)
@@ -272,12 +285,17 @@ def test_buffer_gradient(seed):
                  hint="build the buffer from differentiable torch ops (cumsum, indexing), no .item() or loops over tensors")
 
 
-@task(2, "telescoping_buffer")
+@task(2, TASK2)
 def test_buffer_and_map_reject_bad_input(seed):
     x = randn(1, 8, 4, seed=seed)
     _, starts, ends = L.telescoping_index_map(8, 3)
     expect_value_error(L.telescoping_index_map, 0, 4, what="length 0")
     expect_value_error(L.telescoping_index_map, 8, 0, what="capacity 0")
+    expect_value_error(L.telescoping_index_map, 8, 2.5, what="capacity 2.5 (not an int)")
+    expect_value_error(L.telescoping_index_map, 8.0, 3, what="length 8.0 (a float, not an int)")
+    expect_value_error(L.telescoping_buffer, 5, starts, ends, what="x an int, not a tensor")
+    expect_value_error(L.telescoping_buffer, x, starts.tolist(), ends, what="starts a list, not a tensor")
+    expect_value_error(L.telescoping_buffer, x, starts.float(), ends.float(), what="float starts and ends")
     expect_value_error(L.telescoping_buffer, x, starts, ends[:-1], what="starts and ends of different lengths")
     expect_value_error(L.telescoping_buffer, x[:, :4], starts, ends, what="spans past the end of x")
     expect_value_error(L.telescoping_buffer, x[0, 0], starts, ends, what="x with one dim")
@@ -285,7 +303,7 @@ def test_buffer_and_map_reject_bad_input(seed):
 
 # ---------------------------------------------------------------- task 3: indexed matmul forward
 
-@task(3, "indexed_qk_forward")
+@task(3, TASK3)
 @DTYPES
 @pytest.mark.parametrize("case_index", [0, 1, 2])
 def test_qk_forward(device, seed, dtype, case_index):
@@ -304,7 +322,7 @@ def test_qk_forward(device, seed, dtype, case_index):
     assert_unchanged(k0, k, "k")
 
 
-@task(3, "indexed_pv_forward")
+@task(3, TASK3)
 @DTYPES
 @pytest.mark.parametrize("case_index", [0, 1, 2])
 def test_pv_forward(device, seed, dtype, case_index):
@@ -319,7 +337,7 @@ def test_pv_forward(device, seed, dtype, case_index):
                       "even where p is not 0 there")
 
 
-@task(3, "indexed_qk_forward")
+@task(3, TASK3)
 def test_qk_forward_on_a_telescoping_map(device, seed):
     """The map the model uses: consecutive rows share most of their buffer rows."""
     length, capacity = (40, 8) if device == "cpu" else (700, 64)
@@ -347,7 +365,7 @@ def _telescoping_map(length, capacity):
     return index_map, n
 
 
-@task(3, "indexed_qk_forward")
+@task(3, TASK3)
 def test_forward_rejects_bad_input(device, seed):
     q, k, index_map = make_qk_inputs((1, 4, 2, 2, 16, 3, 6), torch.float32, device, seed)
     p = randn(1, 4, 2, 2, 3, device=device, seed=seed)
@@ -370,7 +388,7 @@ def test_forward_rejects_bad_input(device, seed):
 
 # ---------------------------------------------------------------- task 4: backward and autograd
 
-@task(4, "indexed_qk_backward")
+@task(4, TASK4)
 @DTYPES
 @pytest.mark.parametrize("case_index", [0, 1])
 def test_qk_backward(device, seed, dtype, case_index):
@@ -390,7 +408,7 @@ def test_qk_backward(device, seed, dtype, case_index):
                       "(tl.atomic_add), never a plain store; rows no slot uses get 0; unused slots add nothing")
 
 
-@task(4, "indexed_pv_backward")
+@task(4, TASK4)
 @DTYPES
 @pytest.mark.parametrize("case_index", [0, 2])
 def test_pv_backward(device, seed, dtype, case_index):
@@ -409,7 +427,7 @@ def test_pv_backward(device, seed, dtype, case_index):
                  hint="dv[r] = sum over slots with M[l,c] = r of p[l,:,c]^T dout[l]: atomic adds in float32")
 
 
-@task(4, "indexed_qk_backward")
+@task(4, TASK4)
 def test_autograd_through_both_products(device, seed):
     """scores -> softmax -> weights x values: gradients of q, the key buffer and the value buffer."""
     b, l, h, e, d, c, n = cases(device)[0]
@@ -429,12 +447,57 @@ def test_autograd_through_both_products(device, seed):
                           "check that each backward returns the gradient of the input in its position")
 
 
-@task(4, "indexed_pv_backward")
+def _stable_columns(index_map: torch.Tensor, n: int) -> torch.Tensor:
+    """The same caches with every entry kept in one column while it lives (a new one takes a freed column):
+    the order the model uses, in which neighbouring positions agree in almost every column."""
+    out = torch.full_like(index_map, n)
+    columns = [n] * index_map.shape[1]
+    for p, row in enumerate(index_map.tolist()):
+        alive = {r for r in row if r < n}
+        columns = [r if r in alive else n for r in columns]
+        free = [j for j, r in enumerate(columns) if r == n]
+        for r, j in zip([r for r in row if r < n and r not in columns], free):
+            columns[j] = r
+        out[p] = torch.tensor(columns, dtype=index_map.dtype)
+    return out
+
+
+@task(4, TASK4)
+@pytest.mark.parametrize("columns", ["stable", "oldest-first"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+                         ids=["fp32", "bf16"])
+def test_backward_on_a_telescoping_map(device, seed, columns, dtype):
+    """Both backwards on the maps a model trains with: long runs of positions share a slot's buffer row."""
+    skip_bf16_on_cpu(dtype, device)
+    length, capacity, e, d = (40, 8, 2, 32) if device == "cpu" else (1500, 64, 4, 128)
+    index_map, n = _telescoping_map(length, capacity)
+    if columns == "stable":
+        index_map = _stable_columns(index_map, n)
+    index_map = index_map.to(device)
+    case = f"l {length}, c {capacity}, n {n}, e {e}, d {d}, {columns} columns, {dtype}"
+    q = randn(1, length, 2, e, d, dtype=dtype, device=device, seed=seed)
+    k = randn(1, n, 2, d, dtype=dtype, device=device, seed=seed + 1)
+    d_scores = randn(1, length, 2, e, capacity, dtype=dtype, device=device, seed=seed + 2)
+    d_out = randn(1, length, 2, e, d, dtype=dtype, device=device, seed=seed + 3)
+    for name, fn, ref, x, dout in (("indexed_qk_backward", L.indexed_qk_backward, ref_qk, q, d_scores),
+                                   ("indexed_pv_backward", L.indexed_pv_backward, ref_pv, d_scores, d_out)):
+        dx, dbuf = fn(dout, x, k, index_map)
+        want_dx, want_dbuf = ref_grads(ref, x, k, index_map, dout)
+        atol, rtol = tol(dtype, d)
+        assert_close(dx, want_dx, name=f"{name}, gradient of its first input", dtype=dtype, atol=atol, rtol=rtol,
+                     case=case, hint="the same gather as the forward, with dout in place of the first input")
+        assert_close(dbuf, want_dbuf, name=f"{name}, gradient of the buffer", dtype=dtype, atol=atol, rtol=rtol,
+                     case=case, hint="a buffer row gets the sum over every (position, slot) that holds it, over "
+                                     "many positions: every one must be added exactly once")
+
+
+@task(4, TASK4)
 def test_backward_rejects_bad_input(device, seed):
     q, k, index_map = make_qk_inputs((1, 4, 2, 2, 16, 3, 6), torch.float32, device, seed)
     p = randn(1, 4, 2, 2, 3, device=device, seed=seed)
     expect_value_error(L.indexed_qk_backward, p[..., :2], q, k, index_map, what="dout of the scores with c - 1 slots")
     expect_value_error(L.indexed_pv_backward, q[..., :8], p, k, index_map, what="dout of the output with d / 2")
+    expect_value_error(L.indexed_pv_backward, 1.0, p, k, index_map, what="dout a float, not a tensor")
     bad_map = index_map.clone()
     bad_map[0, 0] = -3
     expect_value_error(L.indexed_qk_backward, p, q, k, bad_map, what="a negative map entry")

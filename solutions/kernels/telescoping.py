@@ -38,11 +38,16 @@ build it. Three kernels cover the forward and backward of both products:
 * gather-accumulate: ``out[l,e,d] = sum_c p[l,e,c] * buf[M[l,c], d]``    (P V forward; dQ of Q K^T)
 * scatter-add:       ``dbuf[M[l,c], d] += sum_e p[l,e,c] * a[l,e,d]``    (dK of Q K^T; dV of P V)
 
-In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32.
+In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32. The map
+the model uses keeps every entry in one column while it lives (:func:`stable_slots`), so over a block of
+neighbouring positions a slot holds one or two rows: the scatter sums a whole block with two matmuls and
+adds each slot's sums once, instead of one small product and one atomic add per position.
 Empty slots (``M >= n``) give 0 in the forward products and receive no gradient.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 import triton
@@ -62,6 +67,15 @@ def entry_level(size: int) -> int:
     return int(size).bit_length() - 1
 
 
+def check_count(name: str, value) -> int:
+    """``value`` as an int if it is an integer of at least 1 (not a bool, float or string); else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)
+
+
 # yaie: task 1
 def choose_merge(sizes: list[int]) -> int:
     """Where the merge rule merges: entries ``i`` and ``i + 1`` of a cache that has one entry too many.
@@ -76,8 +90,12 @@ def choose_merge(sizes: list[int]) -> int:
         if no level holds two entries, the two oldest entries (``i = 0``).
 
     Raises:
-        ValueError: fewer than two entries, or a size below 1.
+        ValueError: ``sizes`` not a list (or tuple) of ints, fewer than two entries, or a size below 1.
     """
+    if not isinstance(sizes, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, numbers.Integral)
+                                                   for s in sizes):
+        raise ValueError(f"sizes must be a list of ints (tokens per entry), got {type(sizes).__name__} "
+                         f"{sizes!r:.80}")
     if len(sizes) < 2:
         raise ValueError(f"a merge needs at least 2 entries, got {len(sizes)}")
     if min(sizes) < 1:
@@ -113,11 +131,14 @@ def telescoping_step(entries: torch.Tensor, sizes: torch.Tensor, new_entry: torc
         ``s_i + s_{i+1}``, in the place of entry ``i``; the order of the others is kept.
 
     Raises:
-        ValueError: ``capacity < 1``, more than ``capacity`` entries, shapes, dtypes or devices that do not
-            match, or ``sizes`` that is not an int64 vector of ``k`` positive counts.
+        ValueError: ``capacity`` not an int ``>= 1``, an input that is not a tensor, more than ``capacity``
+            entries, shapes, dtypes or devices that do not match, or ``sizes`` that is not an int64 vector
+            of ``k`` positive counts.
     """
-    if int(capacity) < 1:
-        raise ValueError(f"capacity must be at least 1, got {capacity}")
+    capacity = check_count("capacity", capacity)
+    for name, t in (("entries", entries), ("sizes", sizes), ("new_entry", new_entry)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if entries.dim() < 1 or entries.shape[1:] != new_entry.shape:
         raise ValueError(f"entries must be [k, *feature] with feature {tuple(new_entry.shape)} "
                          f"(the new entry's shape), got {tuple(entries.shape)}")
@@ -135,10 +156,12 @@ def telescoping_step(entries: torch.Tensor, sizes: torch.Tensor, new_entry: torc
     sizes = torch.cat([sizes, torch.ones(1, dtype=torch.int64, device=sizes.device)])
     if entries.shape[0] <= capacity:
         return entries, sizes
-    i = choose_merge(sizes.tolist())
-    # sizes may live on the CPU (the merge position is chosen there without a device sync).
-    w = sizes[i:i + 2].to(entries.device, entries.dtype).reshape(2, *([1] * (entries.dim() - 1)))
-    merged = (entries[i:i + 2] * w).sum(0) / w.sum(0)
+    counts = sizes.tolist()
+    i = choose_merge(counts)
+    # The weights as Python numbers: no copy to the entries' device (which would wait for the GPU), so
+    # with sizes on the CPU a decode step never stalls the model's queue of kernels.
+    s_old, s_new = counts[i], counts[i + 1]
+    merged = (entries[i] * s_old + entries[i + 1] * s_new) / (s_old + s_new)
     entries = torch.cat([entries[:i], merged.unsqueeze(0), entries[i + 2:]])
     sizes = torch.cat([sizes[:i], sizes[i:i + 2].sum().reshape(1), sizes[i + 2:]])
     return entries, sizes
@@ -165,11 +188,9 @@ def telescoping_index_map(length: int, capacity: int) -> tuple[torch.Tensor, tor
           ``l`` on are the merged spans, in the order the rule made them. ``n = l + max(0, l - c)``.
 
     Raises:
-        ValueError: ``length < 1`` or ``capacity < 1``.
+        ValueError: ``length`` or ``capacity`` not an int ``>= 1``.
     """
-    length, capacity = int(length), int(capacity)
-    if length < 1 or capacity < 1:
-        raise ValueError(f"length and capacity must be at least 1, got length={length}, capacity={capacity}")
+    length, capacity = check_count("length", length), check_count("capacity", capacity)
     n = length + max(0, length - capacity)
     starts = list(range(length))
     ends = list(range(1, length + 1))
@@ -203,9 +224,16 @@ def telescoping_buffer(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
         the first ``t`` tokens. Differentiable (autograd flows back to ``x``).
 
     Raises:
-        ValueError: fewer than 2 dims, ``starts``/``ends`` of different shapes, or a span outside ``[0, l]``
-        or empty.
+        ValueError: an input that is not a tensor, ``x`` not floating point or with fewer than 2 dims,
+        ``starts``/``ends`` not integer vectors of one length, or a span outside ``[0, l]`` or empty.
     """
+    for name, t in (("x", x), ("starts", starts), ("ends", ends)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a floating-point tensor (keys or values), got {x.dtype}")
+    if starts.dtype.is_floating_point or ends.dtype.is_floating_point or torch.bool in (starts.dtype, ends.dtype):
+        raise ValueError(f"starts and ends must be integer tensors, got {starts.dtype} and {ends.dtype}")
     if x.dim() < 2:
         raise ValueError(f"x must be [b, l, *feature], got shape {tuple(x.shape)}")
     if starts.shape != ends.shape or starts.dim() != 1:
@@ -335,6 +363,15 @@ def check_indexed_inputs(x: torch.Tensor, buf: torch.Tensor, index_map: torch.Te
         raise ValueError("index_map has negative entries: buffer rows are 0..n-1 (n or more = unused slot)")
 
 
+def check_dout(dout, want: tuple[int, ...], like: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``dout`` is a tensor of shape ``want`` with ``like``'s dtype and device."""
+    if not isinstance(dout, torch.Tensor):
+        raise ValueError(f"dout must be a torch.Tensor, got {type(dout).__name__}")
+    if tuple(dout.shape) != want or dout.dtype != like.dtype or dout.device != like.device:
+        raise ValueError(f"dout must be {list(want)} {like.dtype} on {like.device}, got {list(dout.shape)} "
+                         f"{dout.dtype} on {dout.device}")
+
+
 # yaie: solution-only
 def _normalise_map(index_map: torch.Tensor, n: int) -> torch.Tensor:
     """int32 contiguous map with every unused slot as exactly ``n`` (an int64 map may hold huge values)."""
@@ -428,45 +465,66 @@ def _gather_acc_kernel(p_ptr, buf_ptr, map_ptr, out_ptr, H, N, C, E, D,
 def _scatter_kernel(p_ptr, a_ptr, map_ptr, dbuf_ptr, H, N, L, C, E, D,
                     sp_b, sp_l, sp_h, sp_e, sp_c, sa_b, sa_l, sa_h, sa_e, sa_d,
                     sg_b, sg_n, sg_h, sg_d,
-                    BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_L: tl.constexpr, GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                    BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """dbuf[b, M[l, c], h] += p[b, l, h, :, c]^T @ a[b, l, h] for BLOCK_L positions and BLOCK_C slots.
 
-    Many positions (and sometimes several slots of one row) add into one buffer row, so the adds are
-    float32 atomics. But a slot usually holds the same row for many consecutive positions: the program
-    walks its positions in order, sums each slot's contributions in registers while its row stays the
-    same, and adds to memory only when the row changes (and at the end). With a map whose entries keep
-    their column (:func:`stable_slots`) that is a few atomics per slot per BLOCK_L positions instead of
-    one per position; any other map is still summed exactly, just with more atomics.
+    Many positions add into one buffer row, so the adds are float32 atomics; the work is to issue few.
+    In a map whose entries keep their column (:func:`stable_slots`), a slot holds, over a few neighbouring
+    positions, at most two rows: the one at the block's first position and the one at its last (an entry
+    that dies and the one that takes its column). So the block is two matmuls that sum over all its
+    (position, query head) pairs at once, ``K = BLOCK_L * GROUP`` deep, one per row, and one atomic add
+    per slot and row. Contributions to any third row of a slot in the block (other maps: oldest-first
+    order, random) are added position by position: slower, but exact for any map.
     """
     pid_l = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     b, h = bh // H, bh % H
-    offs_e = tl.arange(0, BLOCK_E)
+    l0 = pid_l * BLOCK_L
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d[None, :] < D
+    c_ok, d_ok = offs_c < C, offs_d < D
+    # The K axis: every (position, query head) pair of the block; GROUP is e rounded up to a power of 2.
+    offs_k = tl.arange(0, BLOCK_L * GROUP)
+    k_l, k_e = l0 + offs_k // GROUP, offs_k % GROUP
+    k_ok = (k_l < L) & (k_e < E)
+    rows = tl.load(map_ptr + k_l[None, :] * C + offs_c[:, None], mask=c_ok[:, None] & k_ok[None, :], other=N)
+    rows = tl.minimum(rows, N)                                                    # [BLOCK_C, K]; N: unused
+    first = tl.minimum(tl.load(map_ptr + l0 * C + offs_c, mask=c_ok, other=N), N)
+    last_l = tl.minimum(l0 + BLOCK_L, L) - 1
+    last = tl.minimum(tl.load(map_ptr + last_l * C + offs_c, mask=c_ok, other=N), N)
+    pt = tl.load(p_ptr + b * sp_b + h * sp_h + k_l[None, :] * sp_l + k_e[None, :] * sp_e + offs_c[:, None] * sp_c,
+                 mask=c_ok[:, None] & k_ok[None, :], other=0.0)                   # [BLOCK_C, K]
+    a = tl.load(a_ptr + b * sa_b + h * sa_h + k_l[:, None] * sa_l + k_e[:, None] * sa_e + offs_d[None, :] * sa_d,
+                mask=k_ok[:, None] & d_ok[None, :], other=0.0)                    # [K, BLOCK_D]
     dbuf_base = dbuf_ptr + b * sg_b + h * sg_h + offs_d[None, :] * sg_d
-    acc = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
-    held = tl.full((BLOCK_C,), N, dtype=tl.int32)          # the row each slot's sum belongs to (N: none)
-    for i in range(BLOCK_L):
-        l = pid_l * BLOCK_L + i
-        l_ok = (offs_c * 0 + l) < L                            # the position as a vector (for the masks)
-        rows = tl.load(map_ptr + l * C + offs_c, mask=(offs_c < C) & l_ok, other=N)
-        rows = tl.minimum(rows, N)
-        changed = rows != held
-        flush = changed & (held < N)
-        tl.atomic_add(dbuf_base + held.to(tl.int64)[:, None] * sg_n, acc, mask=flush[:, None] & d_ok)
-        acc = tl.where(changed[:, None], 0.0, acc)
-        held = rows
-        used = rows < N
-        pt = tl.load(p_ptr + b * sp_b + l * sp_l + h * sp_h + offs_c[:, None] * sp_c + offs_e[None, :] * sp_e,
-                     mask=used[:, None] & (offs_e[None, :] < E), other=0.0)        # [BLOCK_C, BLOCK_E]
-        a = tl.load(a_ptr + b * sa_b + l * sa_l + h * sa_h + offs_e[:, None] * sa_e + offs_d[None, :] * sa_d,
-                    mask=(offs_e[:, None] < E) & d_ok & (offs_e[:, None] * 0 + l < L), other=0.0)
-        acc = _dot(pt, a, acc, FP32_DOT, PRECISION)
-    tl.atomic_add(dbuf_base + held.to(tl.int64)[:, None] * sg_n, acc, mask=(held < N)[:, None] & d_ok)
+    zero = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
+    # The row each slot holds at the block's last position ...
+    to_last = rows == last[:, None]
+    part = _dot(tl.where(to_last, pt, 0.0).to(pt.dtype), a, zero, FP32_DOT, PRECISION)
+    tl.atomic_add(dbuf_base + last.to(tl.int64)[:, None] * sg_n, part, mask=(last < N)[:, None] & d_ok[None, :])
+    # ... and the one it held at the first position, when that is another row (else nothing is added).
+    to_first = rows == first[:, None]
+    part = _dot(tl.where(to_first, pt, 0.0).to(pt.dtype), a, zero, FP32_DOT, PRECISION)
+    tl.atomic_add(dbuf_base + first.to(tl.int64)[:, None] * sg_n, part,
+                  mask=((first < N) & (first != last))[:, None] & d_ok[None, :])
+    # Any other row: position by position (never, for a stable map over a block shorter than an entry lives).
+    others = (rows < N) & ~to_last & ~to_first
+    if tl.max(tl.max(others.to(tl.int32), axis=1), axis=0) > 0:
+        offs_e = tl.arange(0, BLOCK_E)
+        for i in range(BLOCK_L):
+            l = l0 + i
+            in_range = c_ok & ((offs_c * 0 + l) < L)                          # the position as a vector
+            row = tl.minimum(tl.load(map_ptr + l * C + offs_c, mask=in_range, other=N), N)
+            other = (row < N) & (row != first) & (row != last)
+            if tl.max(other.to(tl.int32), axis=0) > 0:
+                pe = tl.load(p_ptr + b * sp_b + l * sp_l + h * sp_h + offs_c[:, None] * sp_c + offs_e[None, :] * sp_e,
+                             mask=other[:, None] & (offs_e[None, :] < E), other=0.0)  # [BLOCK_C, BLOCK_E]
+                ae = tl.load(a_ptr + b * sa_b + l * sa_l + h * sa_h + offs_e[:, None] * sa_e + offs_d[None, :] * sa_d,
+                             mask=(offs_e[:, None] < E) & d_ok[None, :], other=0.0)   # [BLOCK_E, BLOCK_D]
+                part = _dot(pe, ae, zero, FP32_DOT, PRECISION)
+                tl.atomic_add(dbuf_base + row.to(tl.int64)[:, None] * sg_n, part, mask=other[:, None] & d_ok[None, :])
 
 
 # yaie: solution-only
@@ -506,10 +564,15 @@ def _scatter(p: torch.Tensor, a: torch.Tensor, index_map: torch.Tensor, n: int, 
     m = _normalise_map(index_map, n)
     dbuf = torch.zeros(b, n, h, d, dtype=torch.float32, device=p.device)
     block_c = _block_c(c)
-    block_l = 4 if triton_interpreted() else 32
+    group = triton.next_power_of_2(e)
+    # K = block_l * group (position, query head) pairs per matmul: at least 16 (tl.dot), about 128 on a
+    # GPU. Longer blocks issue fewer atomics, but more slots then hold three rows inside one block.
+    most = 8 if triton_interpreted() else 32
+    block_l = max(16 // group, min(most, 128 // group), 1)
     grid = (triton.cdiv(l, block_l), triton.cdiv(c, block_c), b * h)
     _scatter_kernel[grid](p, a, m, dbuf, h, n, l, c, e, d, *p.stride(), *a.stride(), *dbuf.stride(),
-                          BLOCK_L=block_l, BLOCK_C=block_c, **_options(p.dtype, e, d))
+                          BLOCK_L=block_l, GROUP=group, BLOCK_C=block_c, **_options(p.dtype, e, d),
+                          num_warps=8)
     return dbuf.to(dtype)
 
 
@@ -582,9 +645,7 @@ def indexed_qk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """
     check_indexed_inputs(q, k, index_map, "d")
     want = (*q.shape[:4], index_map.shape[1])
-    if tuple(dout.shape) != want or dout.dtype != q.dtype or dout.device != q.device:
-        raise ValueError(f"dout must be {list(want)} {q.dtype} on {q.device}, got {list(dout.shape)} "
-                         f"{dout.dtype} on {dout.device}")
+    check_dout(dout, want, q)
     dq = _gather_acc(dout, k, index_map)
     dk = _scatter(dout, q, index_map, k.shape[1], k.dtype)
     return dq, dk
@@ -609,9 +670,7 @@ def indexed_pv_backward(dout: torch.Tensor, p: torch.Tensor, v: torch.Tensor,
     """
     check_indexed_inputs(p, v, index_map, "c")
     want = (*p.shape[:4], v.shape[3])
-    if tuple(dout.shape) != want or dout.dtype != p.dtype or dout.device != p.device:
-        raise ValueError(f"dout must be {list(want)} {p.dtype} on {p.device}, got {list(dout.shape)} "
-                         f"{dout.dtype} on {dout.device}")
+    check_dout(dout, want, p)
     dp = _gather_dot(dout, v, index_map)
     dv = _scatter(p, dout, index_map, v.shape[1], v.dtype)
     return dp, dv

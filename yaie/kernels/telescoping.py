@@ -41,11 +41,16 @@ build it. Three kernels cover the forward and backward of both products:
 * gather-accumulate: ``out[l,e,d] = sum_c p[l,e,c] * buf[M[l,c], d]``    (P V forward; dQ of Q K^T)
 * scatter-add:       ``dbuf[M[l,c], d] += sum_e p[l,e,c] * a[l,e,d]``    (dK of Q K^T; dV of P V)
 
-In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32.
+In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32. The map
+the model uses keeps every entry in one column while it lives (:func:`stable_slots`), so over a block of
+neighbouring positions a slot holds one or two rows: the scatter sums a whole block with two matmuls and
+adds each slot's sums once, instead of one small product and one atomic add per position.
 Empty slots (``M >= n``) give 0 in the forward products and receive no gradient.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 import triton
@@ -65,6 +70,15 @@ def entry_level(size: int) -> int:
     return int(size).bit_length() - 1
 
 
+def check_count(name: str, value) -> int:
+    """``value`` as an int if it is an integer of at least 1 (not a bool, float or string); else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)
+
+
 def choose_merge(sizes: list[int]) -> int:
     """Where the merge rule merges: entries ``i`` and ``i + 1`` of a cache that has one entry too many.
 
@@ -78,7 +92,7 @@ def choose_merge(sizes: list[int]) -> int:
         if no level holds two entries, the two oldest entries (``i = 0``).
 
     Raises:
-        ValueError: fewer than two entries, or a size below 1.
+        ValueError: ``sizes`` not a list (or tuple) of ints, fewer than two entries, or a size below 1.
     """
     raise NotImplementedError('lesson 07, task 1: implement choose_merge in yaie/kernels/telescoping.py')
 
@@ -101,8 +115,9 @@ def telescoping_step(entries: torch.Tensor, sizes: torch.Tensor, new_entry: torc
         ``s_i + s_{i+1}``, in the place of entry ``i``; the order of the others is kept.
 
     Raises:
-        ValueError: ``capacity < 1``, more than ``capacity`` entries, shapes, dtypes or devices that do not
-            match, or ``sizes`` that is not an int64 vector of ``k`` positive counts.
+        ValueError: ``capacity`` not an int ``>= 1``, an input that is not a tensor, more than ``capacity``
+            entries, shapes, dtypes or devices that do not match, or ``sizes`` that is not an int64 vector
+            of ``k`` positive counts.
     """
     raise NotImplementedError('lesson 07, task 1: implement telescoping_step in yaie/kernels/telescoping.py')
 
@@ -127,7 +142,7 @@ def telescoping_index_map(length: int, capacity: int) -> tuple[torch.Tensor, tor
           ``l`` on are the merged spans, in the order the rule made them. ``n = l + max(0, l - c)``.
 
     Raises:
-        ValueError: ``length < 1`` or ``capacity < 1``.
+        ValueError: ``length`` or ``capacity`` not an int ``>= 1``.
     """
     raise NotImplementedError('lesson 07, task 2: implement telescoping_index_map in yaie/kernels/telescoping.py')
 
@@ -145,8 +160,8 @@ def telescoping_buffer(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
         the first ``t`` tokens. Differentiable (autograd flows back to ``x``).
 
     Raises:
-        ValueError: fewer than 2 dims, ``starts``/``ends`` of different shapes, or a span outside ``[0, l]``
-        or empty.
+        ValueError: an input that is not a tensor, ``x`` not floating point or with fewer than 2 dims,
+        ``starts``/``ends`` not integer vectors of one length, or a span outside ``[0, l]`` or empty.
     """
     raise NotImplementedError('lesson 07, task 2: implement telescoping_buffer in yaie/kernels/telescoping.py')
 
@@ -260,6 +275,15 @@ def check_indexed_inputs(x: torch.Tensor, buf: torch.Tensor, index_map: torch.Te
                          f"index_map {tuple(index_map.shape)}")
     if int(index_map.min()) < 0:
         raise ValueError("index_map has negative entries: buffer rows are 0..n-1 (n or more = unused slot)")
+
+
+def check_dout(dout, want: tuple[int, ...], like: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``dout`` is a tensor of shape ``want`` with ``like``'s dtype and device."""
+    if not isinstance(dout, torch.Tensor):
+        raise ValueError(f"dout must be a torch.Tensor, got {type(dout).__name__}")
+    if tuple(dout.shape) != want or dout.dtype != like.dtype or dout.device != like.device:
+        raise ValueError(f"dout must be {list(want)} {like.dtype} on {like.device}, got {list(dout.shape)} "
+                         f"{dout.dtype} on {dout.device}")
 
 
 # ---------------------------------------------------------------- task 3: indexed matmul forward

@@ -38,7 +38,11 @@ def attend_entries(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, si
     kv_heads = keys.shape[1]
     group = q.shape[0] // kv_heads
     qf = q.float().reshape(kv_heads, group, -1)
-    bias = sizes.to(keys.device, torch.float32).log()
+    bias = sizes.to(torch.float32).log()
+    if bias.device != keys.device:
+        # Pinned and non_blocking: the copy joins the GPU's queue of kernels instead of waiting for it
+        # to drain (sizes stay on the CPU for the merge rule; a plain copy would stall every layer).
+        bias = bias.pin_memory().to(keys.device, non_blocking=True) if keys.is_cuda else bias.to(keys.device)
     scores = torch.einsum("hed,khd->hek", qf, keys.float()) * scale + bias
     weights = torch.softmax(scores, dim=-1)
     return torch.einsum("hek,khd->hed", weights, values.float()).reshape(q.shape[0], -1)
