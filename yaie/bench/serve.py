@@ -10,7 +10,8 @@ end-of-sequence ignored (so every request has the same length and the C clients 
 
 * offline: the same requests through ``LLM.generate`` in this process, C prompts per call (one call per
   round of the clients), after a warm-up round;
-* served: ``yaie serve`` in a subprocess (same engine settings), C asyncio clients (httpx) streaming
+* served: ``yaie serve`` in a subprocess (same engine settings), C clients (httpx, a connection each,
+  spread over ``--client-processes`` worker processes: see :func:`run_clients`) streaming
   ``POST /v1/completions`` with ``stream_options.include_usage``, after a warm-up round. Per request:
   time to first token (TTFT: request sent to the first text chunk) and inter-token latency (ITL: gaps
   between text chunks); throughput is generated tokens (the usage counts) over the wall time of all rounds.
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import gc
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -97,31 +99,104 @@ async def one_request(client, url: str, model: str, prompt: list[int], new_token
                 tokens=usage["completion_tokens"])
 
 
-async def run_clients(url: str, model: str, prompts: list[list[int]], warm: list[list[int]], new_tokens: int,
-                      timeout: float) -> dict:
+def run_clients(url: str, model: str, prompts: list[list[int]], warm: list[list[int]], new_tokens: int,
+                timeout: float, processes: int = 8) -> dict:
     """``len(warm)`` clients (the concurrency), each sending its share of ``prompts`` one after the other,
-    after a warm-up round on ``warm``."""
-    import httpx
-    concurrency = len(warm)
-    per_client = [prompts[c::concurrency] for c in range(concurrency)]
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
-        async def client_loop(mine):
-            return [await one_request(client, url, model, p, new_tokens) for p in mine]
+    after a warm-up round on ``warm``.
 
-        warm_up = [one_request(client, url, model, p, min(new_tokens, 8)) for p in warm]
-        await asyncio.wait_for(asyncio.gather(*warm_up), timeout)
+    The clients run in ``processes`` worker processes (fewer when there are fewer clients), each client with
+    an HTTP connection of its own. Why: a Python client costs CPU per streamed chunk (HTTP parsing, the
+    SSE lines, JSON), and 64 streams at thousands of tokens per second saturate one interpreter: then the
+    measurement is the load generator's speed, not the server's. (httpx with one shared pool of 64
+    connections is worse still: its pool scans every connection on every request event, most of the
+    client's time at 64 streams.) The workers warm up, wait for one start signal, and report their
+    requests' times on the machine's monotonic clock (``time.perf_counter``), so the wall time of the
+    round is measured from the signal to the last worker's end."""
+    concurrency = len(warm)
+    processes = max(1, min(processes, concurrency))
+    context = multiprocessing.get_context("spawn")    # a fresh interpreter: nothing of this process's CUDA
+    results, go = context.Queue(), context.Event()
+    workers = []
+    for w in range(processes):
+        mine = list(range(w, concurrency, processes))
+        job = dict(url=url, model=model, new_tokens=new_tokens, timeout=timeout,
+                   clients=[prompts[c::concurrency] for c in mine], warm=[warm[c] for c in mine])
+        workers.append(context.Process(target=_client_worker, args=(job, results, go), daemon=True))
+    for worker in workers:
+        worker.start()
+    try:
+        deadline = time.monotonic() + timeout
+        for _ in workers:                              # every worker has warmed up
+            _get(results, deadline, "ready", workers)
         start = time.perf_counter()
-        results = await asyncio.wait_for(asyncio.gather(*(client_loop(m) for m in per_client)), timeout)
-        elapsed = time.perf_counter() - start
-    done = [r for rs in results for r in rs]
+        go.set()
+        reports = [_get(results, deadline + timeout, "done", workers) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(5)
+            if worker.is_alive():
+                worker.kill()
+    done = [r for report in reports for r in report["requests"]]
+    elapsed = max(report["end"] for report in reports) - start
     tokens = sum(r["tokens"] for r in done)
     ttft = [r["ttft"] for r in done]
     itl = [g for r in done for g in r["itl"]]
     return dict(requests=len(done), tokens=tokens, seconds=elapsed, tokens_per_s=tokens / elapsed,
+                client_processes=processes,
+                client_cpu_us_per_token=1e6 * sum(report["cpu_s"] for report in reports) / tokens,
                 ttft_p50_ms=1e3 * percentile(ttft, 50), ttft_p99_ms=1e3 * percentile(ttft, 99),
                 itl_p50_ms=1e3 * percentile(itl, 50) if itl else None,
                 itl_p99_ms=1e3 * percentile(itl, 99) if itl else None)
+
+
+def _get(queue, deadline: float, expected: str, workers: list):
+    """The next worker message, which must be ``expected``; a worker's error, a worker that died without a
+    word, or the deadline raises."""
+    import queue as queues
+    while True:
+        try:
+            kind, payload = queue.get(timeout=1.0)
+            break
+        except queues.Empty:
+            dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a load generator worker exited with code {dead[0]}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the load generator's workers did not report '{expected}' in time") from None
+    if kind != expected:
+        raise RuntimeError(f"a load generator worker failed: {payload}")
+    return payload
+
+
+def _client_worker(job: dict, results, go) -> None:
+    """One worker process of :func:`run_clients`: its clients' warm-up, the start signal, the round."""
+    try:
+        asyncio.run(_worker_rounds(job, results, go))
+    except BaseException as err:  # noqa: BLE001 (reported to the parent, which raises it)
+        results.put(("error", f"{type(err).__name__}: {err}"))
+
+
+async def _worker_rounds(job: dict, results, go) -> None:
+    import httpx
+    url, model, new_tokens, timeout = job["url"], job["model"], job["new_tokens"], job["timeout"]
+    clients = [httpx.AsyncClient(limits=httpx.Limits(max_connections=1), timeout=httpx.Timeout(timeout))
+               for _ in job["clients"]]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(one_request(client, url, model, p, min(new_tokens, 8))
+                                                for client, p in zip(clients, job["warm"]))), timeout)
+        results.put(("ready", None))
+        await asyncio.to_thread(go.wait)
+        cpu = time.process_time()
+
+        async def client_loop(client, mine):
+            return [await one_request(client, url, model, p, new_tokens) for p in mine]
+
+        done = await asyncio.wait_for(asyncio.gather(*(client_loop(c, m) for c, m in zip(clients, job["clients"]))),
+                                      timeout)
+        end = time.perf_counter()
+        results.put(("done", dict(requests=[r for rs in done for r in rs], end=end, cpu_s=time.process_time() - cpu)))
+    finally:
+        await asyncio.gather(*(client.aclose() for client in clients))
 
 
 def free_port() -> int:
@@ -157,6 +232,26 @@ class ServerProcess:
                 raise RuntimeError(f"the server did not answer /health in {self.startup_s} s")
             time.sleep(0.5)
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) so far of the HTTP process and of its engine process (Linux /proc; {}
+        elsewhere)."""
+        try:
+            tick = os.sysconf("SC_CLK_TCK")
+            times = {}
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    except OSError:
+                        continue
+                    pid, parent = int(entry.name), int(fields[1])
+                    if pid == self.proc.pid or parent == self.proc.pid:
+                        name = "http" if pid == self.proc.pid else "engine"
+                        times[name] = times.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            return times
+        except (OSError, ValueError, AttributeError):
+            return {}
+
     def metrics(self) -> dict:
         import httpx
 
@@ -184,6 +279,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--timeout", type=float, default=300, help="seconds one concurrency level may take")
+    p.add_argument("--client-processes", type=int, default=8,
+                   help="worker processes the clients are spread over (default 8; one Python process cannot "
+                        "parse 64 streams at full speed)")
     p.add_argument("--engine-in-thread", action="store_true",
                    help="serve with the engine loop in a thread of the server process (yaie serve --engine-in-thread)")
     args = p.parse_args(argv)
@@ -228,8 +326,13 @@ def main(argv=None) -> int:
         with ServerProcess(folder, engine_args) as server:
             model = Path(folder).name
             for c in levels:
-                served = asyncio.run(run_clients(server.url, model, prompts[c], warm_prompts[c], args.new_tokens,
-                                                 args.timeout))
+                cpu_before = server.cpu_seconds()
+                served = run_clients(server.url, model, prompts[c], warm_prompts[c], args.new_tokens, args.timeout,
+                                     args.client_processes)
+                cpu_after = server.cpu_seconds()
+                for name in cpu_after:       # warm-up round included: an upper bound of the measured rounds'
+                    served[f"{name}_cpu_us_per_token"] = (1e6 * (cpu_after[name] - cpu_before.get(name, 0.0))
+                                                          / served["tokens"])
                 row = dict(concurrency=c, offline_tokens_per_s=offline[c]["tokens_per_s"],
                            offline_seconds=offline[c]["seconds"], **{f"served_{k}": v for k, v in served.items()})
                 row["overhead"] = 1 - row["served_tokens_per_s"] / row["offline_tokens_per_s"]
@@ -249,7 +352,7 @@ def main(argv=None) -> int:
                                               config=CONFIGS[args.size] | COMMON, init="random (seed 0)"),
                   workload=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, concurrency=levels,
                                 requests_per_client=args.requests_per_client, sampling="greedy, ignore_eos",
-                                kv_block_size=16, num_blocks=num_blocks,
+                                kv_block_size=16, num_blocks=num_blocks, client_processes=args.client_processes,
                                 engine_loop="thread" if args.engine_in_thread else "process"),
                   rows=rows, server_metrics_at_end=final)
     out = Path(args.out) if args.out else ROOT / "bench" / "results"
@@ -271,6 +374,9 @@ def markdown(report: dict) -> str:
     def ms(v):
         return f"{v:.1f}" if v is not None else "n/a"
 
+    def us(v):
+        return f"{v:.0f}" if v is not None else "n/a"
+
     lines = [
         f"# The OpenAI server under load vs offline LLM.generate ({env['gpu'] or 'CPU'})", "",
         f"Model: random Llama, hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
@@ -281,17 +387,23 @@ def markdown(report: dict) -> str:
         f"ignored; the server streams (`POST /v1/completions`, SSE); offline runs the same requests through "
         f"`LLM.generate`, C prompts per call. KV cache: {work['num_blocks']} blocks of {work['kv_block_size']} "
         f"for both. The server's engine loop: {LOOP_WORDS[work.get('engine_loop', 'thread')]}. "
+        f"The clients: {work.get('client_processes', 1)} worker processes, an HTTP connection each. "
         "Throughput: generated tokens over the wall time of all rounds, after a warm-up round.",
         f"Versions: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, fastapi {env.get('fastapi')}, "
         f"uvicorn {env.get('uvicorn')}, httpx {env.get('httpx')}; commit {env['git_commit']}; {env['date_utc']}.",
         f"Command: `{env['command']}`", "",
-        "| clients | offline tok/s | served tok/s | overhead | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "CPU per token: microseconds of CPU time per generated token of the HTTP process, the engine process "
+        "and the load generator's workers (the warm-up round counted in for the server's two).", "",
+        "| clients | offline tok/s | served tok/s | overhead | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+        "| CPU us/token: HTTP / engine / clients |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         lines.append(f"| {r['concurrency']} | {r['offline_tokens_per_s']:.0f} | {r['served_tokens_per_s']:.0f} | "
                      f"{100 * r['overhead']:.1f}% | {ms(r['served_ttft_p50_ms'])} | {ms(r['served_ttft_p99_ms'])} | "
-                     f"{ms(r['served_itl_p50_ms'])} | {ms(r['served_itl_p99_ms'])} |")
+                     f"{ms(r['served_itl_p50_ms'])} | {ms(r['served_itl_p99_ms'])} | "
+                     f"{us(r.get('served_http_cpu_us_per_token'))} / {us(r.get('served_engine_cpu_us_per_token'))} / "
+                     f"{us(r.get('served_client_cpu_us_per_token'))} |")
     return "\n".join(lines) + "\n"
 
 
