@@ -17,11 +17,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 
 echo "== grader lesson 05 tasks 5-8 (reference solutions, GPU checks included) ==" | tee -a "$LOG"
-timeout ${GRADER_TIMEOUT:-150} python3 -m pytest grader/lesson05/test_flashinfer.py --solutions -q -p no:cacheprovider \
+timeout ${GRADER_TIMEOUT:-200} python3 -m pytest grader/lesson05/test_flashinfer.py --solutions -q -p no:cacheprovider \
     --durations=8 2>&1 | tee -a "$LOG" | tail -25
 echo "exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 
 echo "== benchmark =="
-timeout ${BENCH_TIMEOUT:-250} python3 -m yaie.bench.lesson05_plan_run --solutions --out "$OUT" ${QUICK:+--quick} \
+timeout ${BENCH_TIMEOUT:-200} python3 -m yaie.bench.lesson05_plan_run --solutions --out "$OUT" ${QUICK:+--quick} \
     2>&1 | tee "$OUT/lesson05_plan_run_bench.log" | grep -v "^|"
 ls -la "$OUT"

@@ -71,17 +71,41 @@ def test_longest_order_puts_the_heavy_items_first():
     assert costs == sorted(costs, reverse=True) and costs == [100, 84, 52, 40, 30, 17, 9]
 
 
-def test_auto_order_interleaves_unless_an_item_would_straggle():
-    """``auto`` interleaves when no item costs more than one program slot's share of the work (many
-    comparable items: a mixed step), else longest first (a few long items: a cascade's shared prefix)."""
-    cost = np.array([4096] * 8 + [2500] * 8)            # 8 decodes, 8 wide tiles (cost 4 x 2500 each)
+def test_auto_order_interleaves_when_prefills_dominate_and_nothing_straggles():
+    """``auto`` interleaves when the wide (prefill) items are most of the work and no item costs more than a
+    program slot's share of it; else longest first (decodes most of the work, or a few long items: a
+    cascade's shared prefix)."""
     work = np.zeros((16, fi.WORK_FIELDS), dtype=np.int64)
-    work[:, 4] = cost
+    work[:, 4] = [4096] * 8 + [2500] * 8                # 8 decodes, 8 wide tiles (cost 4 x 2500 each)
     narrow = np.array([1] * 8 + [0] * 8)
-    mixed = fi._work_order(work, narrow, "auto", slots=4)
-    assert narrow[mixed].tolist() == [0, 1] * 8         # 10_000 <= (8 * 4096 + 8 * 10_000) / 4: interleave
-    straggling = fi._work_order(work, narrow, "auto", slots=16)
-    assert narrow[straggling].tolist() == [0] * 8 + [1] * 8   # one wave holds everything: longest first
+    order, kind = fi._work_order(work, narrow, "auto", slots=4)
+    assert kind == "interleave" and narrow[order].tolist() == [0, 1] * 8
+    order, kind = fi._work_order(work, narrow, "auto", slots=16)      # one wave holds everything
+    assert kind == "longest" and narrow[order].tolist() == [0] * 8 + [1] * 8
+    work[8:, 4] = 500                                   # the decodes are most of the work: decodes first
+    order, kind = fi._work_order(work, narrow, "auto", slots=4)
+    assert kind == "longest" and narrow[order].tolist() == [1] * 8 + [0] * 8
+
+
+def test_fused_merge_matches_the_merge_launch():
+    """Split plans (split-KV chunks, a cascade's two levels): the merge fused into the plan/run kernel (the
+    default: the last program of a row merges) gives the separate merge kernel's answer, and leaves its
+    counters at zero for the next run."""
+    batch, _ = plan_of([1, 9, 1, 30], [30, 9, 17, 40])
+    outs = []
+    for fuse in (True, False):
+        wrapper = fi.FlashInferPagedAttention(config={"fuse_merge": fuse})
+        wrapper.plan(*batch.csr(), 8, 2, 16, 8, causal=True, kv_chunk_size=8)
+        outs.append(wrapper.run(batch.q, batch.k_cache, batch.v_cache))
+        assert (wrapper._plan.counters is not None) == fuse
+        if fuse:
+            assert int(wrapper._plan.counters.abs().sum()) == 0
+            again = wrapper.run(batch.q, batch.k_cache, batch.v_cache)
+            torch.testing.assert_close(again[0], outs[0][0])
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-6, rtol=1e-5)
+    exact = ref_attention(batch.q, batch.q_lens, batch.ks, batch.vs, causal=True)
+    torch.testing.assert_close(outs[0][0].double(), exact[0], atol=2e-5, rtol=1e-5)
 
 
 def test_work_orders_give_the_same_answer():

@@ -362,7 +362,9 @@ class _Plan:
     first key, end key, page-table offset (paged) or first K/V row (contiguous), which of the rows' partial
     states this is (-1: the only state, written to the output), offset into ``part_rows``).
     ``merges`` int32 ``[num_merges, 3]``: (query row, first partial row, number of partial rows).
-    ``work``, ``narrow``, ``merges`` and ``part_rows`` are views of ONE device buffer (one copy per plan).
+    ``work``, ``narrow``, ``merges``, ``part_rows`` and ``merge_rows`` are views of ONE device buffer (one
+    copy per plan). ``counters`` (split plans with ``fuse_merge``) go back to zero at the end of every run;
+    two runs of one plan at once on different streams would share them.
     """
 
     num_heads: int
@@ -381,6 +383,9 @@ class _Plan:
     work_host: np.ndarray    # the work list on the host, int64 [num_work, WORK_FIELDS]
     splits: np.ndarray       # per tile (level by level), how many chunks its keys were cut into
     kinds: int               # 1: narrow tiles only, 2: wide only, 3: both (which branches the kernel compiles)
+    order: str               # the work order used: "longest" or "interleave"
+    merge_rows: torch.Tensor | None  # int32 [2, total_q]: each query row's first partial row, its number of states
+    counters: torch.Tensor | None    # int32 [total_q * num_heads] zeros: the fused merge's counters (fuse_merge)
 
     @property
     def host_work(self) -> list[tuple]:
@@ -475,14 +480,16 @@ def _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
 
 # yaie: solution-only
 @triton.jit
-def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, kv_head,
+def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_ROWS, COUNTERS, w, kv_head,
                  stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
-                 M: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FAST_PATH: tl.constexpr,
-                 FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """One work item for one KV head: a tile of M packed rows (query token r // GROUP, query head
-    kv_head * GROUP + r % GROUP) against the keys ``kv_lo .. kv_hi`` of its request.
+                 stride_ot, stride_oh, stride_lt, num_heads, total_q, scale_log2,
+                 ROW0: tl.constexpr, TILE_M: tl.constexpr, M: tl.constexpr, GROUP: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 PAGED: tl.constexpr, FAST_PATH: tl.constexpr, FUSE_MERGE: tl.constexpr, FP32_DOT: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One work item for one KV head: rows ``ROW0 .. ROW0 + M - 1`` of a tile of TILE_M packed rows (query
+    token r // GROUP, query head kv_head * GROUP + r % GROUP) against the keys ``kv_lo .. kv_hi`` of its
+    request. (M < TILE_M: the tile in several passes, for float32, whose tiles take twice the registers.)
 
     ``FAST_PATH`` (wide tiles): the keys every row of the tile sees, whole ``BLOCK_N`` tiles from ``kv_lo``
     up to the first row's position, run without masks; only the rest (the causal diagonal, the ragged end)
@@ -497,10 +504,10 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, 
     slot = tl.load(w + 6)
     rows_at = tl.load(w + 7)
 
-    rows = tl.arange(0, M)
+    rows = ROW0 + tl.arange(0, M)
     tok = rows // GROUP
     heads = kv_head * GROUP + rows % GROUP
-    row_ok = (tok < q_len) & (rows < (M // GROUP) * GROUP)
+    row_ok = (tok < q_len) & (rows < (TILE_M // GROUP) * GROUP)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
     tok64 = (q_start + tok).to(tl.int64)
@@ -536,24 +543,75 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, 
         tl.store(OUT + tok64[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=mask)
         tl.store(LSE + tok64 * stride_lt + heads, lse, mask=row_ok)
-    else:                    # one of several states of these rows, merged by _merge_many_kernel
+    else:                    # one of several states of these rows, merged by _merge_many_kernel or below
         part = (tl.load(PART_ROWS + rows_at + q_start + tok, mask=row_ok, other=0) + slot).to(tl.int64)
         tl.store(PART_O + (part * num_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
         tl.store(PART_LSE + part * num_heads + heads, lse, mask=row_ok)
+        if FUSE_MERGE:
+            _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_ROWS, COUNTERS, q_start + tok, heads, row_ok, offs_d,
+                           stride_ot, stride_oh, stride_lt, num_heads, total_q, HEAD_DIM)
 
 
 # yaie: solution-only
 @triton.jit
-def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_LSE, PART_ROWS,
+def _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_ROWS, COUNTERS, token, heads, row_ok, offs_d,
+                   stride_ot, stride_oh, stride_lt, num_heads, total_q, HEAD_DIM: tl.constexpr):
+    """The split merge fused into the plan/run kernel (lesson 04's trick, per query row): every program that
+    wrote a partial state of a (token, head) row bumps that row's counter; the program that brings it to
+    the row's number of states merges them all (an online log-sum-exp, as _merge_many_kernel) and puts the
+    counter back to 0 for the next run. No second launch: on a step of a few tens of microseconds, the
+    merge launch's host time was as long as the GPU work (the cascade decode).
+
+    The first barrier orders every thread's partial stores before the counters move (release); the second
+    makes the counters' acquire hold for every thread of the program before any of them reads the other
+    programs' partial rows (loaded past the L1 cache, ``.cg``)."""
+    tl.debug_barrier()
+    count = tl.load(MERGE_ROWS + total_q + token, mask=row_ok, other=0)     # states of the row's token
+    counter = COUNTERS + token.to(tl.int64) * num_heads + heads
+    before = tl.atomic_add(counter, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+    last = row_ok & (before == count - 1)
+    tl.debug_barrier()
+    if tl.max(last.to(tl.int32), axis=0) > 0:
+        first = tl.load(MERGE_ROWS + token, mask=last, other=0)
+        d_ok = offs_d[None, :] < HEAD_DIM
+        top = tl.full(heads.shape, float("-inf"), tl.float32)            # the largest lse so far
+        total = tl.zeros(heads.shape, tl.float32)                         # sum of exp(lse_s - top)
+        acc = tl.zeros([heads.shape[0], offs_d.shape[0]], tl.float32)    # sum of exp(lse_s - top) * o_s
+        for s in range(0, tl.max(tl.where(last, count, 0), axis=0)):
+            ok = last & (s < count)
+            row = (first + s).to(tl.int64) * num_heads + heads
+            lse_s = tl.load(PART_LSE + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o_s = tl.load(PART_O + row[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None] & d_ok, other=0.0,
+                          cache_modifier=".cg")
+            new_top = tl.maximum(top, lse_s)
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+            alpha = tl.exp(top - shift)
+            weight = tl.exp(lse_s - shift)
+            total = total * alpha + weight
+            acc = acc * alpha[:, None] + weight[:, None] * tl.where(weight[:, None] > 0, o_s, 0.0)
+            top = new_top
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        lse = tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tok64 = token.to(tl.int64)
+        tl.store(OUT + tok64[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=last[:, None] & d_ok)
+        tl.store(LSE + tok64 * stride_lt + heads, lse, mask=last)
+        tl.store(counter, 0, mask=last)
+
+
+# yaie: solution-only
+@triton.jit
+def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_ROWS, COUNTERS,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                     stride_ot, stride_oh, stride_lt, num_heads, num_kv_heads, scale_log2,
-                     NARROW_M: tl.constexpr, WIDE_M: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                     KINDS: tl.constexpr, PAGED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                     stride_ot, stride_oh, stride_lt, num_heads, num_kv_heads, total_q, scale_log2,
+                     NARROW_M: tl.constexpr, WIDE_M: tl.constexpr, WIDE_PASS: tl.constexpr, GROUP: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr, KINDS: tl.constexpr, PAGED: tl.constexpr, FUSE_MERGE: tl.constexpr,
+                     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """A 1-D grid of (work item, KV head) pairs, the KV heads of one item side by side: programs start in
     the order of the plan's work list, which is how the plan decides what runs beside what. A decode's
-    tile is narrow (NARROW_M rows x BLOCK_N keys per step), a prefill's wide (WIDE_M x WIDE_N): one launch
-    runs both, each program taking the branch its work item asks for.
+    tile is narrow (NARROW_M rows x BLOCK_N keys per step), a prefill's wide (WIDE_M x WIDE_N, in passes of
+    WIDE_PASS rows): one launch runs both, each program taking the branch its work item asks for.
 
     ``KINDS``: 3 when the plan has both kinds of tile, 1 narrow only, 2 wide only. A kernel's registers are
     those of its heaviest branch, for every program: a batch of decodes alone compiles without the wide
@@ -567,15 +625,18 @@ def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_L
     else:
         narrow = KINDS == 1
     if narrow:
-        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, kv_head,
+        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_ROWS, COUNTERS, w, kv_head,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                     stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
-                     NARROW_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, False, FP32_DOT, PRECISION)
+                     stride_ot, stride_oh, stride_lt, num_heads, total_q, scale_log2,
+                     0, NARROW_M, NARROW_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, False, FUSE_MERGE,
+                     FP32_DOT, PRECISION)
     else:
-        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, w, kv_head,
-                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                     stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
-                     WIDE_M, GROUP, HEAD_DIM, BLOCK_D, WIDE_N, PAGE_SIZE, PAGED, True, FP32_DOT, PRECISION)
+        for part in tl.static_range(WIDE_M // WIDE_PASS):
+            _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_ROWS, COUNTERS, w,
+                         kv_head, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                         stride_vh, stride_ot, stride_oh, stride_lt, num_heads, total_q, scale_log2,
+                         part * WIDE_PASS, WIDE_M, WIDE_PASS, GROUP, HEAD_DIM, BLOCK_D, WIDE_N, PAGE_SIZE, PAGED,
+                         True, FUSE_MERGE, FP32_DOT, PRECISION)
 
 
 # yaie: solution-only
@@ -584,8 +645,9 @@ def _tile_config(group: int, head_dim: int, override: dict | None = None) -> dic
     smallest) and step through 64 keys at a time (memory bound: big loads). Wide tiles hold a prefill
     chunk's tokens x heads: 128 rows x 32 keys (compute bound: the prefix-prefill kernel's choice for
     prefills of a few hundred tokens, which fits 4 warps' registers); 64 x 32 for head dims above 128.
-    ``order``: the work list's order (see :func:`_work_order`). Small tiles in the interpreter (fast on a
-    CPU)."""
+    ``order``: the work list's order (see :func:`_work_order`); ``fuse_merge``: split rows are merged by the
+    last program that wrote one of their states (:func:`_merge_if_last`) instead of a second launch. Small
+    tiles in the interpreter (fast on a CPU)."""
     narrow = max(16, triton.next_power_of_2(group))
     if triton_interpreted():
         config = dict(NARROW_M=narrow, WIDE_M=max(32, narrow), BLOCK_N=16, WIDE_N=16, num_warps=1, num_stages=1)
@@ -593,7 +655,7 @@ def _tile_config(group: int, head_dim: int, override: dict | None = None) -> dic
         config = dict(NARROW_M=narrow, WIDE_M=max(128, narrow), BLOCK_N=64, WIDE_N=32, num_warps=4, num_stages=3)
     else:
         config = dict(NARROW_M=narrow, WIDE_M=max(64, narrow), BLOCK_N=32, WIDE_N=32, num_warps=4, num_stages=3)
-    config["order"] = "auto"
+    config.update(order="auto", fuse_merge=True)
     config.update(override or {})
     if config["order"] not in ("auto", "longest", "interleave"):
         raise ValueError(f"config order must be 'auto', 'longest' or 'interleave', got {config['order']!r}")
@@ -685,28 +747,32 @@ def _tiles(q_lens, kv_lens, q_starts, bases, causal, group, narrow_m, wide_m) ->
 
 
 # yaie: solution-only
-def _work_order(work: np.ndarray, narrow: np.ndarray, order: str, slots: float) -> np.ndarray:
-    """The launch order of the work items (programs start in this order).
+def _work_order(work: np.ndarray, narrow: np.ndarray, order: str, slots: float) -> tuple[np.ndarray, str]:
+    """The launch order of the work items (programs start in this order), and which order it is.
 
     ``longest``: longest first (a wide tile's key costs 4 narrow ones), so the heaviest programs start in
     the first wave and the short ones fill the gaps. ``interleave``: narrow (decode, memory-bound) and wide
     (prefill, compute-bound) items alternate in proportion, each kind longest first, so the two kinds share
-    the multiprocessors instead of running one after the other: the decodes' reads overlap the prefills'
-    matrix products. ``auto``: interleave unless some item costs more than a program slot's share of the
-    whole work (``slots`` items run at a time): such an item must start first or it ends last, alone
-    (the shared prefix of a cascade, cut into a few long chunks, is one).
+    the multiprocessors instead of running one after the other: the decodes' reads hide under the prefills'
+    matrix products. ``auto``: interleave when the wide items are most of the work and no item costs more
+    than a program slot's share of it (``slots`` items run at a time); else longest first. Measured on an
+    H100 (bench/results/lesson05_plan_run_h100.md, variant rows): with 2 prefills of 1k tokens over 2k
+    beside 32 decodes, interleaving is 11% faster than longest first; with 2 prefills of 512 over 512, where
+    the decodes are most of the work, longest first (decodes first) is 8% faster. A cascade's shared prefix,
+    cut into a few long chunks, must start first or end last, alone.
     """
     cost = (work[:, 4] - work[:, 3]) * np.where(narrow != 0, 1, 4)
     longest = np.argsort(-cost, kind="stable")
     if order == "auto":
-        order = "interleave" if cost.size and cost.max() * slots <= cost.sum() else "longest"
+        wide_share = cost[narrow == 0].sum() >= cost[narrow != 0].sum()
+        order = "interleave" if cost.size and wide_share and cost.max() * slots <= cost.sum() else "longest"
     if order == "longest":
-        return longest
+        return longest, order
     rank = np.zeros(cost.size)
     for kind in (0, 1):
         members = longest[(narrow[longest] != 0) == kind]
         rank[members] = (np.arange(members.size) + 0.5) / max(members.size, 1)
-    return np.lexsort((np.arange(cost.size), narrow != 0, rank))
+    return np.lexsort((np.arange(cost.size), narrow != 0, rank)), order
 
 
 # yaie: solution-only
@@ -757,21 +823,25 @@ def _make_plan(levels, num_heads, num_kv_heads, head_dim, block_size, total_q, t
                               np.where(direct[tile], -1, c), np.full(tile.size, index * total_q)], axis=1))
         narrow.append(t["narrow"][tile].astype(np.int64))
     work, narrow = np.concatenate(work), np.concatenate(narrow)
-    order = _work_order(work, narrow, config["order"], PROGRAMS_PER_SM * sms / num_kv_heads)
+    order, order_used = _work_order(work, narrow, config["order"], PROGRAMS_PER_SM * sms / num_kv_heads)
     work, narrow = work[order], narrow[order]
-    # One host-to-device copy: work list, kinds, merge list and partial-row table in one int32 buffer.
-    pieces = [work.ravel(), narrow] + ([merges.ravel(), *part_rows] if merges.size else [])
+    # One host-to-device copy: work list, kinds, merge list, partial-row tables in one int32 buffer.
+    num_work, num_merges, levels = work.shape[0], merges.shape[0], len(tiles)
+    pieces = [work.ravel(), narrow]
+    if num_merges:
+        pieces += [merges.ravel(), *part_rows, first_row, states]
     packed = torch.from_numpy(np.concatenate(pieces).astype(np.int32)).to(device)
-    num_work, num_merges = work.shape[0], merges.shape[0]
-    at = num_work * (WORK_FIELDS + 1)
+    ends = np.cumsum([num_work * WORK_FIELDS, num_work, 3 * num_merges, levels * total_q, 2 * total_q])
+    fused = bool(num_merges) and bool(config["fuse_merge"])
     return _Plan(num_heads, num_kv_heads, head_dim, block_size, total_q, total_kv,
                  head_dim ** -0.5 if scale is None else float(scale), config,
-                 packed[: num_work * WORK_FIELDS].view(num_work, WORK_FIELDS),
-                 packed[num_work * WORK_FIELDS: at],
-                 packed[at: at + 3 * num_merges].view(num_merges, 3) if num_merges else None,
-                 packed[at + 3 * num_merges:] if num_merges else None,
+                 packed[: ends[0]].view(num_work, WORK_FIELDS), packed[ends[0]: ends[1]],
+                 packed[ends[1]: ends[2]].view(num_merges, 3) if num_merges else None,
+                 packed[ends[2]: ends[3]] if num_merges else None,
                  int(states[split].sum()), work, np.concatenate([t["count"] for t in tiles]),
-                 int(narrow.any()) + 2 * int((narrow == 0).any()))
+                 int(narrow.any()) + 2 * int((narrow == 0).any()), order_used,
+                 packed[ends[3]: ends[4]] if num_merges else None,
+                 torch.zeros(total_q * num_heads, dtype=torch.int32, device=device) if fused else None)
 
 
 # yaie: solution-only
@@ -793,18 +863,22 @@ def _run_plan(plan: _Plan, q, k, v, kv_indices, paged: bool):
         strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     else:
         strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
+    fused = plan.counters is not None
+    wide_m = cfg["WIDE_M"]
+    wide_pass = wide_m if q.element_size() <= 2 or wide_m <= 64 or wide_m % 64 else 64   # float32: 64-row passes
     _plan_run_kernel[(num_work * plan.num_kv_heads,)](
         q, k, v, kv_indices, plan.work, plan.narrow, out, lse, part_o, part_lse,
         plan.part_rows if plan.part_rows is not None else plan.work,
+        plan.merge_rows if fused else plan.work, plan.counters if fused else plan.work,
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), lse.stride(0),
-        num_heads, plan.num_kv_heads, plan.scale * LOG2E,
-        NARROW_M=cfg["NARROW_M"], WIDE_M=cfg["WIDE_M"], GROUP=num_heads // plan.num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim), BLOCK_N=cfg["BLOCK_N"], WIDE_N=cfg["WIDE_N"], PAGE_SIZE=max(plan.block_size, 1),
-        KINDS=plan.kinds, PAGED=paged, FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+        num_heads, plan.num_kv_heads, total_q, plan.scale * LOG2E,
+        NARROW_M=cfg["NARROW_M"], WIDE_M=wide_m, WIDE_PASS=wide_pass, GROUP=num_heads // plan.num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_N=cfg["BLOCK_N"], WIDE_N=cfg["WIDE_N"],
+        PAGE_SIZE=max(plan.block_size, 1), KINDS=plan.kinds, PAGED=paged, FUSE_MERGE=fused, FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"] if q.element_size() <= 2 else min(cfg["num_stages"], 2))   # fp32 tiles: 2x smem
-    if plan.merges is not None:
+    if plan.merges is not None and not fused:
         block_h = 16
         _merge_many_kernel[(plan.merges.shape[0], (num_heads + block_h - 1) // block_h)](
             part_o, part_lse, out, lse, plan.merges, num_heads, 0,
