@@ -7,14 +7,16 @@
 #    a bad request, metrics);
 # 2. yaie bench serve: the random ~1.1B Llama, bf16; C = 1, 4, 16, 64 streaming clients beside offline
 #    LLM.generate on the same requests -> $OUT/serve_<gpu>.{json,md}.
-# fastapi, uvicorn and pydantic are not on the GPU image: they travel as wheels in .whl/ (ignored by git;
-# fetch them with `pip download` as /work/.library/device/README.md explains) and are installed here.
+# fastapi, uvicorn, pydantic and httptools are not on the GPU image: they travel as wheels in .whl/ (ignored
+# by git; fetch them with `pip download` as /work/.library/device/README.md explains) and are installed
+# here. httptools is uvicorn's fast HTTP parser (without it uvicorn parses in pure Python with h11: more
+# CPU per streamed chunk); uvloop is on the image.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 : "${OUT:?set OUT to the output folder}"
-if ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+if ! python3 -c "import fastapi, uvicorn, httptools" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/{fastapi,starlette,uvicorn,pydantic,pydantic_core,annotated_types,typing_inspection,typing_extensions,opentelemetry_api}-*.whl \
+    .whl/{fastapi,starlette,uvicorn,httptools,pydantic,pydantic_core,annotated_types,typing_inspection,typing_extensions,opentelemetry_api}-*.whl \
     || exit 1
   export PYTHONPATH=/tmp/site
 fi
@@ -22,7 +24,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 {
   echo "== $(date -u +%FT%TZ) commit ${YAIE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, fastapi, uvicorn; print('torch', torch.__version__, 'triton', triton.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__)"
+  python3 -c "import torch, triton, fastapi, uvicorn, httptools, uvloop; print('torch', torch.__version__, 'triton', triton.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__, 'httptools', httptools.__version__, 'uvloop', uvloop.__version__)"
   if [ "${SMOKE:-1}" = "1" ]; then
   echo "== yaie serve (bundled model, CUDA) and the docs' curl commands"
   YAIE_SOLUTIONS=all python3 -m yaie.cli serve --port 8000 --log-level warning &

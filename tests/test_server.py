@@ -402,16 +402,16 @@ def test_a_huge_prompt_does_not_stall_other_clients(live):
 
 def test_engine_failure_fails_its_requests_not_the_server(live, client, monkeypatch):
     llm = live.app.state.llm
-    forward = llm._forward
+    launch = llm._launch                   # the engine loop's forward pass
     calls = []
 
     def broken_once(*args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("a kernel fell over")
-        return forward(*args, **kwargs)
+        return launch(*args, **kwargs)
 
-    monkeypatch.setattr(llm, "_forward", broken_once)
+    monkeypatch.setattr(llm, "_launch", broken_once)
     with pytest.raises(openai.InternalServerError, match="a kernel fell over"):
         client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
     assert wait_idle(live)["yaie_kv_cache_blocks_used"] == 0

@@ -343,7 +343,7 @@ def main(argv=None) -> int:
                       f"ITL p50 {served['itl_p50_ms'] or 0:.2f} ms p99 {served['itl_p99_ms'] or 0:.2f} ms", flush=True)
             final = server.metrics()
     env = environment()
-    for name in ("fastapi", "uvicorn", "httpx"):
+    for name in ("fastapi", "uvicorn", "httpx", "httptools", "uvloop"):
         try:
             env[name] = __import__(name).__version__
         except ImportError:
@@ -390,7 +390,8 @@ def markdown(report: dict) -> str:
         f"The clients: {work.get('client_processes', 1)} worker processes, an HTTP connection each. "
         "Throughput: generated tokens over the wall time of all rounds, after a warm-up round.",
         f"Versions: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, fastapi {env.get('fastapi')}, "
-        f"uvicorn {env.get('uvicorn')}, httpx {env.get('httpx')}; commit {env['git_commit']}; {env['date_utc']}.",
+        f"uvicorn {env.get('uvicorn')} (httptools {env.get('httptools')}, uvloop {env.get('uvloop')}), httpx {env.get('httpx')}; "
+        f"commit {env['git_commit']}; {env['date_utc']}.",
         f"Command: `{env['command']}`", "",
         "CPU per token: microseconds of CPU time per generated token of the HTTP process, the engine process "
         "and the load generator's workers (the warm-up round counted in for the server's two).", "",

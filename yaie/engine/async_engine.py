@@ -14,7 +14,9 @@ time, and some of its clients leave early. Here:
   :meth:`RequestGroup.abort`; the engine thread frees its blocks before its next step.
 
 Each request keeps its own sampler and seed (as in ``LLM.generate``), so a request's text does not depend
-on who else is in the batch: the server's answer for a seed equals ``LLM.generate``'s.
+on who else is in the batch: the server's answer for a seed equals ``LLM.generate``'s. Steps are pipelined
+as ``LLM.generate``'s: a step's kernels are queued first, then the previous step's text is decoded and
+handed out while they run.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from yaie.engine.llm import DEFAULT_MODEL, LLM, _read_generation_config, _Text
+from yaie.engine.llm import DEFAULT_MODEL, LLM, _read_generation_config, _sample_rows, _Text
 from yaie.engine.sampling import SamplingParams
 from yaie.engine.scheduler import Request, Scheduler
 from yaie.model.config import load_config
@@ -55,6 +57,7 @@ class StepEngine:
         llm.last_scheduler, llm.last_graphs = self.scheduler, graphs
         self.requests: dict[int, Request] = {}      # unfinished requests by id
         self.texts: dict[int, _Text] = {}
+        self._late: list[tuple[Request, _Text]] = []     # the last step's requests, their text not decoded yet
         self._next_id = 0
 
     @property
@@ -91,27 +94,42 @@ class StepEngine:
                 self.add([0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
             while self.has_unfinished():
                 self.step()
+            self.flush()
             warmed += 1
         return warmed
 
-    def step(self) -> list[tuple[Request, str, _Text]]:
-        """One forward pass; one event ``(request, new text, its _Text)`` per request in the batch.
-        A finished request (``text.finish_reason`` set) has given its blocks back already."""
+    def step(self, during: Callable[[list], None] | None = None) -> list[tuple[Request, str, _Text]]:
+        """One forward pass over the running batch, pipelined as ``LLM.generate`` runs it: the device gets
+        the step's kernels first, and the host decodes the *previous* step's new text while they run.
+
+        Returns the previous step's events, ``(request, new text, its _Text)``, one per request that
+        sampled a token then (:meth:`flush` gives the last step's). With ``during``, they are handed to it
+        instead, still while the device works (the engine loop sends them to the server then), and the
+        call returns ``[]``. A request whose token ended it (``text.finish_reason`` set) gave its blocks
+        back in this call, before the next step is planned."""
         plan = self.scheduler.schedule()
         if plan.empty:
             raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
         batch = plan.sampled          # a prefill chunk that leaves part of its prompt gets no token yet
-        tokens = self.llm._forward(self.manager, plan, [self.texts[r.request_id] for r in batch],
-                                   self._cache.graphs)
-        events = []
+        logits = self.llm._launch(self.manager, plan, self._cache.graphs)      # queued, not waited for
+        events = self.flush()
+        if during is not None:
+            during(events)
+            events = []
+        tokens = _sample_rows(logits, [self.texts[r.request_id] for r in batch]) if logits is not None else []
         for request, token in zip(batch, tokens):
             text = self.texts[request.request_id]
-            piece = text.push(request, token)
+            text.accept(request, token)
             if text.finish_reason is not None:
                 self.scheduler.finish(request)
                 del self.requests[request.request_id], self.texts[request.request_id]
-            events.append((request, piece, text))
+            self._late.append((request, text))
         return events
+
+    def flush(self) -> list[tuple[Request, str, _Text]]:
+        """The events of the last step's tokens (their text decoded now); ``[]`` when given already."""
+        late, self._late = self._late, []
+        return [(request, text.piece(), text) for request, text in late]
 
     def abort(self, request_id: int) -> bool:
         """Drop an unfinished request and free its blocks now; False if it had finished already."""
@@ -119,6 +137,7 @@ class StepEngine:
         if request is None:
             return False
         del self.texts[request_id]
+        self._late = [(r, text) for r, text in self._late if r.request_id != request_id]
         self.scheduler.abort(request)
         return True
 
@@ -165,15 +184,28 @@ class RequestGroup:
             self.aborted = True
             self.engine._abort(self)
 
-    async def events(self):
-        """Events until every request of the group has finished."""
+    async def batches(self):
+        """Lists of events, until every request of the group has finished: all that arrived since the last
+        list (one per step when the consumer keeps up; more when it fell behind, or with several choices),
+        so a consumer writes one message per wake-up, not one per token."""
         while self.unfinished:
-            event = await self.queue.get()
-            if event is None:         # the consumer's own wake-up (its client left): stop here
-                return
-            if event.finish_reason is not None or event.error is not None:
-                self.unfinished -= 1
-            yield event
+            batch = [await self.queue.get()]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            out = []
+            for event in batch:
+                if event is None:         # the consumer's own wake-up (its client left): stop here
+                    return
+                if event.finish_reason is not None or event.error is not None:
+                    self.unfinished -= 1
+                out.append(event)
+            yield out
+
+    async def events(self):
+        """Events until every request of the group has finished, one at a time."""
+        async for batch in self.batches():
+            for event in batch:
+                yield event
 
 
 @dataclass
@@ -220,6 +252,7 @@ class AsyncEngine:
         self._start_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._owner: dict[int, tuple[RequestGroup, int]] = {}   # request id -> (group, index in group)
+        self._evictable, self._evictable_key, self._evictable_at = 0, None, 0.0
 
     # ------------------------------------------------------------------ life
     @property
@@ -290,6 +323,7 @@ class AsyncEngine:
                 if stopping:
                     break
                 if not self.core.has_unfinished():
+                    self._emit(self.core.flush())      # the last step's text
                     self._update_stats()
                     self._idle()
                     continue
@@ -359,27 +393,32 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            events = self.core.step()
+            self.core.step(during=self._emit)    # the last step's text goes out while the device runs this one
         except Exception as err:  # noqa: BLE001 (a failed step fails its requests, not the server)
             message = f"the engine failed: {type(err).__name__}: {err}"
             traceback.print_exc()
             for group in self._live_groups():
                 self._fail(group, message)
             return
+        self._update_stats()
+
+    def _emit(self, events: list[tuple[Request, str, _Text]]) -> None:
+        """Hand a step's events to their groups (one message or wake-up for all of them)."""
         deliveries = []
         for request, piece, text in events:
             owner = self._owner.get(request.request_id)
-            if owner is None:
+            if owner is None:           # its group was aborted
                 continue
             group, index = owner
             if text.finish_reason is not None:
                 del self._owner[request.request_id]
                 self.stats.requests_finished += 1
             deliveries.append((group, Event(index, piece, text.finish_reason, len(request.output_ids))))
-        self.stats.generation_tokens += len(events)
-        self.stats.recent.append((time.monotonic(), len(events)))
-        self._update_stats()
-        self._deliver(deliveries)
+        if events:
+            self.stats.generation_tokens += len(events)
+            self.stats.recent.append((time.monotonic(), len(events)))
+        if deliveries:
+            self._deliver(deliveries)
 
     def _live_groups(self) -> list[RequestGroup]:
         groups = {id(g): g for g, _ in self._owner.values()}
@@ -399,15 +438,28 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         s, scheduler = self.stats, self.core.scheduler
         s.running, s.waiting, s.swapped = len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped)
-        free = self.core.manager.num_free_blocks
-        if scheduler.prefix_cache is not None:     # unlocked cached prefixes: held by no request, evictable
-            free += scheduler.prefix_cache.tree.num_evictable_blocks
+        free = self.core.manager.num_free_blocks + self._evictable_blocks()
         s.blocks_used = scheduler.usable_blocks - min(scheduler.usable_blocks, free)
         s.steps = scheduler.stats.steps
         s.preemptions = scheduler.stats.preempted_by_recompute + scheduler.stats.preempted_by_swap
         now = time.monotonic()
         while s.recent and now - s.recent[0][0] > RATE_WINDOW_S:
             s.recent.popleft()
+
+    def _evictable_blocks(self) -> int:
+        """Blocks of cached prefixes held by no request (evictable: free for the metrics). Counting them
+        walks the whole prefix tree, which grows with every prompt served, so it is recounted only when
+        requests came, went or finished, when the engine goes idle, or a quarter second after the last
+        count, not at every step."""
+        tree = self.core.scheduler.prefix_cache
+        if tree is None:
+            return 0
+        s, now = self.stats, time.monotonic()
+        key = (s.prompt_tokens, s.requests_finished, s.requests_aborted, s.requests_failed, s.running == 0)
+        if key != self._evictable_key or now - self._evictable_at > 0.25:
+            self._evictable = tree.tree.num_evictable_blocks
+            self._evictable_key, self._evictable_at = key, now
+        return self._evictable
 
 
 async def _accepted(group):
@@ -457,10 +509,11 @@ class ProcessEngine:
 
     Why: an engine step is Python-heavy (scheduling, sampling, detokenizing, for every request), and so is
     HTTP (a JSON chunk and a socket write per token per stream). In one process the two share one GIL, so
-    every token served takes time from the engine: 40% of the offline throughput at 64 streams on an H100
-    (``bench/results/serve_h100.md``). Here the child runs the same loop (:class:`_ChildEngine`), reading
-    requests from a pipe and writing each step's events back in one message; this process only checks
-    and tokenizes requests, routes events to their groups and speaks HTTP.
+    every token served takes host time from the engine, whose steps are bound by host time at small and
+    medium batches. Here the child runs the same loop (:class:`_ChildEngine`), reading requests from a
+    pipe and writing each step's events back in one message (sent while the device runs the next step,
+    with the engine's counters riding along); this process only checks and tokenizes requests, routes
+    events to their groups and speaks HTTP.
     """
 
     def __init__(self, llm_args: dict, warm_up: bool = True):
@@ -566,6 +619,8 @@ class ProcessEngine:
                     _resolve(group, error)
             elif kind == "events":
                 self._route(message[1])
+                for name, value in (message[2] or {}).items():
+                    setattr(self.stats, name, value)
         self._dead = True            # the child is gone: nothing more will come for anyone
         for group in list(self._groups.values()):
             if group.accepted.done():
@@ -614,6 +669,7 @@ class _ChildEngine(AsyncEngine):
         self.conn = conn
         self._remote: dict[int, _RemoteGroup] = {}
         self._last_stats: dict | None = None
+        self._stats_due: dict | None = None     # counters changed since the last message that carried them
 
     def _send(self, message) -> None:
         try:
@@ -647,6 +703,9 @@ class _ChildEngine(AsyncEngine):
         return inbox, aborts, stopping
 
     def _idle(self) -> None:
+        if self._stats_due is not None:         # the counters as the engine goes idle
+            self._send(("stats", self._stats_due))
+            self._stats_due = None
         try:
             self.conn.poll(1.0)
         except (EOFError, OSError):
@@ -665,14 +724,14 @@ class _ChildEngine(AsyncEngine):
                 group.remaining -= 1
                 if not group.remaining:
                     self._remote.pop(group.gid, None)
-        self._send(("events", rows))
+        self._send(("events", rows, self._stats_due))     # one message per step: the counters ride along
+        self._stats_due = None
 
     def _update_stats(self) -> None:
         super()._update_stats()
         snapshot = {name: getattr(self.stats, name) for name in STAT_FIELDS}
         if snapshot != self._last_stats:
-            self._last_stats = snapshot
-            self._send(("stats", snapshot))
+            self._last_stats = self._stats_due = snapshot
 
 
 def _child_main(conn, llm_args: dict, warm_up: bool) -> None:
