@@ -226,9 +226,18 @@ md(r"""
 For the scores `O = Q K[M]^T`: `dQ[l] = sum_c dO[l, :, c] K[M[l, c]]` is the P x V kernel again (with
 `P = dO`). The buffer's gradient is a **scatter**: `dK[r] = sum over (l, c) with M[l, c] = r of dO[l,:,c]^T Q[l]`.
 Many positions hit one row (an entry lives in the cache for many steps), so adds must be atomic
-(`tl.atomic_add`, in float32), or the map must be inverted. The reference sums in registers while a
-slot keeps its row and adds to memory only when the row changes: with `stable_slots` columns that is a
-few atomics per slot per 32 positions.
+(`tl.atomic_add`, in float32), or the map must be inverted. Write it one position at a time first (a
+`[c_block, e] x [e, d]` product and its atomic add per position): that is the task.
+
+The reference has a faster variant for the map the model uses. With `stable_slots` columns an entry keeps
+its column while it lives, so over a block of 32 neighbouring positions a slot holds at most two buffer
+rows (the one at the block's first position and the one at its last). Stack the block's (position,
+query head) pairs into one `K = 32 x e = 128` deep axis and the block's whole sum for a slot is two
+matmuls, `P_block^T [c, K] x dO_block [K, d]`, masked to the pairs that hold each row, and one atomic add
+per slot and row instead of one per position; the rare third row is added position by position. The same
+trick speeds up the gather-dot (`dP = dO V[M]^T`, and the Q K^T forward): the block reads each slot's two
+rows once instead of once per position. The host measures once per map how many (block, slot) pairs have
+a third row and picks the variant (random and oldest-first maps keep the per-position kernels).
 """)
 
 code(r"""
@@ -278,8 +287,12 @@ plt.tight_layout(); plt.show()
 """)
 
 md(r"""
-On the lent H100 (`bench/results/lesson07_h100.md`), the kernels against PyTorch gathering and
-multiplying at these shapes: see the table there for forward and both backwards, time and peak memory.
+On the lent H100 (`bench/results/lesson07_summary_h100.md`, full table `lesson07_h100.md`), the kernels
+against PyTorch gathering and multiplying at these shapes: forward and both backwards, time and peak memory.
+The buffer there has `n = 2l - c` rows, not `n = l`: the telescoping map needs the `l` tokens and one merged
+span per step after the first `c` (above), so that is the `n` the kernels meet and the one measured; the
+random-map rows use `n = l`. The engine's memory per sequence for the tiny telescoping model beside the
+full-attention one, after 1k and 16k generated tokens, is in `bench/results/lesson07_engine_memory_h100.json`.
 
 ## Exercises
 

@@ -67,27 +67,44 @@ def test_stable_slots_keep_columns():
             assert stable[p].tolist().index(r) == stable[p - 1].tolist().index(r)
 
 
-@pytest.mark.parametrize("kind,length,capacity", [("stable", 37, 8), ("stable", 60, 24), ("oldest-first", 37, 8),
-                                                   ("random", 37, 8)])
-def test_scatter_on_maps_with_and_without_stable_columns(kind, length, capacity):
-    """The scatter sums a block of positions per slot with two matmuls (the slot's rows at the block's first
-    and last position) and adds any third row position by position: every map must give the exact sums
-    (c = 24: entries outlive a block, only the two-matmul path runs; c = 8: all paths)."""
+def _map(kind: str, length: int, capacity: int) -> tuple[torch.Tensor, int]:
     index_map, starts, _ = ref.telescoping_index_map(length, capacity)
     n = starts.numel()
     if kind == "stable":
         index_map = ref.stable_slots(index_map, n)
     elif kind == "random":
         index_map = torch.randint(0, n + 2, (length, capacity), generator=torch.Generator().manual_seed(0))
+    return index_map, n
+
+
+@pytest.mark.parametrize("blocks", [(8, 4), (4, 4), (0, 4)], ids=["blocks of 8", "blocks of 4", "per-position"])
+@pytest.mark.parametrize("kind,length,capacity", [("stable", 37, 8), ("stable", 60, 24), ("oldest-first", 37, 8),
+                                                   ("random", 37, 8)])
+def test_gather_dot_and_scatter_on_any_map(kind, length, capacity, blocks):
+    """Both variants of the two kernels, whatever the map. The blocked ones treat the rows a slot holds at
+    a block's first and last position as two matmuls and any third row position by position (c = 24:
+    entries outlive a block, only the matmuls run; c = 8 and the other maps: every path)."""
+    index_map, n = _map(kind, length, capacity)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, length, 2, 3, 16, generator=gen)
     k = torch.randn(1, n, 2, 16, generator=gen)
     dout = torch.randn(1, length, 2, 3, capacity, generator=gen)
     leaves = [q.double().requires_grad_(True), k.double().requires_grad_(True)]
-    want = torch.autograd.grad(ref.indexed_qk_reference(*leaves, index_map), leaves, dout.double())
-    got = ref.indexed_qk_backward(dout, q, k, index_map)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w, atol=5e-5, rtol=1e-5)
+    scores = ref.indexed_qk_reference(*leaves, index_map)
+    want = torch.autograd.grad(scores, leaves, dout.double())
+    torch.testing.assert_close(ref._gather_dot(q, k, index_map, blocks=blocks).double(), scores.detach(),
+                               atol=5e-5, rtol=1e-5)
+    got_dk = ref._scatter(dout, q, index_map, n, torch.float32, blocks=blocks)
+    torch.testing.assert_close(got_dk.double(), want[1], atol=5e-5, rtol=1e-5)
+
+
+def test_blocked_kernels_are_picked_for_stable_maps_only():
+    for kind, length, capacity, want in (("stable", 300, 32, 8), ("stable", 40, 8, 0), ("oldest-first", 300, 32, 0),
+                                         ("random", 300, 32, 0)):
+        index_map, n = _map(kind, length, capacity)
+        m = ref._normalise_map(index_map, n)
+        assert ref._blocks_plan(index_map, m, n, e=4) == (want, 4), (kind, length, capacity)
+        assert index_map._yaie_blocks[1] == want          # kept on the tensor: measured once
 
 
 def test_inputs_of_the_wrong_kind_get_a_value_error():

@@ -338,16 +338,19 @@ def test_pv_forward(device, seed, dtype, case_index):
 
 
 @task(3, TASK3)
-def test_qk_forward_on_a_telescoping_map(device, seed):
+@pytest.mark.parametrize("columns", ["stable", "oldest-first"])
+def test_qk_forward_on_a_telescoping_map(device, seed, columns):
     """The map the model uses: consecutive rows share most of their buffer rows."""
-    length, capacity = (40, 8) if device == "cpu" else (700, 64)
+    length, capacity = (60, 24) if device == "cpu" else (700, 64)
     index_map, n = _telescoping_map(length, capacity)
+    if columns == "stable":
+        index_map = _stable_columns(index_map, n)
     index_map = index_map.to(device)
     q = randn(1, length, 2, 2, 64, device=device, seed=seed)
     k = randn(1, n, 2, 64, device=device, seed=seed + 1)
     out = L.indexed_qk_forward(q, k, index_map)
     assert_close(out, ref_qk(q, k, index_map), name="indexed_qk_forward output on a telescoping map",
-                 dtype=torch.float32, atol=5e-5, rtol=1e-5, case=f"l {length}, c {capacity}",
+                 dtype=torch.float32, atol=5e-5, rtol=1e-5, case=f"l {length}, c {capacity}, {columns} columns",
                  hint="each position has its own rows: load M[l, c-block] for every program")
 
 
@@ -363,6 +366,21 @@ def _telescoping_map(length, capacity):
     for p, spans in enumerate(spans_at):
         index_map[p, :len(spans)] = torch.tensor([rows_of[s] for s in spans], dtype=torch.int32)
     return index_map, n
+
+
+def _stable_columns(index_map: torch.Tensor, n: int) -> torch.Tensor:
+    """The same caches with every entry kept in one column while it lives (a new one takes a freed column):
+    the order the model uses, in which neighbouring positions agree in almost every column."""
+    out = torch.full_like(index_map, n)
+    columns = [n] * index_map.shape[1]
+    for p, row in enumerate(index_map.tolist()):
+        alive = {r for r in row if r < n}
+        columns = [r if r in alive else n for r in columns]
+        free = [j for j, r in enumerate(columns) if r == n]
+        for r, j in zip([r for r in row if r < n and r not in columns], free):
+            columns[j] = r
+        out[p] = torch.tensor(columns, dtype=index_map.dtype)
+    return out
 
 
 @task(3, TASK3)
@@ -447,21 +465,6 @@ def test_autograd_through_both_products(device, seed):
                           "check that each backward returns the gradient of the input in its position")
 
 
-def _stable_columns(index_map: torch.Tensor, n: int) -> torch.Tensor:
-    """The same caches with every entry kept in one column while it lives (a new one takes a freed column):
-    the order the model uses, in which neighbouring positions agree in almost every column."""
-    out = torch.full_like(index_map, n)
-    columns = [n] * index_map.shape[1]
-    for p, row in enumerate(index_map.tolist()):
-        alive = {r for r in row if r < n}
-        columns = [r if r in alive else n for r in columns]
-        free = [j for j, r in enumerate(columns) if r == n]
-        for r, j in zip([r for r in row if r < n and r not in columns], free):
-            columns[j] = r
-        out[p] = torch.tensor(columns, dtype=index_map.dtype)
-    return out
-
-
 @task(4, TASK4)
 @pytest.mark.parametrize("columns", ["stable", "oldest-first"])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
@@ -469,7 +472,7 @@ def _stable_columns(index_map: torch.Tensor, n: int) -> torch.Tensor:
 def test_backward_on_a_telescoping_map(device, seed, columns, dtype):
     """Both backwards on the maps a model trains with: long runs of positions share a slot's buffer row."""
     skip_bf16_on_cpu(dtype, device)
-    length, capacity, e, d = (40, 8, 2, 32) if device == "cpu" else (1500, 64, 4, 128)
+    length, capacity, e, d = (60, 24, 2, 32) if device == "cpu" else (1500, 64, 4, 128)
     index_map, n = _telescoping_map(length, capacity)
     if columns == "stable":
         index_map = _stable_columns(index_map, n)

@@ -38,10 +38,13 @@ build it. Three kernels cover the forward and backward of both products:
 * gather-accumulate: ``out[l,e,d] = sum_c p[l,e,c] * buf[M[l,c], d]``    (P V forward; dQ of Q K^T)
 * scatter-add:       ``dbuf[M[l,c], d] += sum_e p[l,e,c] * a[l,e,d]``    (dK of Q K^T; dV of P V)
 
-In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32. The map
-the model uses keeps every entry in one column while it lives (:func:`stable_slots`), so over a block of
-neighbouring positions a slot holds one or two rows: the scatter sums a whole block with two matmuls and
-adds each slot's sums once, instead of one small product and one atomic add per position.
+In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32. The
+straightforward kernels work one position at a time (a ``[e, d] x [d, c]`` product per position and
+slot block). The map the model uses keeps every entry in one column while it lives
+(:func:`stable_slots`), so over a block of neighbouring positions a slot holds one or two rows; for such
+maps gather-dot and scatter-add have *blocked* variants that treat a block of positions as one matmul
+per row (``K = positions x e`` deep), reading (or adding to) each slot's rows once per block instead of
+once per position. The host code picks them for maps of that kind.
 Empty slots (``M >= n``) give 0 in the forward products and receive no gradient.
 """
 
@@ -433,6 +436,71 @@ def _gather_dot_kernel(a_ptr, buf_ptr, map_ptr, out_ptr, H, N, C, E, D,
 
 # yaie: solution-only
 @triton.jit
+def _gather_dot_blocks_kernel(a_ptr, buf_ptr, map_ptr, out_ptr, H, N, L, C, E, D,
+                              sa_b, sa_l, sa_h, sa_e, sa_d, sb_b, sb_n, sb_h, sb_d,
+                              so_b, so_l, so_h, so_e, so_c,
+                              BLOCK_L: tl.constexpr, GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                              BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """out[b, l, h, :, c] = a[b, l, h] @ buf[b, M[l, c], h]^T for BLOCK_L positions and BLOCK_C slots.
+
+    Gathering each position's own rows reads ``c`` buffer rows per position, the same rows again and
+    again. Over a block of neighbouring positions of a stable-column map a slot holds at most two rows,
+    the ones at the block's first and last position, so the block reads those two sets of rows once and
+    multiplies all its (position, query head) pairs by each (``K = BLOCK_L * GROUP`` rows of ``a``);
+    every output keeps the product with the row its slot holds. Outputs whose slot holds a third row
+    inside the block (other maps) are computed position by position, as a per-position kernel would.
+    """
+    # Consecutive programs take the slot blocks of one block of positions: they share its rows in L2.
+    pid = tl.program_id(0)
+    pid_c, pid_l = pid % tl.cdiv(C, BLOCK_C), (pid // tl.cdiv(C, BLOCK_C)).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    l0 = pid_l * BLOCK_L
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    c_ok, d_ok = offs_c < C, offs_d < D
+    offs_k = tl.arange(0, BLOCK_L * GROUP)                   # (position, query head) pairs of the block
+    k_l, k_e = l0 + offs_k // GROUP, offs_k % GROUP
+    k_ok = (k_l < L) & (k_e < E)
+    rows = tl.load(map_ptr + k_l[:, None] * C + offs_c[None, :], mask=k_ok[:, None] & c_ok[None, :], other=N)
+    first = tl.load(map_ptr + l0 * C + offs_c, mask=c_ok, other=N)
+    last = tl.load(map_ptr + (tl.minimum(l0 + BLOCK_L, L) - 1) * C + offs_c, mask=c_ok, other=N)
+    a = tl.load(a_ptr + b * sa_b + h * sa_h + k_l[:, None] * sa_l + k_e[:, None] * sa_e + offs_d[None, :] * sa_d,
+                mask=k_ok[:, None] & d_ok[None, :], other=0.0)                    # [K, BLOCK_D]
+    buf_base = buf_ptr + b * sb_b + h * sb_h + offs_d[:, None] * sb_d
+    zero = tl.zeros((BLOCK_L * GROUP, BLOCK_C), dtype=tl.float32)
+    # Unused slots (row N) load zeros and so give 0.
+    bt = tl.load(buf_base + last.to(tl.int64)[None, :] * sb_n, mask=d_ok[:, None] & (last < N)[None, :], other=0.0)
+    at_last = _dot(a, bt, zero, FP32_DOT, PRECISION)                               # [K, BLOCK_C]
+    bt = tl.load(buf_base + first.to(tl.int64)[None, :] * sb_n, mask=d_ok[:, None] & (first < N)[None, :], other=0.0)
+    at_first = _dot(a, bt, zero, FP32_DOT, PRECISION)
+    is_last, is_first = rows == last[None, :], rows == first[None, :]
+    out = tl.where(is_last, at_last, at_first)
+    out_base = out_ptr + b * so_b + h * so_h
+    done = (is_last | is_first | (rows >= N)) & k_ok[:, None] & c_ok[None, :]
+    tl.store(out_base + k_l[:, None] * so_l + k_e[:, None] * so_e + offs_c[None, :] * so_c,
+             tl.where(rows < N, out, 0.0).to(out_ptr.dtype.element_ty), mask=done)
+    # A third row: position by position (never, for a stable map over a block shorter than an entry lives).
+    others = (rows < N) & ~is_last & ~is_first
+    if tl.max(tl.max(others.to(tl.int32), axis=1), axis=0) > 0:
+        offs_e = tl.arange(0, BLOCK_E)
+        for i in range(BLOCK_L):
+            l = l0 + i
+            in_range = c_ok & ((offs_c * 0 + l) < L)                          # the position as a vector
+            row = tl.load(map_ptr + l * C + offs_c, mask=in_range, other=N)
+            other = (row < N) & (row != first) & (row != last)
+            if tl.max(other.to(tl.int32), axis=0) > 0:
+                ae = tl.load(a_ptr + b * sa_b + l * sa_l + h * sa_h + offs_e[:, None] * sa_e + offs_d[None, :] * sa_d,
+                             mask=(offs_e[:, None] < E) & d_ok[None, :], other=0.0)   # [BLOCK_E, BLOCK_D]
+                bt = tl.load(buf_base + row.to(tl.int64)[None, :] * sb_n, mask=d_ok[:, None] & other[None, :],
+                             other=0.0)                                               # [BLOCK_D, BLOCK_C]
+                part = _dot(ae, bt, tl.zeros((BLOCK_E, BLOCK_C), dtype=tl.float32), FP32_DOT, PRECISION)
+                tl.store(out_base + l * so_l + offs_e[:, None] * so_e + offs_c[None, :] * so_c,
+                         part.to(out_ptr.dtype.element_ty), mask=(offs_e[:, None] < E) & other[None, :])
+
+
+# yaie: solution-only
+@triton.jit
 def _gather_acc_kernel(p_ptr, buf_ptr, map_ptr, out_ptr, H, N, C, E, D,
                        sp_b, sp_l, sp_h, sp_e, sp_c, sb_b, sb_n, sb_h, sb_d,
                        so_b, so_l, so_h, so_e, so_d,
@@ -465,8 +533,54 @@ def _gather_acc_kernel(p_ptr, buf_ptr, map_ptr, out_ptr, H, N, C, E, D,
 def _scatter_kernel(p_ptr, a_ptr, map_ptr, dbuf_ptr, H, N, L, C, E, D,
                     sp_b, sp_l, sp_h, sp_e, sp_c, sa_b, sa_l, sa_h, sa_e, sa_d,
                     sg_b, sg_n, sg_h, sg_d,
-                    BLOCK_L: tl.constexpr, GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-                    BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """dbuf[b, M[l, c], h] += p[b, l, h, :, c]^T @ a[b, l, h] for BLOCK_L positions and BLOCK_C slots.
+
+    Many positions (and sometimes several slots of one row) add into one buffer row, so the adds are
+    float32 atomics. But a slot usually holds the same row for many consecutive positions: the program
+    walks its positions in order, sums each slot's contributions in registers while its row stays the
+    same, and adds to memory only when the row changes (and at the end). With a map whose entries keep
+    their column (:func:`stable_slots`) that is a few atomics per slot per BLOCK_L positions instead of
+    one per position; any other map is still summed exactly, just with more atomics.
+    """
+    pid_l = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    b, h = bh // H, bh % H
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+    dbuf_base = dbuf_ptr + b * sg_b + h * sg_h + offs_d[None, :] * sg_d
+    acc = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
+    held = tl.full((BLOCK_C,), N, dtype=tl.int32)          # the row each slot's sum belongs to (N: none)
+    for i in range(BLOCK_L):
+        l = pid_l * BLOCK_L + i
+        l_ok = (offs_c * 0 + l) < L                            # the position as a vector (for the masks)
+        rows = tl.load(map_ptr + l * C + offs_c, mask=(offs_c < C) & l_ok, other=N)
+        rows = tl.minimum(rows, N)
+        changed = rows != held
+        flush = changed & (held < N)
+        tl.atomic_add(dbuf_base + held.to(tl.int64)[:, None] * sg_n, acc, mask=flush[:, None] & d_ok)
+        acc = tl.where(changed[:, None], 0.0, acc)
+        held = rows
+        used = rows < N
+        pt = tl.load(p_ptr + b * sp_b + l * sp_l + h * sp_h + offs_c[:, None] * sp_c + offs_e[None, :] * sp_e,
+                     mask=used[:, None] & (offs_e[None, :] < E), other=0.0)        # [BLOCK_C, BLOCK_E]
+        a = tl.load(a_ptr + b * sa_b + l * sa_l + h * sa_h + offs_e[:, None] * sa_e + offs_d[None, :] * sa_d,
+                    mask=(offs_e[:, None] < E) & d_ok & (offs_e[:, None] * 0 + l < L), other=0.0)
+        acc = _dot(pt, a, acc, FP32_DOT, PRECISION)
+    tl.atomic_add(dbuf_base + held.to(tl.int64)[:, None] * sg_n, acc, mask=(held < N)[:, None] & d_ok)
+
+
+# yaie: solution-only
+@triton.jit
+def _scatter_blocks_kernel(p_ptr, a_ptr, map_ptr, dbuf_ptr, H, N, L, C, E, D,
+                           sp_b, sp_l, sp_h, sp_e, sp_c, sa_b, sa_l, sa_h, sa_e, sa_d,
+                           sg_b, sg_n, sg_h, sg_d,
+                           BLOCK_L: tl.constexpr, GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                           BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """dbuf[b, M[l, c], h] += p[b, l, h, :, c]^T @ a[b, l, h] for BLOCK_L positions and BLOCK_C slots.
 
     Many positions add into one buffer row, so the adds are float32 atomics; the work is to issue few.
@@ -477,9 +591,10 @@ def _scatter_kernel(p_ptr, a_ptr, map_ptr, dbuf_ptr, H, N, L, C, E, D,
     per slot and row. Contributions to any third row of a slot in the block (other maps: oldest-first
     order, random) are added position by position: slower, but exact for any map.
     """
-    pid_l = tl.program_id(0).to(tl.int64)
-    pid_c = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
+    # Consecutive programs take the slot blocks of one block of positions: they share its rows in L2.
+    pid = tl.program_id(0)
+    pid_c, pid_l = pid % tl.cdiv(C, BLOCK_C), (pid // tl.cdiv(C, BLOCK_C)).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     l0 = pid_l * BLOCK_L
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -533,15 +648,63 @@ def _block_c(c: int) -> int:
 
 
 # yaie: solution-only
-def _gather_dot(a: torch.Tensor, buf: torch.Tensor, index_map: torch.Tensor) -> torch.Tensor:
+def _third_row_share(m: torch.Tensor, n: int, block_l: int) -> float:
+    """The share of (block of ``block_l`` positions, slot) pairs in which the slot holds a row other than
+    its rows at the block's first and last positions: work the blocked kernels do position by position."""
+    blocks = m[:m.shape[0] // block_l * block_l].reshape(-1, block_l, m.shape[1])
+    if blocks.shape[0] == 0:
+        return 1.0
+    first, last = blocks[:, :1], blocks[:, -1:]
+    third = ((blocks < n) & (blocks != first) & (blocks != last)).any(dim=1)
+    return float(third.float().mean())
+
+
+# yaie: solution-only
+def _blocks_plan(index_map: torch.Tensor, m: torch.Tensor, n: int, e: int,
+                 most_third_rows: float = 0.1) -> tuple[int, int]:
+    """``(block_l, GROUP)`` for the blocked kernels, or ``(0, GROUP)`` for the per-position ones.
+
+    The blocked kernels' matmuls are ``K = block_l * GROUP`` deep (``GROUP``: e rounded up to a power of
+    2): at least 16 (``tl.dot``), at most 128 (registers). Longer blocks share more work, but more slots
+    then hold a third row inside a block, done position by position. So: the longest block in which at
+    most ``most_third_rows`` of the (block, slot) pairs have a third row; none (per-position kernels) if
+    even the shortest has more: a map whose entries move between columns (oldest-first order, random).
+    Measured once per map tensor (it costs a device sync) and kept on the tensor; every choice gives the
+    same sums, only the speed differs.
+    """
+    group = triton.next_power_of_2(e)
+    shortest = max(1, 16 // group)
+    block_l = max(shortest, min(8 if triton_interpreted() else 32, 128 // group))
+    key = (index_map._version, n, group)
+    cached = getattr(index_map, "_yaie_blocks", None)
+    if cached is None or cached[0] != key:
+        while block_l >= shortest and _third_row_share(m, n, block_l) > most_third_rows:
+            block_l //= 2
+        cached = (key, block_l if block_l >= shortest else 0)
+        index_map._yaie_blocks = cached
+    return cached[1], group
+
+
+# yaie: solution-only
+def _gather_dot(a: torch.Tensor, buf: torch.Tensor, index_map: torch.Tensor,
+                blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    """``blocks``: ``(block_l, GROUP)`` to force a variant (tests); default :func:`_blocks_plan`'s."""
     b, l, h, e, d = a.shape
     n, c = buf.shape[1], index_map.shape[1]
     m = _normalise_map(index_map, n)
     out = torch.empty(b, l, h, e, c, dtype=a.dtype, device=a.device)
-    block_c = _block_c(c)
-    grid = (l, triton.cdiv(c, block_c), b * h)
-    _gather_dot_kernel[grid](a, buf, m, out, h, n, c, e, d, *a.stride(), *buf.stride(), *out.stride(),
-                             BLOCK_C=block_c, **_options(a.dtype, e, d))
+    block_l, group = _blocks_plan(index_map, m, n, e) if blocks is None else blocks
+    if not block_l:
+        block_c = _block_c(c)
+        grid = (l, triton.cdiv(c, block_c), b * h)
+        _gather_dot_kernel[grid](a, buf, m, out, h, n, c, e, d, *a.stride(), *buf.stride(), *out.stride(),
+                                 BLOCK_C=block_c, **_options(a.dtype, e, d))
+        return out
+    block_c = min(32, _block_c(c))              # two [K, BLOCK_C] float32 products live at once
+    grid = (triton.cdiv(c, block_c) * triton.cdiv(l, block_l), b * h)
+    _gather_dot_blocks_kernel[grid](a, buf, m, out, h, n, l, c, e, d, *a.stride(), *buf.stride(), *out.stride(),
+                                    BLOCK_L=block_l, GROUP=group, BLOCK_C=block_c, **_options(a.dtype, e, d),
+                                    num_warps=8)
     return out
 
 
@@ -558,21 +721,25 @@ def _gather_acc(p: torch.Tensor, buf: torch.Tensor, index_map: torch.Tensor) -> 
 
 
 # yaie: solution-only
-def _scatter(p: torch.Tensor, a: torch.Tensor, index_map: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+def _scatter(p: torch.Tensor, a: torch.Tensor, index_map: torch.Tensor, n: int, dtype: torch.dtype,
+             blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    """``blocks``: ``(block_l, GROUP)`` to force a variant (tests); default :func:`_blocks_plan`'s."""
     b, l, h, e, c = p.shape
     d = a.shape[4]
     m = _normalise_map(index_map, n)
     dbuf = torch.zeros(b, n, h, d, dtype=torch.float32, device=p.device)
     block_c = _block_c(c)
-    group = triton.next_power_of_2(e)
-    # K = block_l * group (position, query head) pairs per matmul: at least 16 (tl.dot), about 128 on a
-    # GPU. Longer blocks issue fewer atomics, but more slots then hold three rows inside one block.
-    most = 8 if triton_interpreted() else 32
-    block_l = max(16 // group, min(most, 128 // group), 1)
-    grid = (triton.cdiv(l, block_l), triton.cdiv(c, block_c), b * h)
-    _scatter_kernel[grid](p, a, m, dbuf, h, n, l, c, e, d, *p.stride(), *a.stride(), *dbuf.stride(),
-                          BLOCK_L=block_l, GROUP=group, BLOCK_C=block_c, **_options(p.dtype, e, d),
-                          num_warps=8)
+    block_l, group = _blocks_plan(index_map, m, n, e) if blocks is None else blocks
+    if not block_l:
+        positions = 4 if triton_interpreted() else 32
+        grid = (triton.cdiv(l, positions), triton.cdiv(c, block_c), b * h)
+        _scatter_kernel[grid](p, a, m, dbuf, h, n, l, c, e, d, *p.stride(), *a.stride(), *dbuf.stride(),
+                              BLOCK_L=positions, BLOCK_C=block_c, **_options(p.dtype, e, d))
+        return dbuf.to(dtype)
+    grid = (triton.cdiv(c, block_c) * triton.cdiv(l, block_l), b * h)
+    _scatter_blocks_kernel[grid](p, a, m, dbuf, h, n, l, c, e, d, *p.stride(), *a.stride(), *dbuf.stride(),
+                                 BLOCK_L=block_l, GROUP=group, BLOCK_C=block_c, **_options(p.dtype, e, d),
+                                 num_warps=8)
     return dbuf.to(dtype)
 
 

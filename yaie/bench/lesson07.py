@@ -148,7 +148,7 @@ def run(args) -> list[Row]:
             errs = [_rel_err(ours_out[:1, :cut], ref_out)] + [_rel_err(a, b) for a, b in zip(prefix_grads, ref_grads)]
             status = "ok" if max(errs) < 1e-2 else "MISMATCH"
             print(f"{shape} {name}: relative difference to float32 torch (prefix) out/dx/dbuf = "
-                  + ", ".join(f"{e:.1e}" for e in errs) + f" [{status}]", flush=True)
+                  + ", ".join(f"{e:.1e}" for e in errs) + f" [{status}]" + _plan_note(tele, index_map, n), flush=True)
             ours_out = ours_grads = ref_out = ref_grads = prefix_grads = leaves = x32 = buf32 = g32 = None
             torch.cuda.empty_cache()
 
@@ -231,6 +231,15 @@ def run(args) -> list[Row]:
     return rows
 
 
+def _plan_note(tele, index_map, n: int) -> str:
+    """Which variant of the gather-dot and scatter kernels the reference picks for this map (if it says)."""
+    plan = getattr(tele, "_blocks_plan", None)
+    if plan is None:
+        return ""
+    block_l, _ = plan(index_map, index_map.clamp(max=n).to(torch.int32), n, E)
+    return f"; gather-dot and scatter: {f'blocks of {block_l} positions' if block_l else 'per position'}"
+
+
 def summary_markdown(memory: list[dict], gpu: str) -> str:
     """Speed-ups and memory savings against gather + matmul, one row per shape and product."""
 
@@ -244,6 +253,9 @@ def summary_markdown(memory: list[dict], gpu: str) -> str:
     lines = [f"# lesson 07 on the {gpu}: indexed matmuls against PyTorch gather + matmul", "",
              "bf16; speed-up = torch time / ours (median of `do_bench`); memory = peak allocated during the "
              "call above the inputs (backward rows: forward + backward), MiB; `python -m yaie.cli bench lesson07`.",
+             "", "n is the buffer's rows. The telescoping map's buffer has n = 2l - c rows: the l tokens, then one "
+             "merged span for every step after the first c (each step past the capacity merges one pair into a "
+             "new average), so it is measured at n = 2l - c, not n = l; the random map draws from n = l rows.",
              "", "| shape | product | fwd speed-up | bwd speed-up | fwd peak ours / torch | fwd+bwd peak ours / torch "
              "| fwd+bwd memory saved |", "|---|---|---:|---:|---:|---:|---:|"]
     for m in memory:

@@ -41,10 +41,13 @@ build it. Three kernels cover the forward and backward of both products:
 * gather-accumulate: ``out[l,e,d] = sum_c p[l,e,c] * buf[M[l,c], d]``    (P V forward; dQ of Q K^T)
 * scatter-add:       ``dbuf[M[l,c], d] += sum_e p[l,e,c] * a[l,e,d]``    (dK of Q K^T; dV of P V)
 
-In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32. The map
-the model uses keeps every entry in one column while it lives (:func:`stable_slots`), so over a block of
-neighbouring positions a slot holds one or two rows: the scatter sums a whole block with two matmuls and
-adds each slot's sums once, instead of one small product and one atomic add per position.
+In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32. The
+straightforward kernels work one position at a time (a ``[e, d] x [d, c]`` product per position and
+slot block). The map the model uses keeps every entry in one column while it lives
+(:func:`stable_slots`), so over a block of neighbouring positions a slot holds one or two rows; for such
+maps gather-dot and scatter-add have *blocked* variants that treat a block of positions as one matmul
+per row (``K = positions x e`` deep), reading (or adding to) each slot's rows once per block instead of
+once per position. The host code picks them for maps of that kind.
 Empty slots (``M >= n``) give 0 in the forward products and receive no gradient.
 """
 
