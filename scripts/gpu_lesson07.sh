@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Lesson 07 on the lent GPU, in one call: the grader on the reference (bf16/fp16/fp32 checks on GPU shapes)
 # while the engine's memory per sequence is measured beside it (a telescoping and a full-attention tiny
-# model, each generating ENGINE_TOKENS tokens: memory, not timing, so sharing the GPU does not matter);
+# model, two processes, each generating ENGINE_TOKENS tokens: memory, not timing, so sharing the GPU does
+# not matter);
 # then, the GPU to itself, the indexed-matmul benchmark against PyTorch gather + matmul with what time
 # is left. Logs and results go to $OUT (at most 8 files: run.log, engine_memory.json, bench.log and the
 # benchmark's five).
@@ -12,8 +13,8 @@
 set -uo pipefail
 OUT=${OUT:-out_lesson07}
 SECTIONS=${SECTIONS:-grader engine bench}
-TOTAL_S=${TOTAL_S:-400}          # the whole script's budget: the benchmark gets what is left of it
-ENGINE_WAIT_S=${ENGINE_WAIT_S:-210}   # the benchmark starts by then: an engine still running is stopped
+TOTAL_S=${TOTAL_S:-395}          # the whole script's budget: the benchmark gets what is left of it
+ENGINE_WAIT_S=${ENGINE_WAIT_S:-200}   # the benchmark starts by then: an engine still running is stopped
 START=$SECONDS
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -22,12 +23,15 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 echo "commit ${YAIE_GIT_COMMIT:-unknown}" | tee -a "$LOG"
 
-ENGINE_PID=""
+ENGINE_PIDS=""
 if [[ " $SECTIONS " == *" engine "* ]]; then
+    # Two processes side by side (each measures its own allocations), merged into one JSON at the end.
     echo "== engine memory per sequence: tiny-telescoping and tiny-stories, ${ENGINE_TOKENS:-16384} tokens (background) =="
-    python3 scripts/gpu_lesson07_engine.py --tokens ${ENGINE_TOKENS:-16384} --out "$OUT/engine_memory.json" \
-        > /tmp/lesson07_engine.log 2>&1 &
-    ENGINE_PID=$!
+    for model in tiny-telescoping tiny-stories; do
+        python3 scripts/gpu_lesson07_engine.py --model yaie/assets/$model --tokens ${ENGINE_TOKENS:-16384} \
+            --out /tmp/lesson07_engine_$model.json > /tmp/lesson07_engine_$model.log 2>&1 &
+        ENGINE_PIDS="$ENGINE_PIDS $!"
+    done
 fi
 
 if [[ " $SECTIONS " == *" grader "* ]]; then
@@ -36,15 +40,26 @@ if [[ " $SECTIONS " == *" grader "* ]]; then
         2>&1 | tee -a "$LOG" | tail -12
 fi
 
-if [[ -n "$ENGINE_PID" ]]; then
-    while kill -0 "$ENGINE_PID" 2>/dev/null && (( SECONDS - START < ENGINE_WAIT_S )); do sleep 2; done
-    if kill -0 "$ENGINE_PID" 2>/dev/null; then
-        echo "engine measurement still running after $ENGINE_WAIT_S s: stopped (its JSON holds what it measured)" | tee -a "$LOG"
-        kill "$ENGINE_PID"; sleep 2
-    fi
-    wait "$ENGINE_PID" 2>/dev/null
-    echo "== engine memory log ($(( SECONDS - START )) s) ==" | tee -a "$LOG"
-    tail -20 /tmp/lesson07_engine.log | tee -a "$LOG"
+if [[ -n "$ENGINE_PIDS" ]]; then
+    for pid in $ENGINE_PIDS; do
+        while kill -0 "$pid" 2>/dev/null && (( SECONDS - START < ENGINE_WAIT_S )); do sleep 2; done
+        if kill -0 "$pid" 2>/dev/null; then
+            echo "engine measurement $pid still running after $ENGINE_WAIT_S s: stopped (its JSON holds what it measured)" | tee -a "$LOG"
+            kill "$pid"; sleep 2
+        fi
+        wait "$pid" 2>/dev/null
+    done
+    echo "== engine memory logs ($(( SECONDS - START )) s) ==" | tee -a "$LOG"
+    tail -n 12 /tmp/lesson07_engine_*.log | tee -a "$LOG"
+    python3 - "$OUT/engine_memory.json" /tmp/lesson07_engine_tiny-telescoping.json /tmp/lesson07_engine_tiny-stories.json <<'PY'
+import json, sys
+parts = [json.load(open(p)) for p in sys.argv[2:] if __import__("os").path.exists(p)]
+merged = {k: v for k, v in (parts[0] if parts else {}).items() if k not in ("models", "command")}
+merged["command"] = "bash scripts/gpu_lesson07.sh (scripts/gpu_lesson07_engine.py --model M, both models at once)"
+merged["models"] = [m for part in parts for m in part.get("models", [])]
+open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")
+print("wrote", sys.argv[1], "with", [m["model"] for m in merged["models"]])
+PY
 fi
 
 if [[ " $SECTIONS " == *" train "* ]]; then
