@@ -196,6 +196,70 @@ def test_chat_whole_and_streamed(client, reference):
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
 
 
+# ----------------------------------------------------------------------------- logprobs
+@pytest.fixture(scope="module")
+def hf_model():
+    """The bundled model through transformers: an independent computation of its log-probabilities."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    with torch.no_grad():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).eval()
+
+
+def test_completion_logprobs_are_the_models(client, reference, hf_model):
+    import torch
+    prompt = "Once upon a time, there was a little fox named"
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    want = generate(reference, prompt, defaults(reference, max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert got.choices[0].text == want.text
+    ids, start = want.prompt_token_ids + want.token_ids, len(want.prompt_token_ids)
+    with torch.no_grad(), single_thread():
+        logits = hf_model(torch.tensor([ids])).logits[0].double()
+    expected = torch.log_softmax(logits, dim=-1)[start - 1:-1]        # row j: the distribution of token j
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    for j, token in enumerate(want.token_ids):
+        where = f"token {j} ({token})"
+        assert lp.tokens[j] == reference.tokenizer.decode([token], skip_special_tokens=False), where
+        assert lp.token_logprobs[j] == pytest.approx(expected[j, token].item(), abs=1e-3), where
+        top = lp.top_logprobs[j]                 # greedy: the chosen token is the most likely, one of the 3
+        assert len(top) == 3 and top[lp.tokens[j]] == lp.token_logprobs[j], (where, top)
+        assert sorted(top.values(), reverse=True) == pytest.approx(expected[j].topk(3).values.tolist(), abs=1e-3)
+    offsets = [sum(len(t) for t in lp.tokens[:j]) for j in range(8)]
+    assert lp.text_offset == offsets
+
+
+def test_logprobs_streamed_equal_whole_and_chat(client):
+    seed = fresh_seed()
+    kwargs = dict(model=MODEL, prompt="Lily was afraid of the dark.", max_tokens=10, temperature=0.8, seed=seed,
+                  logprobs=2)
+    whole = client.completions.create(**kwargs)
+    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == whole.usage.completion_tokens, f"seed={seed}"
+    assert [t for p in parts for t in p.tokens] == lp.tokens, f"seed={seed}"
+    assert [x for p in parts for x in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert [x for p in parts for x in p.text_offset] == lp.text_offset
+    assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+
+    messages = [{"role": "user", "content": "Tom had a red kite."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for item in content:
+        assert item.bytes == list(item.token.encode()) and len(item.top_logprobs) == 2
+        assert item.logprob == item.top_logprobs[0].logprob      # greedy: the most likely token
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert [i.token for p in streamed for i in p.content] == [i.token for i in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+
 def test_chat_without_max_tokens_is_bounded_by_the_cache(client):
     got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tom ran."}],
                                          temperature=0, extra_body={"ignore_eos": True})
@@ -298,15 +362,18 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 1}, 400, "presence_penalty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages[0].role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
      "messages[0].content"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
-     400, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "max_completion_tokens": -3}, 400, "max_completion_tokens"),
 ]
@@ -460,6 +527,11 @@ def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
             stream.close()
             with pytest.raises(openai.BadRequestError):
                 client.completions.create(model=MODEL, prompt="", max_tokens=4)
+            scored = client.completions.create(model=MODEL, prompt="Tom had a red kite.", max_tokens=4,
+                                               temperature=0, logprobs=1)          # through the engine process
+            lp = scored.choices[0].logprobs
+            assert len(lp.token_logprobs) == scored.usage.completion_tokens > 0
+            assert all(x <= 0 and len(top) == 1 for x, top in zip(lp.token_logprobs, lp.top_logprobs))
         deadline = time.monotonic() + 5
         while True:
             m = parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
@@ -468,7 +540,7 @@ def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
             assert time.monotonic() < deadline, f"the dropped stream still runs: {m}"
             time.sleep(0.05)
         assert m["yaie_requests_aborted_total"] == 1 and m["yaie_kv_cache_blocks_used"] == 0
-        assert m["yaie_requests_finished_total"] == 1
+        assert m["yaie_requests_finished_total"] == 2
         if Path("/proc").is_dir():          # the engine process dies under the server: 503s that say so
             engine = [pid for pid in child_pids(proc.pid)
                       if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]

@@ -58,22 +58,40 @@ class StepEngine:
         self.requests: dict[int, Request] = {}      # unfinished requests by id
         self.texts: dict[int, _Text] = {}
         self._late: list[tuple[Request, _Text]] = []     # the last step's requests, their text not decoded yet
+        self.logprobs: dict[int, tuple[int, list]] = {}  # request id -> (k, entries not taken yet)
         self._next_id = 0
 
     @property
     def manager(self):
         return self.scheduler.manager
 
-    def add(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams, logprobs: int | None = None) -> Request:
         """Queue a request (it joins the batch at the next step). ValueError if it can never fit in the
-        cache; the prompt is taken as checked (``LLM._prompt_ids``)."""
+        cache; the prompt is taken as checked (``LLM._prompt_ids``). ``logprobs``: None, or k >= 0 to get
+        each generated token's log-probability and the k most likely tokens' (:meth:`take_logprobs`)."""
         room = self.llm.config.max_position_embeddings - len(prompt_ids)
         request = Request(self._next_id, list(prompt_ids), min(params.max_tokens, room))
         self.scheduler.add(request)
         self._next_id += 1
         self.requests[request.request_id] = request
         self.texts[request.request_id] = _Text(self.llm, params)
+        if logprobs is not None:
+            self.logprobs[request.request_id] = (logprobs, [])
         return request
+
+    def take_logprobs(self, request_id: int) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
+        """The log-probabilities gathered since the last call for a request that asked for them (else
+        None): per generated token, ``(token id, its log-probability, [(id, log-probability)] of the k most
+        likely tokens)``, from the model's distribution (log-softmax of the logits, before temperature and
+        top-p/top-k)."""
+        entry = self.logprobs.get(request_id)
+        if entry is None:
+            return None
+        taken = list(entry[1])
+        entry[1].clear()
+        if request_id not in self.requests:      # finished (or aborted): nothing more will come
+            del self.logprobs[request_id]
+        return taken
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -117,6 +135,8 @@ class StepEngine:
             during(events)
             events = []
         tokens = _sample_rows(logits, [self.texts[r.request_id] for r in batch]) if logits is not None else []
+        if self.logprobs:                # only steps with a request that asked for them do this work
+            self._gather_logprobs(batch, logits, tokens)
         for request, token in zip(batch, tokens):
             text = self.texts[request.request_id]
             text.accept(request, token)
@@ -125,6 +145,25 @@ class StepEngine:
                 del self.requests[request.request_id], self.texts[request.request_id]
             self._late.append((request, text))
         return events
+
+    def _gather_logprobs(self, batch: list[Request], logits, tokens: list[int]) -> None:
+        """Each sampled token's log-probability and the top k, for the requests of ``batch`` that asked
+        (one log-softmax over their rows, one copy to the host)."""
+        rows = [i for i, r in enumerate(batch) if r.request_id in self.logprobs]
+        if not rows:
+            return
+        k = max(self.logprobs[batch[i].request_id][0] for i in rows)
+        log_probs = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen_ids = torch.tensor([tokens[i] for i in rows], device=log_probs.device)
+        chosen = log_probs.gather(1, chosen_ids[:, None])[:, 0].tolist()
+        top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for row, i in enumerate(rows):
+            request = batch[i]
+            if tokens[i] in self.texts[request.request_id].stop_ids:     # ends the request, no text: no entry
+                continue
+            want, entries = self.logprobs[request.request_id]
+            entries.append((tokens[i], chosen[row], list(zip(top_ids[row][:want], top_values[row][:want]))))
 
     def flush(self) -> list[tuple[Request, str, _Text]]:
         """The events of the last step's tokens (their text decoded now); ``[]`` when given already."""
@@ -137,6 +176,7 @@ class StepEngine:
         if request is None:
             return False
         del self.texts[request_id]
+        self.logprobs.pop(request_id, None)
         self._late = [(r, text) for r, text in self._late if r.request_id != request_id]
         self.scheduler.abort(request)
         return True
@@ -156,20 +196,24 @@ class StepEngine:
 @dataclass
 class Event:
     """What one request's consumer sees: ``text`` is new text; the last event has ``finish_reason`` set
-    ("stop", "length" or "abort"), or ``error`` when the engine failed."""
+    ("stop", "length" or "abort"), or ``error`` when the engine failed. ``logprobs``: for a request that
+    asked, the new tokens' entries (:meth:`StepEngine.take_logprobs`)."""
     index: int
     text: str = ""
     finish_reason: str | None = None
     num_tokens: int = 0
     error: str | None = None
+    logprobs: list | None = None
 
 
 class RequestGroup:
     """The requests of one HTTP call (several prompts, ``n`` choices), their events in one asyncio queue."""
 
-    def __init__(self, engine: "AsyncEngine", items: list[tuple[list[int], SamplingParams]]):
+    def __init__(self, engine: "AsyncEngine", items: list[tuple[list[int], SamplingParams]],
+                 logprobs: int | None = None):
         self.engine = engine
         self.items = items
+        self.logprobs = logprobs              # every request of the group: None, or the top k to return
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.accepted: asyncio.Future = self.loop.create_future()
@@ -278,10 +322,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     # ------------------------------------------------------------------ the coroutine side
-    async def submit(self, items: list[tuple[list[int], SamplingParams]]) -> RequestGroup:
+    async def submit(self, items: list[tuple[list[int], SamplingParams]], logprobs: int | None = None) -> RequestGroup:
         """Queue requests; returns once the engine thread has taken them (at its next step).
-        ValueError when one can never fit in the cache (then none of them runs)."""
-        group = RequestGroup(self, items)
+        ValueError when one can never fit in the cache (then none of them runs). ``logprobs``: None, or k
+        to get each token's log-probability and the top k (``Event.logprobs``)."""
+        group = RequestGroup(self, items, logprobs)
         with self._lock:
             if self._stopping or not self.alive:
                 raise RuntimeError("the engine is shutting down")
@@ -372,7 +417,7 @@ class AsyncEngine:
         requests = []
         try:
             for index, (prompt_ids, params) in enumerate(group.items):
-                requests.append(self.core.add(prompt_ids, params))
+                requests.append(self.core.add(prompt_ids, params, group.logprobs))
                 self._owner[requests[-1].request_id] = (group, index)
         except ValueError as err:
             for request in requests:
@@ -413,7 +458,8 @@ class AsyncEngine:
             if text.finish_reason is not None:
                 del self._owner[request.request_id]
                 self.stats.requests_finished += 1
-            deliveries.append((group, Event(index, piece, text.finish_reason, len(request.output_ids))))
+            deliveries.append((group, Event(index, piece, text.finish_reason, len(request.output_ids), None,
+                                            self.core.take_logprobs(request.request_id))))
         if events:
             self.stats.generation_tokens += len(events)
             self.stats.recent.append((time.monotonic(), len(events)))
@@ -573,15 +619,15 @@ class ProcessEngine:
         code = "" if self._proc.exitcode is None else f" (exit code {self._proc.exitcode})"
         return f"the engine process stopped{code}; nothing can run until the server is restarted"
 
-    async def submit(self, items: list[tuple[list[int], SamplingParams]]) -> RequestGroup:
+    async def submit(self, items: list[tuple[list[int], SamplingParams]], logprobs: int | None = None) -> RequestGroup:
         """As :meth:`AsyncEngine.submit`."""
         if not self.alive:
             raise RuntimeError(self._gone())
-        group = RequestGroup(self, items)
+        group = RequestGroup(self, items, logprobs)
         group.gid, group.remaining = self._next_gid, len(items)
         self._next_gid += 1
         self._groups[group.gid] = group
-        self._send(("submit", group.gid, items))
+        self._send(("submit", group.gid, items, logprobs))
         if self._dead:        # the reader failed the groups it saw before this one came: none will answer it
             self._groups.pop(group.gid, None)
             raise RuntimeError(self._gone())
@@ -634,7 +680,7 @@ class ProcessEngine:
 
     def _route(self, events: list[tuple]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for gid, index, text, finish_reason, num_tokens, error in events:
+        for gid, index, text, finish_reason, num_tokens, error, logprobs in events:
             group = self._groups.get(gid)
             if group is None:        # aborted by its consumer
                 continue
@@ -643,7 +689,7 @@ class ProcessEngine:
                 if not group.remaining:
                     self._groups.pop(gid, None)
             by_loop.setdefault(group.loop, []).append((group.queue, Event(index, text, finish_reason, num_tokens,
-                                                                          error)))
+                                                                          error, logprobs)))
         for loop, batch in by_loop.items():
             _post(loop, batch)
         self.stats.recent.append((time.monotonic(), len(events)))
@@ -656,6 +702,7 @@ class _RemoteGroup:
     """The child's record of a parent's RequestGroup."""
     gid: int
     items: list
+    logprobs: int | None = None
     aborted: bool = False
     request_ids: list = field(default_factory=list)
     remaining: int = 0
@@ -689,7 +736,7 @@ class _ChildEngine(AsyncEngine):
             while self.conn.poll(0):
                 kind, *rest = self.conn.recv()
                 if kind == "submit":
-                    group = _RemoteGroup(rest[0], rest[1], remaining=len(rest[1]))
+                    group = _RemoteGroup(rest[0], rest[1], rest[2], remaining=len(rest[1]))
                     self._remote[group.gid] = group
                     inbox.append(group)
                 elif kind == "abort" and rest[0] in self._remote:
@@ -719,7 +766,8 @@ class _ChildEngine(AsyncEngine):
     def _deliver(self, events: list) -> None:
         rows = []
         for group, event in events:
-            rows.append((group.gid, event.index, event.text, event.finish_reason, event.num_tokens, event.error))
+            rows.append((group.gid, event.index, event.text, event.finish_reason, event.num_tokens, event.error,
+                         event.logprobs))
             if event.finish_reason is not None or event.error is not None:
                 group.remaining -= 1
                 if not group.remaining:

@@ -41,6 +41,7 @@ def create_app(llm: LLM | Frontend, served_model_name: str | None = None,
     engine = engine if engine is not None else AsyncEngine(llm)
     created = int(time.time())
     context = llm.config.max_position_embeddings
+    token_texts = TokenTexts(llm.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -124,13 +125,14 @@ def create_app(llm: LLM | Frontend, served_model_name: str | None = None,
             params = dataclasses.replace(params, max_tokens=max(1, cache_tokens + 1 - max(map(len, prompt_ids))))
         items = [(ids, choice_params(params, j)) for ids in prompt_ids for j in range(parsed.n)]
         try:
-            group = await engine.submit(items)
+            group = await engine.submit(items, parsed.logprobs)
         except ValueError:                 # a request that could never fit in the KV cache, even alone
             raise cache_too_small(prompt_ids, params, engine.stats.blocks_total * llm.block_size, context,
                                   "messages" if chat else "prompt") from None
         except RuntimeError as err:        # shutting down
             raise APIError(str(err), None, "unavailable", status=503, type="server_error") from None
-        reply = Reply(served, chat, len(items), sum(map(len, prompt_ids)), parsed.include_usage)
+        reply = Reply(served, chat, len(items), sum(map(len, prompt_ids)), parsed.include_usage,
+                      token_texts if parsed.logprobs is not None else None)
         if parsed.stream:
             return StreamingResponse(reply.sse(batches(request, group)), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
@@ -257,11 +259,30 @@ async def batches(request: Request, group: RequestGroup):
 
 
 # ---------------------------------------------------------------------------- responses
+class TokenTexts:
+    """Each token id's own text, for logprobs (decoded once per id: a token alone, so a piece of a UTF-8
+    character shows as U+FFFD, as in the OpenAI API)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
 class Reply:
     """Builds one response, whole (JSON) or as server-sent events, from a group's events."""
 
-    def __init__(self, model: str, chat: bool, choices: int, prompt_tokens: int, include_usage: bool):
+    def __init__(self, model: str, chat: bool, choices: int, prompt_tokens: int, include_usage: bool,
+                 token_texts: TokenTexts | None = None):
         self.model, self.chat, self.include_usage = model, chat, include_usage
+        self.token_texts = token_texts            # set when the request asked for logprobs
+        self.logprobs = [[] for _ in range(choices)]      # per choice: the engine's entries, in order
+        self.offsets = [0] * choices                      # completions' text_offset of the next token
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.texts = [""] * choices
@@ -277,6 +298,8 @@ class Reply:
             return
         self.texts[event.index] += event.text
         self.tokens[event.index] = event.num_tokens
+        if event.logprobs:
+            self.logprobs[event.index].extend(event.logprobs)
         if event.finish_reason is not None:
             self.finish[event.index] = event.finish_reason
 
@@ -285,12 +308,37 @@ class Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
-    def whole(self) -> dict:
+    def logprobs_body(self, index: int, entries: list) -> dict | None:
+        """OpenAI's ``logprobs`` of a choice's tokens ``entries`` (``StepEngine.take_logprobs``), or None when
+        the request did not ask. Completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the top k
+        and the chosen token, by text), ``text_offset`` (where each token's text starts in the completion).
+        Chat: ``content``, one ``{token, logprob, bytes, top_logprobs}`` per token."""
+        if self.token_texts is None:
+            return None
+        text_of = self.token_texts
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            def item(token_id, logprob):
+                text = text_of(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [dict(item(token_id, logprob), top_logprobs=[item(i, lp) for i, lp in top])
+                                for token_id, logprob, top in entries], "refusal": None}
+        tokens = [text_of(token_id) for token_id, _, _ in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(text)
+        tops = [{text_of(i): lp for i, lp in top} | {text: logprob}
+                for text, (_, logprob, top) in zip(tokens, entries)]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def whole(self) -> dict:
+        logprobs = [self.logprobs_body(i, entries) for i, entries in enumerate(self.logprobs)]
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs[i],
                         "finish_reason": finish} for i, (text, finish) in enumerate(zip(self.texts, self.finish))]
         else:
-            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            choices = [{"index": i, "text": text, "logprobs": logprobs[i], "finish_reason": finish}
                        for i, (text, finish) in enumerate(zip(self.texts, self.finish))]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
@@ -312,11 +360,12 @@ class Reply:
             template = self._templates[index] = self._chunk([choice]).split(json.dumps(marker))
         return template[0] + json.dumps(text, ensure_ascii=False) + template[1]
 
-    def _choice(self, index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, finish: str | None, role: bool = False,
+                logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     async def sse(self, batches):
         """``data: {chunk}`` per piece of text, a last chunk per choice with its finish_reason, the usage
@@ -334,7 +383,11 @@ class Reply:
                     yield "".join(out)
                     return
                 self.take(event)
-                if event.finish_reason is not None:
+                if event.logprobs:          # a chunk per event with tokens, its text empty or not
+                    logprobs = self.logprobs_body(event.index, event.logprobs)
+                    out.append(self._chunk([self._choice(event.index, event.text, event.finish_reason,
+                                                         logprobs=logprobs)]))
+                elif event.finish_reason is not None:
                     out.append(self._chunk([self._choice(event.index, event.text, event.finish_reason)]))
                 elif event.text:
                     out.append(self._text_chunk(event.index, event.text))

@@ -20,6 +20,8 @@ MAX_STOP_STRINGS = 4         # as the OpenAI API
 UNLIMITED = 2**31 - 1        # max_tokens left out (chat): the context or the cache stops the request
 GREEDY_BELOW = 1e-5          # a temperature under this samples greedily: logits / 1e-38 overflow float32 to inf,
                              # the probabilities become NaN and the whole step (every client's request) fails
+MAX_LOGPROBS = 5             # completions' 'logprobs', as the OpenAI API
+MAX_TOP_LOGPROBS = 20        # chat's 'top_logprobs', as the OpenAI API
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
 
@@ -42,6 +44,7 @@ class Parsed:
     n: int
     stream: bool
     include_usage: bool
+    logprobs: int | None = None   # None: none asked for; k: each token's log-probability and the k most likely
 
 
 # --------------------------------------------------------------------------- field checks
@@ -117,9 +120,6 @@ def _check_text(text: str, param: str) -> str:
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     """Parameters the engine cannot honour: a clear 400 instead of silently ignoring them."""
     if chat:
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-            raise APIError("logprobs are not supported by this server (the engine returns tokens, not their "
-                           "log-probabilities)", "logprobs", "unsupported_parameter")
         if body.get("tools") or body.get("functions"):
             raise APIError("tools and function calling are not supported by this server", "tools",
                            "unsupported_parameter")
@@ -128,9 +128,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
             raise APIError("only response_format {\"type\": \"text\"} is supported", "response_format",
                            "unsupported_parameter")
     else:
-        if body.get("logprobs") not in (None, 0, False):
-            raise APIError("logprobs are not supported by this server (the engine returns tokens, not their "
-                           "log-probabilities)", "logprobs", "unsupported_parameter")
         if body.get("echo") not in (None, False):
             raise APIError("echo is not supported by this server", "echo", "unsupported_parameter")
         if body.get("suffix") not in (None, ""):
@@ -200,7 +197,8 @@ def parse_completion(body: dict, served: str, defaults: SamplingParams) -> Parse
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} completions in one request",
                        "n", "invalid_value")
-    return Parsed(model, prompts, params, n, stream, include_usage)
+    logprobs = None if body.get("logprobs") is False else _get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    return Parsed(model, prompts, params, n, stream, include_usage, logprobs)
 
 
 def completion_prompts(prompt: Any) -> list:
@@ -224,7 +222,12 @@ def parse_chat(body: dict, served: str, defaults: SamplingParams) -> tuple[Parse
     messages = chat_messages(body.get("messages"))
     params, n, stream, include_usage = sampling_params(body, defaults, max_tokens_default=None,
                                                        max_tokens_names=("max_tokens", "max_completion_tokens"))
-    return Parsed(model, [], params, n, stream, include_usage), messages
+    top = _get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if not _get_bool(body, "logprobs", False):
+        if top:
+            raise APIError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+        return Parsed(model, [], params, n, stream, include_usage), messages
+    return Parsed(model, [], params, n, stream, include_usage, top or 0), messages
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
