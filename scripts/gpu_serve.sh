@@ -2,6 +2,7 @@
 # The OpenAI server on the lent GPU, in one call (everything it writes lands in $OUT):
 #   OUT=out bash scripts/gpu_serve.sh
 #   SMOKE=0 OUT=out bash scripts/gpu_serve.sh          # the benchmark only
+#   THREAD_TOO=1 OUT=out bash scripts/gpu_serve.sh     # then the engine loop in a thread, C=16,64 -> out/thread
 #   OUT=/tmp/x BENCH_ARGS="--size tiny --device cpu --concurrency 1,4 --new-tokens 16" bash scripts/gpu_serve.sh  # CPU dry run
 # 1. `yaie serve` on the bundled model (CUDA): the docs' curl commands (models, completion, streamed chat,
 #    a bad request, metrics);
@@ -37,6 +38,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   curl -sN http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{
     "model": "tiny-stories", "messages": [{"role": "user", "content": "Tom had a red kite."}],
     "max_tokens": 12, "stream": true}'
+  curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{
+    "model": "tiny-stories", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "logprobs": 2}'; echo
   curl -s -w ' HTTP %{http_code}\n' http://127.0.0.1:8000/v1/completions -d '{"model": "tiny-stories", "prompt": "hi", "temperature": -1}'
   curl -s http://127.0.0.1:8000/metrics | grep -v '^#'
   kill -INT $server; wait $server
@@ -45,4 +48,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   echo "== yaie bench serve"
   YAIE_SOLUTIONS=all timeout 420 python3 -m yaie.cli bench serve --out "$OUT" ${BENCH_ARGS:---size 1b}
   echo "== done (rc $?)"
+  if [ "${THREAD_TOO:-0}" = "1" ]; then
+  echo "== yaie bench serve --engine-in-thread (C = ${THREAD_LEVELS:-16,64}) -> $OUT/thread"
+  YAIE_SOLUTIONS=all timeout 300 python3 -m yaie.cli bench serve --out "$OUT/thread" ${BENCH_ARGS:---size 1b} \
+    --engine-in-thread --concurrency "${THREAD_LEVELS:-16,64}"
+  echo "== done (rc $?)"
+  fi
 } 2>&1 | grep -v "Loading weights\|Writing model shards" | tee "$OUT/serve_gpu_log.txt"

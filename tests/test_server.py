@@ -317,6 +317,17 @@ def test_dropped_stream_frees_its_blocks(live, client):
     assert core.requests == {} and core.manager.num_free_blocks + cached == core.manager.num_blocks
 
 
+def test_dropped_logprobs_stream_leaves_nothing_behind(live, client):
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, temperature=0,
+                                       stream=True, logprobs=2, extra_body={"ignore_eos": True})
+    for _, chunk in zip(range(3), stream):
+        assert chunk.choices[0].logprobs.token_logprobs
+    stream.close()
+    assert wait_idle(live, seconds=5)["yaie_kv_cache_blocks_used"] == 0
+    core = live.app.state.engine.core
+    assert core.requests == {} and core.logprobs == {}, core.logprobs
+
+
 def test_dropped_plain_request_is_cancelled(live):
     before = metrics(live)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "ignore_eos": True}

@@ -451,6 +451,7 @@ class AsyncEngine:
         """Hand a step's events to their groups (one message or wake-up for all of them)."""
         deliveries = []
         for request, piece, text in events:
+            logprobs = self.core.take_logprobs(request.request_id)     # taken even if nobody reads them
             owner = self._owner.get(request.request_id)
             if owner is None:           # its group was aborted
                 continue
@@ -459,7 +460,7 @@ class AsyncEngine:
                 del self._owner[request.request_id]
                 self.stats.requests_finished += 1
             deliveries.append((group, Event(index, piece, text.finish_reason, len(request.output_ids), None,
-                                            self.core.take_logprobs(request.request_id))))
+                                            logprobs)))
         if events:
             self.stats.generation_tokens += len(events)
             self.stats.recent.append((time.monotonic(), len(events)))
