@@ -387,7 +387,8 @@ def markdown(report: dict) -> str:
         f"ignored; the server streams (`POST /v1/completions`, SSE); offline runs the same requests through "
         f"`LLM.generate`, C prompts per call. KV cache: {work['num_blocks']} blocks of {work['kv_block_size']} "
         f"for both. The server's engine loop: {LOOP_WORDS[work.get('engine_loop', 'thread')]}. "
-        f"The clients: {work.get('client_processes', 1)} worker processes, an HTTP connection each. "
+        f"The clients: spread over {work.get('client_processes', 1)} worker processes (one per client below "
+        f"that), an HTTP connection each. "
         "Throughput: generated tokens over the wall time of all rounds, after a warm-up round.",
         f"Versions: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, fastapi {env.get('fastapi')}, "
         f"uvicorn {env.get('uvicorn')} (httptools {env.get('httptools')}, uvloop {env.get('uvloop')}), httpx {env.get('httpx')}; "
