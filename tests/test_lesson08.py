@@ -91,6 +91,25 @@ def test_state_kernel_gives_each_segments_state():
         torch.testing.assert_close(parts_k[:, :, j].double(), phi_k[:, :, lo:hi].sum(-2), atol=1e-4, rtol=1e-6)
 
 
+def test_default_route_switches_at_the_threshold(monkeypatch):
+    """chunk_size=None: the quadratic form up to QUADRATIC_MAX_SEQ tokens, the chunked kernel beyond; same answers."""
+    q, k, v = _qkv(40, value_dim=32, seed=3)
+    calls = []
+    for name in ("_launch_segmented", "_launch_prefill"):
+        real = getattr(ref, name)
+        monkeypatch.setattr(ref, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
+    results = []
+    for limit in (128, 39):
+        monkeypatch.setattr(ref, "QUADRATIC_MAX_SEQ", limit)
+        results.append(ref.based_prefill(q, k, v))
+    assert calls == ["_launch_segmented", "_launch_prefill"]
+    (out_q, state_q), (out_c, state_c) = results
+    torch.testing.assert_close(out_q, out_c, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(state_q.kv, state_c.kv, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(state_q.k, state_c.k, atol=1e-4, rtol=1e-5)
+    assert ref.based_prefill(q, k, v, return_state=False)[1] is None
+
+
 def test_prefill_reads_nothing_past_the_sequence():
     """Inputs that are the first rows of longer NaN-padded buffers: a read past the end would show as NaN."""
     q, k, v = _qkv(21, value_dim=48)

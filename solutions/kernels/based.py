@@ -36,19 +36,24 @@ blocks of ``phi``: the state holds ``sum v`` (order 0), ``sum k v^T`` (order 1) 
 normaliser, all in float32. The kernel never builds ``phi(k)`` in memory: it forms the 256
 second-order features of a chunk in registers, ``k_a k_b``, and multiplies them straight away.
 
-**The segmented route** (the reference's default, ``chunk_size=None``). The chunked kernel walks the
-chunks of a sequence in order, one program per (sequence, head): on a large GPU that is too little
-parallel work, and each program carries a 273-row state. The quadratic form has plenty of parallel
-work: every block of queries against its keys, as flash attention tiles softmax attention but without
-the running maximum (the weights are never below 1/2: nothing can overflow the sums). Its work grows
-with ``seq^2``, so the reference mixes the two at a coarser grain: segments of ``DEFAULT_SEGMENT``
-tokens, the quadratic form inside a segment, the state between segments::
+**Short sequences** (the reference's default route up to ``QUADRATIC_MAX_SEQ`` tokens). The chunked
+kernel walks the chunks of a sequence in order, one program per (sequence, head): at a few thousand
+tokens that is little parallel work for a large GPU, and each program carries a 273-row state. The
+quadratic form has plenty: every block of queries against its keys, as flash attention tiles softmax
+attention but without the running maximum (the weights are never below 1/2: nothing can overflow the
+sums). Its work grows with ``seq^2``. The state for decoding comes from a second kernel, ``phi(K)^T V``
+as a plain matrix product split over programs by feature rows. The same two kernels can also cut a
+long sequence into segments, the quadratic form inside a segment and the state between segments::
 
     1. the state of each segment,  phi(K_seg)^T V_seg   (a matrix product, all segments at once)
     2. running sums over segments   (cumsum: the state before each segment)
     3. every query block at once:   phi(q) @ state before its segment  +  the tile form over its segment
 
-A sequence of one segment skips step 2 (and step 1 when no state is wanted).
+Measured on the H100 (bench/results/lesson08_h100.md; batch 16, 16 heads, d_v 64, bf16): one segment
+with the state beats the chunked kernel at 1k tokens (1.23x) and 2k (1.07x); segments of 256-4096
+tokens lose to it from 4k on (1.08-1.47x slower). The state kernel is the weak part: it gathers k one
+element at a time and takes 0.16 ms at 1k tokens where the tiles take 0.10 ms. Hence the default: one
+segment up to 2048 tokens, chunks beyond.
 
 **Recurrent decode** (task 3): one token updates the state and reads its output from it.
 
@@ -75,7 +80,7 @@ EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_VALUE_DIM = 256
 DEFAULT_CHUNK = 32                                     # on the H100 chunks of 16 and 32 time alike, 64 and 128 are slower
-DEFAULT_SEGMENT = 1024                                 # tokens per segment of based_prefill's default (segmented) route
+QUADRATIC_MAX_SEQ = 2048                               # based_prefill's default: the quadratic form up to here, then chunks
 
 
 class BasedState(NamedTuple):
@@ -682,7 +687,7 @@ def _launch_state(k, v, state_kv, state_k, segment_len: int, rows: int = 64, chu
 
 
 # yaie: solution-only
-def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_state: bool = True,
+def _launch_segmented(q, k, v, out, segment_len: int = 1024, return_state: bool = True,
                       block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
                       state_rows: int = 64, state_chunk: int = 64, state_warps: int = 4) -> BasedState | None:
     """The segmented route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
@@ -732,16 +737,16 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     all earlier chunks (sums of ``v``, ``k v^T`` and ``(k x k) v^T`` for the numerator, of ``1``, ``k`` and
     ``k x k`` for the normaliser, in float32). Any length (the last chunk may be partial).
     With ``chunk_size=None`` an implementation may take another route where it is faster; the results
-    are the same (the reference cuts the sequence into segments of ``DEFAULT_SEGMENT`` tokens: the
-    quadratic form tile by tile inside a segment, the state between segments; see the module docstring).
+    are the same (the reference computes sequences of up to ``QUADRATIC_MAX_SEQ`` tokens in the quadratic
+    form, tile by tile, and the state apart; see the module docstring).
 
     Args:
         q, k: ``[batch, heads, seq, 16]``; v: ``[batch, heads, seq, d_v]`` (d_v up to 256; 64 and 128 are
             the usual ones); one dtype: float16, bfloat16 or float32; any strides; CUDA, or CPU under the
             Triton interpreter.
         chunk_size: tokens per chunk, 16, 32, 64 or 128 (the chunked kernel); ``None``: the implementation's
-            choice (the chunked kernel at a chunk size of your choosing will do; the reference takes its
-            segmented route).
+            choice (the chunked kernel at a chunk size of your choosing will do; the reference: the
+            quadratic form up to ``QUADRATIC_MAX_SEQ`` tokens, else chunks of 32).
         return_state: also return the state after the last token (for decoding on).
     Returns:
         ``(out, state)``: ``out [batch, heads, seq, d_v]`` in the inputs' dtype (``out_i`` as in
@@ -758,13 +763,14 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     batch, heads, seq, _ = q.shape
     value_dim = v.shape[-1]
     out = torch.empty(batch, heads, seq, value_dim, dtype=v.dtype, device=v.device)
-    if chunk_size is None:
-        # Every query block in parallel: the quadratic form inside segments, states between them.
-        return out, _launch_segmented(q, k, v, out, return_state=return_state)
+    if chunk_size is None and seq <= QUADRATIC_MAX_SEQ:
+        # Short sequences: the quadratic form, every query block in parallel (one segment); the state
+        # from its own kernel.
+        return out, _launch_segmented(q, k, v, out, QUADRATIC_MAX_SEQ, return_state)
     # The kernel writes the final state (the "rows" variant also uses it as working memory).
     state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=v.device),
                        torch.empty(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=v.device))
-    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size, _block_v(value_dim))
+    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size or DEFAULT_CHUNK, _block_v(value_dim))
     return out, (state if return_state else None)
 
 

@@ -5,8 +5,8 @@ Shapes: batch 16, 16 heads, feature dim 16 (q, k), value dim 64, bf16, 1k to 16k
 Rows (``based_prefill``):
 
 * ``yaie triton``: :func:`based_prefill` as the engine calls it (``chunk_size=None``, the final state
-  returned): the reference's segmented route (segments of ``DEFAULT_SEGMENT`` tokens: the state of each
-  segment, running sums, then every query block at once, the quadratic form inside its segment);
+  returned): the reference's default route (up to ``QUADRATIC_MAX_SEQ`` tokens the quadratic form in one
+  segment plus the state kernel, beyond it the chunked kernel at chunk 32);
 * ``yaie triton (output only)``: the same without the state (what the fla kernels return);
 * ``yaie segmented (segment L, BM m, BN n, w warps[, s stages])``: the segmented route with other
   settings (the final state returned); a segment of at least the sequence is the plain quadratic form;
