@@ -107,6 +107,15 @@ def test_blocked_kernels_are_picked_for_stable_maps_only():
         assert index_map._yaie_blocks[1] == want          # kept on the tensor: measured once
 
 
+def test_kernels_take_a_map_made_in_inference_mode():
+    """The engine builds its maps under torch.inference_mode (such tensors have no version counter)."""
+    with torch.inference_mode():
+        index_map, n = _map("stable", 60, 24)
+        q, k = torch.randn(1, 60, 2, 2, 16), torch.randn(1, n, 2, 16)
+        got = ref.indexed_qk_forward(q, k, index_map)
+    torch.testing.assert_close(got, ref.indexed_qk_reference(q, k, index_map), atol=5e-5, rtol=1e-5)
+
+
 def test_inputs_of_the_wrong_kind_get_a_value_error():
     x = torch.randn(3, 4)
     sizes = torch.ones(3, dtype=torch.int64)

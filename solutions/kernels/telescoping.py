@@ -675,7 +675,9 @@ def _blocks_plan(index_map: torch.Tensor, m: torch.Tensor, n: int, e: int,
     group = triton.next_power_of_2(e)
     shortest = max(1, 16 // group)
     block_l = max(shortest, min(8 if triton_interpreted() else 32, 128 // group))
-    key = (index_map._version, n, group)
+    # The version counter tells an edited map from the one measured (inference tensors have none: they
+    # cannot be edited outside inference mode, and the engine builds its maps inside it).
+    key = (None if index_map.is_inference() else index_map._version, n, group)
     cached = getattr(index_map, "_yaie_blocks", None)
     if cached is None or cached[0] != key:
         while block_l >= shortest and _third_row_share(m, n, block_l) > most_third_rows:
