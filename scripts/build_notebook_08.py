@@ -297,7 +297,11 @@ md(r"""
    that state in the output state tensor and visits it 16 rows at a time: why must each chunk then end with a
    barrier? (GPU) Time both with `yaie bench lesson08`: which wins, and why?
 6. (GPU) Run `yaie bench lesson08`: at which length does the chunked kernel overtake SDPA, and why does
-   flash-linear-attention's quadratic `parallel_based` win at short lengths but lose at long ones?
+   flash-linear-attention's quadratic `parallel_based` win at short lengths but lose at long ones? The
+   reference's own default does the same up to 2048 tokens (`_based_segment_kernel`: the quadratic form
+   tiled like flash attention, but with no running maximum; why is none needed?). Its state comes from
+   `_based_state_kernel`, which loads `k` one element per feature row: compare its time with the tiles'
+   in the benchmark, and design a version that loads each chunk of `k` once.
 7. A Based layer pairs linear attention with exact attention over a short sliding window (64 tokens, say).
    What does a decode step of such a layer keep per sequence? Compare with lesson 04's windowed decode.
 

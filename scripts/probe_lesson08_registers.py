@@ -1,7 +1,8 @@
 """Compile lesson 08's prefill kernels for the H100 (sm_90a) on any machine and print what ptxas reports:
 registers per thread, bytes spilled, shared memory, tensor-core instructions. No GPU needed.
 
-    python scripts/probe_lesson08_registers.py                  # both kernel variants, a few settings
+    python scripts/probe_lesson08_registers.py                  # both chunked designs, a few settings;
+                                                                # the short-sequence route's two kernels
 
 The "registers" kernel (the default: the whole state in registers, order-2 features built as [C, 16, 16]
 products) spills kilobytes at every setting; the "rows" design keeps the order-2 state in memory 16 rows
@@ -40,7 +41,7 @@ def probe(kernel, consts: dict, num_warps: int, num_stages: int = 3) -> dict:
             sig[name] = "constexpr"
         elif name in ("Q", "K", "V", "O"):
             sig[name] = "*bf16"
-        elif name in ("STATE_KV", "STATE_K"):
+        elif name in ("STATE_KV", "STATE_K", "PREFIX_KV", "PREFIX_K"):
             sig[name] = "*fp32"
         else:
             sig[name] = "i32"
@@ -71,6 +72,19 @@ def main() -> None:
             except Exception as err:  # noqa: BLE001 - report and go on
                 result = f"failed: {type(err).__name__}: {str(err)[:200]}"
             print(f"{variant:9s} chunk {chunk:3d} BV {block_v:3d} {warps} warps: {result}", flush=True)
+    # The short-sequence route: the quadratic (segment) kernel and the state kernel.
+    for name, kernel, consts, warps in (
+            ("segment BM 128 BN 64", based._based_segment_kernel,
+             {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_V": 64, "PRECISION": "tf32"}, 8),
+            ("state rows 64 chunk 64", based._based_state_kernel,
+             {"ROWS": 64, "CHUNK": 64, "BLOCK_V": 64, "PRECISION": "tf32"}, 4),
+            ("state rows 32 chunk 64", based._based_state_kernel,
+             {"ROWS": 32, "CHUNK": 64, "BLOCK_V": 64, "PRECISION": "tf32"}, 4)):
+        try:
+            result = probe(kernel, consts, warps)
+        except Exception as err:  # noqa: BLE001 - report and go on
+            result = f"failed: {type(err).__name__}: {str(err)[:200]}"
+        print(f"{name}, {warps} warps: {result}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ A Based layer projects each token to ``q, k [heads, 16]`` (``q_proj``/``k_proj``
 Serving keeps **constant memory per sequence** (:class:`BasedCache`):
 
 * Based layers: the state ``[heads, 273, head_dim]`` + ``[heads, 273]`` (float32). The prompt runs
-  through lesson 08's chunked prefill kernel (:func:`based_prefill`; on a CPU its PyTorch twin
-  ``based_chunked_reference``, the interpreter being too slow for an engine), which returns the state;
+  through lesson 08's prefill (:func:`based_prefill`: the chunked kernel, or the quadratic tile kernel
+  for prompts of up to 2048 tokens; on a CPU its PyTorch twin ``based_chunked_reference``, the
+  interpreter being too slow for an engine), which returns the state;
   each generated token updates it with :func:`based_decode_step`.
 * Window layers: a ring of the last ``window`` keys and values; attention through :func:`yaie.ops.attention`
   (lesson 01's kernel, the window as a mask), the prompt in blocks of queries so no ``n x n`` matrix is built.
