@@ -291,8 +291,13 @@ On the lent H100 (`bench/results/lesson07_summary_h100.md`, full table `lesson07
 against PyTorch gathering and multiplying at these shapes: forward and both backwards, time and peak memory.
 The buffer there has `n = 2l - c` rows, not `n = l`: the telescoping map needs the `l` tokens and one merged
 span per step after the first `c` (above), so that is the `n` the kernels meet and the one measured; the
-random-map rows use `n = l`. The engine's memory per sequence for the tiny telescoping model beside the
-full-attention one, after 1k and 16k generated tokens, is in `bench/results/lesson07_engine_memory_h100.json`.
+random-map rows use `n = l`.
+
+The engine's memory per sequence, tiny models (6 layers, 2 KV heads, head dim 32): the telescoping model's
+cache (`c = 64`, float32 entries) holds 199,680 bytes after 1k, 2k and 4k generated tokens on the H100 and
+after 1k to 16k on the CPU; the full-attention model's paged cache holds 1.6 MB of blocks after 1k tokens
+and 25.2 MB after 16k on the H100 (`bench/results/lesson07_engine_memory_h100.json`,
+`lesson07_engine_memory_cpu.json`).
 
 ## Exercises
 
