@@ -222,3 +222,35 @@ def test_cuda_graphs_need_cuda():
     with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
         LLM(DEFAULT_MODEL, device="cpu", cuda_graphs=True)
     assert LLM(DEFAULT_MODEL, device="cpu").cuda_graphs is False
+
+
+def test_looked_ahead_decode_steps_give_the_same_tokens_and_leak_nothing(monkeypatch):
+    """Greedy decode steps are planned and launched before the last step's tokens reach the host, their input
+    ids fed from the device: the tokens equal the plain engine's, for requests that end by length, by an
+    end-of-sequence id and by a stop string (each ran one step too many, dropped), with prefix caching on
+    (the extra token's K/V counted as computed); every block comes back."""
+    from yaie.engine.llm import LLM as Engine
+    prompts = PROMPTS[:4]
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in (60, 7, 60, 25)]
+    params[2] = SamplingParams(max_tokens=60, temperature=0, stop=[" the"])
+    with single_thread():
+        plain = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=256)
+        # Request 0 ends at a stop id: the 12th token it would write (the first time that id comes).
+        stop_id = plain.generate(prompts[0], params[0])[0].token_ids[11]
+        params[0] = SamplingParams(max_tokens=60, temperature=0, stop_token_ids=[stop_id])
+        want = plain.generate(prompts, params)
+        llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=256))
+        ahead = []
+        real = Engine._look_ahead
+        monkeypatch.setattr(Engine, "_look_ahead", lambda self, *a: ahead.append(real(self, *a)) or ahead[-1])
+        got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+    reasons = [o.outputs[0].finish_reason for o in got]
+    assert reasons == ["stop", "length", "stop", "length"], reasons
+    assert len(got[0].token_ids) <= 11 and len(got[2].token_ids) < 60
+    assert sum(a is not None for a in ahead) >= 10, "decode steps were looked ahead"
+    scheduler = llm.last_scheduler
+    cached = scheduler.prefix_cache.tree.num_evictable_blocks
+    assert set(scheduler.manager.seq_ids()) == {SCRATCH_SEQ}
+    assert scheduler.manager.num_free_blocks + cached == scheduler.usable_blocks

@@ -151,9 +151,11 @@ class DecodeGraphs:
             self.manager.free(SCRATCH_SEQ)
 
     # ------------------------------------------------------------------ one step
-    def run(self, seq_ids: list, token_ids: list[int], positions: list[int]) -> torch.Tensor | None:
+    def run(self, seq_ids: list, token_ids: list[int], positions: list[int],
+            device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``[len(seq_ids), vocab]`` (float32) of one decode step; None if recording failed. Each
-        sequence's slot for its new token must be reserved already (``append_slots``)."""
+        sequence's slot for its new token must be reserved already (``append_slots``). ``device_tokens``:
+        the input token ids on the device instead of ``token_ids`` (the last step's greedy picks)."""
         n = len(seq_ids)
         bucket = next(b for b in self.buckets if b >= n)
         bound = self.bound(max(positions) + 1)         # a decode's context ends at its new token
@@ -167,6 +169,8 @@ class DecodeGraphs:
         buf, pad = self.buffers[bucket], [0] * (bucket - n)
         lens = [p + 1 for p in positions]
         buf.ids.copy_(torch.tensor([token_ids + pad, positions + pad, lens + pad], dtype=torch.int64))
+        if device_tokens is not None:
+            buf.ids[0, :n].copy_(device_tokens)
         width = max(len(t) for t in tables)
         rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         buf.tables[:n, :width].copy_(rows)                 # columns past a row's length are never followed

@@ -10,7 +10,9 @@ call to the next when the last one ended cleanly); the model reads and writes it
 CUDA graphs (:mod:`yaie.engine.cuda_graphs`). The host does what it can while the GPU works: a step's
 forward pass is queued, then the previous step's new tokens are turned into text, and only then does the
 host wait for this step's tokens (which requests end is decided by token id and length at once, and by
-text only for requests with stop strings).
+text only for requests with stop strings). When the next step can only be the same greedy decodes again,
+it is planned and launched before this step's tokens are read, its input ids taken from the device
+(:meth:`LLM._look_ahead`): the GPU goes from one step to the next without waiting for the host.
 """
 
 from __future__ import annotations
@@ -81,13 +83,14 @@ class _Text:
         self.accept(request, token)
         return self.piece()
 
-    def accept(self, request: Request, token: int) -> None:
+    def accept(self, request: Request, token: int) -> bool:
         """Take a sampled token and decide whether the request ends (``finish_reason``), leaving the text
         for :meth:`piece`: the engine decodes it while the GPU runs the next step. Only a request with stop
-        strings decodes here, since its end depends on its text."""
+        strings decodes here, since its end depends on its text. Returns whether the token joined the
+        request's output (a stop id does not)."""
         if token in self.stop_ids:
             self.finish_reason = "stop"
-            return
+            return False
         request.output_ids.append(token)
         self.pending.append(token)
         if self.params.stop:
@@ -95,9 +98,10 @@ class _Text:
             self.end = _find_stop(self.decoder.text, self.params.stop, max(0, self.emitted - self.hold))
             if self.end is not None:
                 self.finish_reason = "stop"
-                return
+                return True
         if len(request.output_ids) >= request.max_new_tokens:
             self.finish_reason = "length"
+        return True
 
     def piece(self) -> str:
         """Decode the tokens taken since the last call; return the text that became final (all that is
@@ -369,22 +373,31 @@ class LLM:
                 scheduler.add(request)      # ValueError if it can never fit: before any work
                 texts[i] = _Text(self, p)
             late = []      # the last step's requests: their new text is decoded while the GPU runs this one
+            pending = None  # a launched step whose tokens the host has not read yet
             while scheduler.has_unfinished():
-                plan = scheduler.schedule()
-                if plan.empty:
-                    raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
-                sampled = plan.sampled
-                logits = self._launch(scheduler.manager, plan, graphs)      # queued, not waited for
+                if pending is None:
+                    plan = scheduler.schedule()
+                    if plan.empty:
+                        raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
+                    pending = self._start(manager, plan, graphs, texts)
+                # The next step, planned and launched before this one's tokens are read, when it can only
+                # be the same decodes again (its token ids come from the device).
+                following = self._look_ahead(scheduler, pending, graphs, texts)
                 for request, text in late:
                     yield request, text.piece(), text
-                tokens = _sample_rows(logits, [texts[r.request_id] for r in sampled]) if logits is not None else []
                 late = []
-                for request, token in zip(sampled, tokens):
+                for request, token in zip(pending.requests, pending.tokens()):
+                    if request is None:           # it ended before this (looked-ahead) step was read
+                        continue
                     text = texts[request.request_id]
-                    text.accept(request, token)
+                    kept = text.accept(request, token)
                     if text.finish_reason is not None:
-                        scheduler.finish(request)         # its blocks go back before the next step is planned
+                        # Its blocks go back before the next step is planned. When the step after already
+                        # runs with it, that step fed this token too: its K/V count as computed.
+                        fed = following is not None and following.drop(request)
+                        scheduler.finish(request, [] if kept or not fed else [token])
                     late.append((request, text))
+                pending = following
             for request, text in late:
                 yield request, text.piece(), text
         finally:
@@ -435,15 +448,59 @@ class LLM:
         """The CUDA-graph runner of one run (tests replace this to run its fixed-buffer steps eagerly)."""
         return DecodeGraphs(self.model, manager, self.max_num_seqs)
 
+    def _start(self, manager, plan: StepPlan, graphs: DecodeGraphs | None, texts: dict,
+               device_tokens: torch.Tensor | None = None) -> "_Launched":
+        """Launch a step; when every request it samples is greedy, its tokens are picked on the device too."""
+        sampled = plan.sampled
+        step_texts = [texts[r.request_id] for r in sampled]
+        logits = self._launch(manager, plan, graphs, device_tokens)
+        greedy = logits is not None and all(t.params.greedy for t in step_texts)
+        return _Launched(list(sampled), step_texts, logits, logits.argmax(dim=-1) if greedy else None,
+                         decode_only=not plan.prefills)
+
+    def _look_ahead(self, scheduler: Scheduler, pending: "_Launched", graphs: DecodeGraphs | None,
+                    texts: dict) -> "_Launched | None":
+        """Plan and launch the step after ``pending`` before its tokens reach the host, or None.
+
+        Only when that step can only be ``pending``'s decodes again, in the same order: its requests all
+        greedy (their tokens are on the device: they feed the next step directly), nothing waiting or
+        swapped out (no prefill joins), ``pending`` itself decodes only (no prompt waits to enter the prefix
+        cache), free blocks for everyone's next slot (nobody is preempted), and some
+        request not ending by length now. Each request holds a placeholder token while the step is planned
+        and launched, so its length counts the token being sampled. A request that turns out to end with
+        this step's token ran one step too many: its row of the looked-ahead step is dropped."""
+        requests = pending.requests
+        if (pending.device_tokens is None or not pending.decode_only or graphs is None
+                or not graphs.fits(len(requests))
+                or scheduler.waiting or scheduler.swapped or any(r is None for r in requests)
+                or len(scheduler.running) != len(requests)
+                or any(a is not b for a, b in zip(scheduler.running, requests))
+                or scheduler.manager.num_free_blocks < len(requests)
+                or all(len(r.output_ids) + 1 >= r.max_new_tokens for r in requests)):
+            return None
+        for request in requests:
+            request.output_ids.append(LOOK_AHEAD_TOKEN)
+        try:
+            plan = scheduler.schedule()
+            if plan.prefills or len(plan.decodes) != len(requests) or any(
+                    a is not b for a, b in zip(plan.decodes, requests)):
+                raise RuntimeError("a looked-ahead step planned other work than the same decodes (a bug)")
+            return self._start(scheduler.manager, plan, graphs, texts, pending.device_tokens)
+        finally:
+            for request in requests:
+                request.output_ids.pop()
+
     def _forward(self, manager, plan: StepPlan, texts: list[_Text], graphs: DecodeGraphs | None = None) -> list[int]:
         """One forward pass over a step's decodes and prefill chunks; returns one sampled token per request of
         ``plan.sampled`` (``texts`` are theirs)."""
         logits = self._launch(manager, plan, graphs)
         return _sample_rows(logits, texts) if logits is not None else []
 
-    def _launch(self, manager, plan: StepPlan, graphs: DecodeGraphs | None = None) -> torch.Tensor | None:
+    def _launch(self, manager, plan: StepPlan, graphs: DecodeGraphs | None = None,
+                device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Queue one forward pass over a step's decodes and prefill chunks on the device, without waiting for
-        it: the logits ``[len(plan.sampled), vocab]``, or None when no request of the step samples a token."""
+        it: the logits ``[len(plan.sampled), vocab]``, or None when no request of the step samples a token.
+        ``device_tokens``: the decodes' input token ids, already on the device (a looked-ahead step)."""
         # A prefill feeds its chunk: the tokens after its cached prefix (a prefix-cache hit, or the chunks
         # of earlier steps), up to the end of its tokens or of the step's budget.
         # (A decode reads its last token and length, not ``token_ids``: that would copy its whole context.)
@@ -453,7 +510,7 @@ class LLM:
         positions = [r.num_tokens - 1 for r in plan.decodes] + [
             p for start, end in plan.prefill_ranges for p in range(start, end)]
         if graphs is not None and not plan.prefills and graphs.fits(len(plan.decodes)):
-            logits = graphs.run([r.request_id for r in plan.decodes], token_ids, positions)
+            logits = graphs.run([r.request_id for r in plan.decodes], token_ids, positions, device_tokens)
             if logits is not None:       # None: recording failed, run this step (and the next) eagerly
                 return logits
         requests = plan.decodes + plan.prefills
@@ -461,8 +518,10 @@ class LLM:
                          [1] * len(plan.decodes) + [end - start for start, end in plan.prefill_ranges],
                          len(plan.decodes),
                          torch.cat(plan.decode_slots + plan.prefill_slots))
-        hidden = self.model.forward(torch.tensor(token_ids, device=self.device),
-                                    torch.tensor(positions, device=self.device), step)
+        token_tensor = torch.tensor(token_ids, device=self.device)
+        if device_tokens is not None:
+            token_tensor[:len(device_tokens)] = device_tokens       # the decodes come first
+        hidden = self.model.forward(token_tensor, torch.tensor(positions, device=self.device), step)
         # Logits only where a token is sampled: not after a chunk that leaves part of its prompt for later.
         ends = [r.num_tokens for r in plan.decodes] + [end for _, end in plan.prefill_ranges]
         rows = [row for row, r, end in zip(step.last_token_rows, requests, ends) if end == r.num_tokens]
@@ -470,6 +529,35 @@ class LLM:
             return None
         rows = torch.tensor(rows, device=self.device)
         return self.model.logits(hidden[rows])
+
+
+LOOK_AHEAD_TOKEN = -1   # what a request holds in place of the token being sampled while the next step is planned
+
+
+class _Launched:
+    """A launched step: the requests it samples a token for (in row order), their texts, the logits on the
+    device and, when all of them are greedy, their tokens on the device (``device_tokens``)."""
+
+    def __init__(self, requests: list, texts: list, logits: torch.Tensor | None, device_tokens: torch.Tensor | None,
+                 decode_only: bool):
+        self.requests, self.texts, self.logits, self.device_tokens = requests, texts, logits, device_tokens
+        self.decode_only = decode_only
+
+    def tokens(self) -> list[int]:
+        """The sampled tokens on the host (waits for the step)."""
+        if self.logits is None:
+            return []
+        if self.device_tokens is not None:
+            return self.device_tokens.tolist()
+        return _sample_rows(self.logits, self.texts)
+
+    def drop(self, request) -> bool:
+        """Forget ``request``'s row (it ended before this step's tokens were read); whether it had one."""
+        for i, r in enumerate(self.requests):
+            if r is request:
+                self.requests[i] = None
+                return True
+        return False
 
 
 @dataclass

@@ -183,20 +183,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def finish(self, request: Request) -> None:
-        """A running request is done: give its blocks back."""
+    def finish(self, request: Request, fed: list[int] | None = None) -> None:
+        """A running request is done: give its blocks back. ``fed``: token ids fed to the cache after its own
+        (a step planned before the request was known to end fed its last sampled token, a stop id)."""
         self.running.remove(request)
-        self._free(request, cache=True)
+        self._free(request, cache=True, fed=fed or [])
         request.state = "finished"
 
-    def _free(self, request: Request, cache: bool) -> None:
+    def _free(self, request: Request, cache: bool, fed: list[int] = ()) -> None:
         """Give a request's blocks back; with a prefix cache, first put what it computed into the tree
         (``cache``: its K/V are all written, i.e. not between ``schedule`` and the forward pass)."""
         request.num_computed_tokens = 0
         if self.prefix_cache is None:
             self.manager.free(request.request_id)
         else:
-            self.prefix_cache.free(request.request_id, request.token_ids if cache else None)
+            self.prefix_cache.free(request.request_id, request.token_ids + list(fed) if cache else None)
 
     def abort(self, request: Request) -> None:
         """Drop an unfinished request (its client went away), from whichever queue holds it; its blocks,
