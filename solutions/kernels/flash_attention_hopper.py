@@ -84,12 +84,17 @@ def fast_path_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
 
 # yaie: solution-only
-@functools.lru_cache(maxsize=None)
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+# yaie: solution-only
 def _set_allocator() -> None:
-    """Descriptors made inside a kernel live in a small global scratch buffer that torch allocates."""
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, device="cuda", dtype=torch.int8)
-    triton.set_allocator(alloc)
+    """Descriptors made inside a kernel live in a small global scratch buffer that torch allocates.
+
+    Set before every launch, not once: Triton keeps the allocator per thread (a context variable), and
+    autograd runs backward passes in a thread of its own, where a once-set allocator is missing."""
+    triton.set_allocator(_scratch)
 
 
 # yaie: solution-only
