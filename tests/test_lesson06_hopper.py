@@ -52,7 +52,8 @@ def seed() -> int:
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every output buffer starts as NaN, so an element the kernel never writes fails the comparison."""
-    monkeypatch.setattr(fast, "_new_output", lambda q: torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device))
+    monkeypatch.setattr(fast, "_new_output",
+                        lambda q: torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device))
 
 
 def inputs(case, dtype, seed, strided_q=False):

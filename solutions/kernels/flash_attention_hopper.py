@@ -378,8 +378,10 @@ def _hopper_dkdv_kernel(
     batch64 = batch.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _rows_desc(K + batch64 * stride_kb + kv64 * stride_kh, seqlen_k, HEAD_DIM, stride_ks, BLOCK_N).load([start_n, 0])
-    v = _rows_desc(V + batch64 * stride_vb + kv64 * stride_vh, seqlen_k, HEAD_DIM, stride_vs, BLOCK_N).load([start_n, 0])
+    k_desc = _rows_desc(K + batch64 * stride_kb + kv64 * stride_kh, seqlen_k, HEAD_DIM, stride_ks, BLOCK_N)
+    v_desc = _rows_desc(V + batch64 * stride_vb + kv64 * stride_vh, seqlen_k, HEAD_DIM, stride_vs, BLOCK_N)
+    k = k_desc.load([start_n, 0])                   # this program's keys and values stay loaded throughout
+    v = v_desc.load([start_n, 0])
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -458,7 +460,8 @@ def _hopper_dq_kernel(
     kv64 = (head // group_size).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen_q
-    q = _rows_desc(Q + batch64 * stride_qb + head64 * stride_qh, seqlen_q, HEAD_DIM, stride_qs, BLOCK_M).load([start_m, 0])
+    q = _rows_desc(Q + batch64 * stride_qb + head64 * stride_qh, seqlen_q, HEAD_DIM, stride_qs,
+                   BLOCK_M).load([start_m, 0])
     do = _rows_desc(DO + batch64 * stride_dob + head64 * stride_doh, seqlen_q, HEAD_DIM, stride_dos,
                     BLOCK_M).load([start_m, 0])
     row0 = (batch64 * num_heads + head64) * seqlen_q
@@ -528,8 +531,10 @@ def _configs() -> list[tuple]:
 
 
 def _backward_configs() -> list[tuple[str, int, int, int, int]]:
-    """The backward configurations the autotuner tries (all of one dq mode, the first one's: the mode is
-    chosen by the caller, not timed per kernel). ``YAIE_FA_HOPPER_BWD_CONFIGS`` replaces the list."""
+    """The backward configurations: the autotuner tries their blocks; their dq mode counts only where one
+    is passed explicitly (the sweep), the autotuned path takes the caller's ``dq_mode`` (a mode cannot be
+    timed per kernel: "atomic" makes the dK/dV kernel slower and the dQ kernel unnecessary).
+    ``YAIE_FA_HOPPER_BWD_CONFIGS`` ("kernel,64,128,8,3;atomic,64,128,8,3") replaces the list."""
     text = os.environ.get("YAIE_FA_HOPPER_BWD_CONFIGS")
     if text:
         return [parse_backward_config(part) for part in text.split(";") if part.strip()]
@@ -568,7 +573,7 @@ def tuned_configs() -> str:
 
 
 # yaie: solution-only
-def _use_fixed_blocks(kind: str, length: int, config: tuple | None) -> bool:
+def _use_fixed_blocks(length: int, config: tuple | None) -> bool:
     """True: launch with fixed blocks (the interpreter, a given configuration, short sequences, or
     ``YAIE_FA_AUTOTUNE=0``); False: the autotuner."""
     return (triton_interpreted() or config is not None or length <= 1024
@@ -602,7 +607,7 @@ def _launch_forward(args: tuple, grid_rows: int, heads: int, batch: int, config:
                                  PERSISTENT=persistent, **constexprs)
         return
     _set_allocator()
-    if _use_fixed_blocks("fwd", grid_rows, config):
+    if _use_fixed_blocks(grid_rows, config):
         block_m, block_n, warps, stages, ws, prefetch, persistent = _padded(config or _configs()[0])
         grid = ((grid_rows + block_m - 1) // block_m, heads, batch)
         if persistent:
@@ -684,7 +689,7 @@ def _launch_backward(kind: str, args: tuple, grid_rows: int, heads: int, batch: 
         kernel[grid](*args, BLOCK_M=32, BLOCK_N=32, **constexprs)
         return
     _set_allocator()
-    if _use_fixed_blocks(kind, grid_rows, config):
+    if _use_fixed_blocks(grid_rows, config):
         _, block_m, block_n, warps, stages = config or _backward_configs()[0]
         if kind == "dq":
             block_m, block_n = block_n, block_m      # the mirror image: many query rows, a few keys per step

@@ -244,7 +244,9 @@ SWEEP_SHAPES = [(4, 16, 4096, 128), (1, 16, 16384, 128)]
 SWEEP_CONFIGS = [
     (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 3, False, True), (128, 128, 8, 2, False, False, True),
     (128, 128, 8, 3, True), (128, 128, 8, 2), (128, 64, 8, 4), (128, 64, 4, 3),
-]   # (On an H100, 128 x 128 x 3 stages with prefetch_s or persistent needs 262 KB of shared memory: > 227 KB.)   # (128, 128, 4, 3, True) is left out: Triton 3.6's warp-specialisation pass fails on it (seen on an H100)
+]
+# Left out (seen on an H100): 128 x 128 x 3 stages with prefetch_s or persistent (262 KB of shared memory, over
+# the 227 KB limit); (128, 128, 4, 3, True) (Triton 3.6's warp-specialisation pass fails on it).
 # Backward: (dq mode, BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel (the dQ kernel mirrors them).
 SWEEP_BACKWARD_CONFIGS = [("kernel", 64, 128, 8, 2), ("kernel", 64, 128, 8, 3),
                           ("atomic", 64, 128, 8, 2), ("atomic", 64, 128, 8, 3)]
