@@ -196,6 +196,63 @@ def test_chat_whole_and_streamed(client, reference):
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
 
 
+# ----------------------------------------------------------------------------- the engine loop, step by step
+def test_step_engine_looks_ahead_with_arrivals_and_aborts(reference_lessons, monkeypatch):
+    """The server's engine launches the next greedy decode step before reading this one's tokens, as
+    ``LLM.generate`` does (CUDA graphs' fixed-buffer steps, run eagerly here): requests that arrive, leave
+    and end meanwhile get exactly ``LLM.generate``'s tokens, a request asking for logprobs gets them
+    (looking ahead pauses for it), and every block comes back."""
+    from yaie.engine.async_engine import StepEngine
+    from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
+    from yaie.engine.llm import LLM as Engine
+    prompts = [f"One day, {name} the {kind} went to the park." for name, kind in zip(NAMES, KINDS * 2)][:5]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (20, 9, 28, 12, 6)]
+    params[1] = SamplingParams(max_tokens=20, temperature=0, stop=[" the"])
+    plain = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=256)
+    want = plain.generate(prompts, params)
+    llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=256)
+    llm.cuda_graphs = True
+    llm._graph_runner = lambda manager: DecodeGraphs(llm.model, manager, llm.max_num_seqs, capture=False)
+    ahead = []
+    real = Engine._look_ahead
+    monkeypatch.setattr(Engine, "_look_ahead", lambda self, *a: ahead.append(real(self, *a)) or ahead[-1])
+    engine = StepEngine(llm)
+    ids = [llm._prompt_ids(p)[1] for p in prompts]
+    requests, events, scored = {}, [], []
+    for i in range(3):
+        requests[i] = engine.add(ids[i], params[i])
+    aborted_at = None
+    for step in range(60):
+        if step == 6:                   # arrives while a looked-ahead step runs
+            assert engine._pending is not None, "no looked-ahead step in flight"
+            requests[3] = engine.add(ids[3], params[3])
+        if step >= 8 and aborted_at is None and engine._pending is not None:
+            assert engine.abort(requests[2].request_id)         # leaves while a looked-ahead step runs
+            aborted_at = step
+        if step == 12:                  # wants logprobs: looking ahead pauses while it runs
+            requests[4] = engine.add(ids[4], params[4], logprobs=2)
+        if not engine.has_unfinished():
+            break
+        events += engine.step()
+        if 4 in requests:
+            scored += engine.take_logprobs(requests[4].request_id) or []
+    events += engine.flush()
+    scored += engine.take_logprobs(requests[4].request_id) or []
+    texts = {i: "".join(piece for r, piece, _ in events if r is request) for i, request in requests.items()}
+    for i in (0, 1, 3, 4):
+        assert requests[i].output_ids == want[i].token_ids, f"request {i}"
+        assert texts[i] == want[i].text, f"request {i}"
+    assert aborted_at is not None and len(requests[2].output_ids) < len(want[2].token_ids)
+    assert [token for token, _, _ in scored] == want[4].token_ids
+    assert sum(a is not None for a in ahead) >= 5, f"decode steps looked ahead: {ahead}"
+    engine.close()
+    scheduler = engine.scheduler
+    cached = scheduler.prefix_cache.tree.num_evictable_blocks
+    assert set(scheduler.manager.seq_ids()) == {SCRATCH_SEQ}
+    assert scheduler.manager.num_free_blocks + cached == scheduler.usable_blocks
+    assert engine.requests == {} and engine.logprobs == {}
+
+
 # ----------------------------------------------------------------------------- logprobs
 @pytest.fixture(scope="module")
 def hf_model():

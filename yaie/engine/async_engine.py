@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from yaie.engine.llm import DEFAULT_MODEL, LLM, _read_generation_config, _sample_rows, _Text
+from yaie.engine.llm import DEFAULT_MODEL, LLM, _read_generation_config, _Text
 from yaie.engine.sampling import SamplingParams
 from yaie.engine.scheduler import Request, Scheduler
 from yaie.model.config import load_config
@@ -59,6 +59,7 @@ class StepEngine:
         self.texts: dict[int, _Text] = {}
         self._late: list[tuple[Request, _Text]] = []     # the last step's requests, their text not decoded yet
         self.logprobs: dict[int, tuple[int, list]] = {}  # request id -> (k, entries not taken yet)
+        self._pending = None        # a looked-ahead step (LLM._look_ahead), launched, its tokens not read yet
         self._next_id = 0
 
     @property
@@ -119,37 +120,56 @@ class StepEngine:
     def step(self, during: Callable[[list], None] | None = None) -> list[tuple[Request, str, _Text]]:
         """One forward pass over the running batch, pipelined as ``LLM.generate`` runs it: the device gets
         the step's kernels first, and the host decodes the *previous* step's new text while they run.
+        When the next step can only be the same greedy decodes, it is launched too before this step's
+        tokens are read (``LLM._look_ahead``): the device goes on without waiting for the host.
 
         Returns the previous step's events, ``(request, new text, its _Text)``, one per request that
         sampled a token then (:meth:`flush` gives the last step's). With ``during``, they are handed to it
         instead, still while the device works (the engine loop sends them to the server then), and the
         call returns ``[]``. A request whose token ended it (``text.finish_reason`` set) gave its blocks
         back in this call, before the next step is planned."""
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
-        batch = plan.sampled          # a prefill chunk that leaves part of its prompt gets no token yet
-        logits = self.llm._launch(self.manager, plan, self._cache.graphs)      # queued, not waited for
+        graphs = self._cache.graphs
+        try:
+            pending = self._pending
+            if pending is None:
+                plan = self.scheduler.schedule()
+                if plan.empty:
+                    raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
+                pending = self.llm._start(self.manager, plan, graphs, self.texts)    # queued, not waited for
+            # Not when a request wants log-probabilities: they are read from this step's logits, which the
+            # next step's graph replay would overwrite.
+            following = None if self.logprobs else self.llm._look_ahead(self.scheduler, pending, graphs, self.texts)
+        except BaseException:
+            self._pending = None
+            raise
+        self._pending = None
         events = self.flush()
         if during is not None:
             during(events)
             events = []
-        tokens = _sample_rows(logits, [self.texts[r.request_id] for r in batch]) if logits is not None else []
+        tokens = pending.tokens()
         if self.logprobs:                # only steps with a request that asked for them do this work
-            self._gather_logprobs(batch, logits, tokens)
-        for request, token in zip(batch, tokens):
+            self._gather_logprobs(pending.requests, pending.logits, tokens)
+        for request, token in zip(pending.requests, tokens):
+            if request is None:          # ended (or aborted) before this looked-ahead step was read
+                continue
             text = self.texts[request.request_id]
-            text.accept(request, token)
+            kept = text.accept(request, token)
             if text.finish_reason is not None:
-                self.scheduler.finish(request)
+                # Its blocks go back before the next step is planned; when the looked-ahead step already
+                # runs with it, that step fed this token too (a stop id's K/V count as computed).
+                fed = following is not None and following.drop(request)
+                self.scheduler.finish(request, [] if kept or not fed else [token])
                 del self.requests[request.request_id], self.texts[request.request_id]
             self._late.append((request, text))
+        if following is not None and any(r is not None for r in following.requests):
+            self._pending = following
         return events
 
     def _gather_logprobs(self, batch: list[Request], logits, tokens: list[int]) -> None:
         """Each sampled token's log-probability and the top k, for the requests of ``batch`` that asked
         (one log-softmax over their rows, one copy to the host)."""
-        rows = [i for i, r in enumerate(batch) if r.request_id in self.logprobs]
+        rows = [i for i, r in enumerate(batch) if r is not None and r.request_id in self.logprobs]
         if not rows:
             return
         k = max(self.logprobs[batch[i].request_id][0] for i in rows)
@@ -178,6 +198,10 @@ class StepEngine:
         del self.texts[request_id]
         self.logprobs.pop(request_id, None)
         self._late = [(r, text) for r, text in self._late if r.request_id != request_id]
+        if self._pending is not None:    # launched with it, not read yet: its row is ignored
+            self._pending.drop(request)
+            if all(r is None for r in self._pending.requests):
+                self._pending = None
         self.scheduler.abort(request)
         return True
 
