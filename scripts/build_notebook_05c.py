@@ -203,14 +203,19 @@ md(r"""
 `plan` reads the CSR arrays on the host (one copy each: that is its job) and writes a **work list**: one
 item per (tile of query rows, range of keys). The query heads that share a KV head are packed into a tile's
 rows, so one K/V tile serves the whole group: a decode (1 token x `group` heads) fits a **narrow** tile of
-16 rows; a prefill chunk fills **wide** tiles (64 rows on a GPU, 32 in the interpreter). Causal tiles stop at
-their last query's position. When the tiles are too few to fill the GPU (about 2 programs per
+16 rows; a prefill chunk fills **wide** tiles (128 rows on a GPU, 32 in the interpreter). Causal tiles stop
+at their last query's position. When the tiles are too few to fill the GPU (about 2 programs per
 multiprocessor), long key ranges are cut into chunks (**split-KV**) whose states are merged afterwards (task 5).
-Items are sorted longest first, so the long ones do not end up alone in the last wave.
 
-`run(q, k_cache, v_cache)` does no host work but checks and launches: ONE kernel over
-`(work items, KV heads)`, each program taking the narrow or the wide branch its item asks for (+ one merge
-launch if something was split). The engine plans once per step and runs it for each of its layers.
+The order of the work list is a schedule: programs start in that order. Prefill tiles are compute bound,
+decode tiles memory bound; the reference interleaves the two kinds when the prefills are most of the work
+(the decodes' reads then hide under the prefills' matrix products), and otherwise sorts longest first, so a
+long item never ends up alone in the last wave.
+
+`run(q, k_cache, v_cache)` does no host work but checks and launches: ONE kernel over the
+(work item, KV head) pairs, each program taking the narrow or the wide branch its item asks for (+ one merge
+launch if something was split). The engine plans once per step and runs it for each of its layers, so the
+plan's host time counts once per step: build the work list with array operations, not Python loops.
 """)
 
 code(r"""
@@ -384,8 +389,9 @@ md(r"""
    not approximations.
 4. GQA packing: with 32 query heads over 8 KV heads, how many rows of a narrow tile does a decode use, and
    how many bytes of K/V would a kernel read per decode if each program took ONE query head instead?
-5. The plan sorts work items longest first. Construct a batch where the unsorted order makes the last wave
-   hold one long program alone (draw it with `draw_work`), and estimate the time lost.
+5. Sorted longest first (`config={"order": "longest"}` in the reference), construct a batch where the
+   unsorted order makes the last wave hold one long program alone (draw it with `draw_work`), and estimate
+   the time lost.
 6. `choose_kv_chunk` stops at one wave of about 2 programs per multiprocessor. What does a second, mostly
    empty wave cost (lesson 04's split sweep measured it)? Why is a chunk never shorter than 256 keys?
 7. `run` must not sync with the device: find every host operation in your `run` and say which could sync
@@ -397,13 +403,14 @@ md(r"""
 9. A prefill chunk *also* shares the prefix (parallel sampling of one prompt, `n=4`). Write the two levels for
    4 requests that each prefill 3 new tokens after a shared 1k prefix; which level is causal, and why is
    the other not?
-10. (GPU) On the H100 the mixed step in ONE launch took 0.49 ms against 0.44 ms for lesson 04 + the
-    prefix-prefill kernel apart (`bench/results/lesson05_plan_run_h100.md`). On the decodes alone plan/run
-    matches lesson 04; on the prefills alone it is slower than the prefix-prefill kernel at 1k new over 2k
-    cached, faster at 512 over 512; and the one launch saves only about 10% against its own two halves.
-    Why so little? (Hint: in what order does the plan put the items, and which programs then share a
-    multiprocessor?) Change the order so that decode (memory-bound) and prefill (compute-bound) items
-    alternate, and measure again.
+10. (GPU) On the H100 (`bench/results/lesson05_plan_run_h100.md`) the mixed step (32 decodes at 4k + 2
+    prefills of 1k new tokens over 2k cached) took 0.387 ms in ONE launch with decode and prefill items
+    interleaved, 0.435 ms sorted longest first (every prefill tile before the first decode), and 0.439 ms as
+    lesson 04 + the prefix-prefill kernel apart; the decodes alone take 0.195 ms, the prefills alone 0.259 ms.
+    Why is the interleaved launch shorter than its two halves added up, and the sorted one not? (Hint: which
+    programs share a multiprocessor, and which unit of it does each kind keep busy?) At 512 new over 512
+    cached it is the other way round: 0.237 ms longest first, 0.257 ms interleaved. Why? Measure your own
+    plan's order at both shapes.
 11. (Engine) `YAIE_PLAN_RUN=1` makes the engine plan every eager step with your `FlashInferPagedAttention`
     (and with your `CascadeAttention` when all of a step's sequences start with the same cached blocks):
     read `_plan_step` in `yaie/ops.py`. Where do `qo_indptr` and `kv_indices` come from, why may a sequence's

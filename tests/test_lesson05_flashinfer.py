@@ -88,9 +88,8 @@ def test_auto_order_interleaves_when_prefills_dominate_and_nothing_straggles():
 
 
 def test_fused_merge_matches_the_merge_launch():
-    """Split plans (split-KV chunks, a cascade's two levels): the merge fused into the plan/run kernel (the
-    default: the last program of a row merges) gives the separate merge kernel's answer, and leaves its
-    counters at zero for the next run."""
+    """Split plans: the merge fused into the plan/run kernel (``fuse_merge=True``: the last program of a row
+    merges) gives the separate merge kernel's answer, and leaves its counters at zero for the next run."""
     batch, _ = plan_of([1, 9, 1, 30], [30, 9, 17, 40])
     outs = []
     for fuse in (True, False):
@@ -120,6 +119,39 @@ def test_work_orders_give_the_same_answer():
         torch.testing.assert_close(lse, outs[0][1])
     with pytest.raises(ValueError, match="order"):
         fi.FlashInferPagedAttention(config={"order": "random"}).plan(*batch.csr(), 8, 2, 16, 8, causal=True)
+
+
+def test_fused_merge_of_a_cascade():
+    bs = 8
+    levels = ([torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 1, 2, 3], dtype=torch.int32)],
+              [torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1, 2, 3], dtype=torch.int32)],
+              [torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2, 3, 4], dtype=torch.int32)],
+              [torch.tensor([bs], dtype=torch.int32), torch.tensor([3, 8, 1], dtype=torch.int32)])
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, 16, generator=gen)
+    k_cache, v_cache = torch.randn(5, bs, 2, 16, generator=gen), torch.randn(5, bs, 2, 16, generator=gen)
+    outs = []
+    for fuse in (True, False):
+        cascade = fi.CascadeAttention(config={"fuse_merge": fuse})
+        cascade.plan(*levels, 4, 2, 16, bs, causal=True)
+        outs.append(cascade.run(q, k_cache, v_cache))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_wide_tiles_in_passes(dtype):
+    """128-row wide tiles: float32 runs them in two passes of 64 rows (half the registers), 16-bit types in
+    one; both give the answer. GQA 3:1 (42 tokens of 3 heads = 126 rows: a token's heads straddle the passes)."""
+    batch = Batch(([1, 50, 3], [20, 60, 3], 6, 2, 16, 8), dtype, "cpu", seed=7)
+    wrapper = fi.FlashInferPagedAttention(config={"WIDE_M": 128})
+    wrapper.plan(*batch.csr(), 6, 2, 16, 8, causal=True, kv_chunk_size=10_000)
+    out, lse = wrapper.run(batch.q, batch.k_cache, batch.v_cache)
+    exact = ref_attention(batch.q.double(), batch.q_lens, [k.double() for k in batch.ks],
+                          [v.double() for v in batch.vs], causal=True)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out.double(), exact[0], **tol)
+    torch.testing.assert_close(lse.double(), exact[1], **tol)
 
 
 def test_work_list_runs_longest_first():

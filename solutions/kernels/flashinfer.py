@@ -22,7 +22,7 @@ by :meth:`FlashInferPagedAttention.plan`: the *work list*. One work item is "thi
 request b, against keys ``kv_lo .. kv_hi`` of it". Query heads that share a KV head (grouped-query attention,
 ``group = num_heads // num_kv_heads``) are packed into the rows of one tile, so each K/V tile read from
 memory serves the whole group. A decode (1 token x group heads) gets a narrow tile (16 rows); a prefill chunk
-gets wide tiles (64 rows on a GPU). When the work items are too few to fill the GPU (a small batch with long
+gets wide tiles (128 rows on a GPU). When the work items are too few to fill the GPU (a small batch with long
 contexts), the key range of each tile is cut into chunks handled by separate programs (split-KV, lesson 04's
 split-K), and their partial results are merged afterwards. :meth:`~FlashInferPagedAttention.run` then does
 no host work but checks and launches: ONE Triton launch over the work list x KV heads (plus one merge
@@ -48,11 +48,17 @@ mask: every query comes after the prefix), each request's own suffix is a normal
 and the two states are merged. Decode turns from memory bound (every request streaming the whole prefix)
 into a small matrix product over the prefix.
 
+**The order of the work list is a schedule.** Programs start in work-list order, so the plan decides what
+runs beside what. Prefill tiles are compute bound, decode tiles memory bound: interleaved, the decodes'
+reads hide under the prefills' matrix products; one kind after the other, they do not (see
+:func:`_work_order` for the rule and its measurements).
+
 Measured on an H100 (``bench/results/lesson05_plan_run_h100.md``, bf16, 32 query heads over 8 KV heads of
-128): cascade decode of 64 requests over an 8k-token shared prefix 0.10 ms against lesson 04's 0.33 ms
-(3.3x). A mixed step (32 decodes at 4k + 2 prefills of 1k over 2k cached) in one launch: 0.49 ms against
-0.44 ms for lesson 04 and the prefix-prefill kernel launched apart; the work order (every prefill tile
-before the first decode) keeps the compute-bound and the memory-bound programs from running side by side.
+128): a mixed step (32 decodes at 4k + 2 prefills of 1k new tokens over 2k cached) in one launch 0.387 ms
+against 0.439 ms for lesson 04 and the prefix-prefill kernel launched apart (1.13x; longest first instead of
+interleaved: 0.435 ms). Cascade decode of 64 requests over an 8k-token shared prefix: 0.074 ms against
+lesson 04's 0.337 ms with both replayed from CUDA graphs (4.5x); launched from Python, 0.144 against
+0.331 ms on that machine, where the host time of the two launches exceeded the GPU work.
 
 Tasks: 5 merging attention states (a float64 reference, a two-state and a many-state Triton kernel),
 6 :class:`FlashInferPagedAttention` (reference, plan, run), 7 :class:`FlashInferAttention` (the same over
@@ -559,8 +565,9 @@ def _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_ROWS, COUNTERS, token, head
     """The split merge fused into the plan/run kernel (lesson 04's trick, per query row): every program that
     wrote a partial state of a (token, head) row bumps that row's counter; the program that brings it to
     the row's number of states merges them all (an online log-sum-exp, as _merge_many_kernel) and puts the
-    counter back to 0 for the next run. No second launch: on a step of a few tens of microseconds, the
-    merge launch's host time was as long as the GPU work (the cascade decode).
+    counter back to 0 for the next run. No second launch: on a step of a few tens of microseconds (the
+    cascade decode) a launch's host time is as long as the GPU work. Opt-in (``config={"fuse_merge":
+    True}``): checked in the interpreter, not yet measured on a GPU.
 
     The first barrier orders every thread's partial stores before the counters move (release); the second
     makes the counters' acquire hold for every thread of the program before any of them reads the other
@@ -645,9 +652,9 @@ def _tile_config(group: int, head_dim: int, override: dict | None = None) -> dic
     smallest) and step through 64 keys at a time (memory bound: big loads). Wide tiles hold a prefill
     chunk's tokens x heads: 128 rows x 32 keys (compute bound: the prefix-prefill kernel's choice for
     prefills of a few hundred tokens, which fits 4 warps' registers); 64 x 32 for head dims above 128.
-    ``order``: the work list's order (see :func:`_work_order`); ``fuse_merge``: split rows are merged by the
-    last program that wrote one of their states (:func:`_merge_if_last`) instead of a second launch. Small
-    tiles in the interpreter (fast on a CPU)."""
+    ``order``: the work list's order (see :func:`_work_order`); ``fuse_merge`` (off by default: not yet
+    measured on a GPU): split rows are merged by the last program that wrote one of their states
+    (:func:`_merge_if_last`) instead of a second launch. Small tiles in the interpreter (fast on a CPU)."""
     narrow = max(16, triton.next_power_of_2(group))
     if triton_interpreted():
         config = dict(NARROW_M=narrow, WIDE_M=max(32, narrow), BLOCK_N=16, WIDE_N=16, num_warps=1, num_stages=1)
@@ -655,7 +662,7 @@ def _tile_config(group: int, head_dim: int, override: dict | None = None) -> dic
         config = dict(NARROW_M=narrow, WIDE_M=max(128, narrow), BLOCK_N=64, WIDE_N=32, num_warps=4, num_stages=3)
     else:
         config = dict(NARROW_M=narrow, WIDE_M=max(64, narrow), BLOCK_N=32, WIDE_N=32, num_warps=4, num_stages=3)
-    config.update(order="auto", fuse_merge=True)
+    config.update(order="auto", fuse_merge=False)
     config.update(override or {})
     if config["order"] not in ("auto", "longest", "interleave"):
         raise ValueError(f"config order must be 'auto', 'longest' or 'interleave', got {config['order']!r}")
@@ -1059,8 +1066,11 @@ class FlashInferPagedAttention:
                 when the tiles are too few to fill the GPU).
 
         The work list: each request's queries are cut into tiles (a decode's group of heads fills a narrow
-        tile of 16 rows; prefill tokens x heads fill wide ones); each tile's keys into chunks; items longest
-        first. Reads the index tensors on the host (one copy each): that is the point of planning.
+        tile of 16 rows; prefill tokens x heads fill wide ones); each tile's keys into chunks; the items put
+        in launch order (the reference: decode and prefill items interleaved when prefills are most of the
+        work, else longest first). Reads the index tensors on the host (one copy for all of them, one device
+        sync when they live on the GPU): that is the point of planning. Host time is part of every engine
+        step: build the work list with array operations, not Python loops over tiles or rows.
 
         Raises:
             ValueError: offsets that are not int32 1-D, do not start at 0, decrease or disagree in length;

@@ -25,7 +25,7 @@ by :meth:`FlashInferPagedAttention.plan`: the *work list*. One work item is "thi
 request b, against keys ``kv_lo .. kv_hi`` of it". Query heads that share a KV head (grouped-query attention,
 ``group = num_heads // num_kv_heads``) are packed into the rows of one tile, so each K/V tile read from
 memory serves the whole group. A decode (1 token x group heads) gets a narrow tile (16 rows); a prefill chunk
-gets wide tiles (64 rows on a GPU). When the work items are too few to fill the GPU (a small batch with long
+gets wide tiles (128 rows on a GPU). When the work items are too few to fill the GPU (a small batch with long
 contexts), the key range of each tile is cut into chunks handled by separate programs (split-KV, lesson 04's
 split-K), and their partial results are merged afterwards. :meth:`~FlashInferPagedAttention.run` then does
 no host work but checks and launches: ONE Triton launch over the work list x KV heads (plus one merge
@@ -51,11 +51,17 @@ mask: every query comes after the prefix), each request's own suffix is a normal
 and the two states are merged. Decode turns from memory bound (every request streaming the whole prefix)
 into a small matrix product over the prefix.
 
+**The order of the work list is a schedule.** Programs start in work-list order, so the plan decides what
+runs beside what. Prefill tiles are compute bound, decode tiles memory bound: interleaved, the decodes'
+reads hide under the prefills' matrix products; one kind after the other, they do not (see
+:func:`_work_order` for the rule and its measurements).
+
 Measured on an H100 (``bench/results/lesson05_plan_run_h100.md``, bf16, 32 query heads over 8 KV heads of
-128): cascade decode of 64 requests over an 8k-token shared prefix 0.10 ms against lesson 04's 0.33 ms
-(3.3x). A mixed step (32 decodes at 4k + 2 prefills of 1k over 2k cached) in one launch: 0.49 ms against
-0.44 ms for lesson 04 and the prefix-prefill kernel launched apart; the work order (every prefill tile
-before the first decode) keeps the compute-bound and the memory-bound programs from running side by side.
+128): a mixed step (32 decodes at 4k + 2 prefills of 1k new tokens over 2k cached) in one launch 0.387 ms
+against 0.439 ms for lesson 04 and the prefix-prefill kernel launched apart (1.13x; longest first instead of
+interleaved: 0.435 ms). Cascade decode of 64 requests over an 8k-token shared prefix: 0.074 ms against
+lesson 04's 0.337 ms with both replayed from CUDA graphs (4.5x); launched from Python, 0.144 against
+0.331 ms on that machine, where the host time of the two launches exceeded the GPU work.
 
 Tasks: 5 merging attention states (a float64 reference, a two-state and a many-state Triton kernel),
 6 :class:`FlashInferPagedAttention` (reference, plan, run), 7 :class:`FlashInferAttention` (the same over
@@ -322,8 +328,11 @@ class FlashInferPagedAttention:
                 when the tiles are too few to fill the GPU).
 
         The work list: each request's queries are cut into tiles (a decode's group of heads fills a narrow
-        tile of 16 rows; prefill tokens x heads fill wide ones); each tile's keys into chunks; items longest
-        first. Reads the index tensors on the host (one copy each): that is the point of planning.
+        tile of 16 rows; prefill tokens x heads fill wide ones); each tile's keys into chunks; the items put
+        in launch order (the reference: decode and prefill items interleaved when prefills are most of the
+        work, else longest first). Reads the index tensors on the host (one copy for all of them, one device
+        sync when they live on the GPU): that is the point of planning. Host time is part of every engine
+        step: build the work list with array operations, not Python loops over tiles or rows.
 
         Raises:
             ValueError: offsets that are not int32 1-D, do not start at 0, decrease or disagree in length;
