@@ -121,6 +121,16 @@ def test_work_orders_give_the_same_answer():
         fi.FlashInferPagedAttention(config={"order": "random"}).plan(*batch.csr(), 8, 2, 16, 8, causal=True)
 
 
+@pytest.mark.parametrize("q_lens,kv_lens", [([1, 3], [40, 9]), ([1, 9, 1], [30, 9, 17]), ([2], [5])])
+def test_plan_tables_start_on_16_byte_boundaries(q_lens, kv_lens):
+    """The plan's device tables are views of one buffer; Triton specializes a kernel on pointer alignment,
+    so each view must start 16-byte aligned whatever the plan's sizes (else some plans compile again)."""
+    _, wrapper = plan_of(q_lens, kv_lens, chunk=8)
+    plan = wrapper._plan
+    for t in (plan.work, plan.narrow, plan.merges, plan.part_rows, plan.merge_first, plan.merge_count):
+        assert t is None or t.data_ptr() % 16 == 0
+
+
 def test_fused_merge_of_a_cascade():
     bs = 8
     levels = ([torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 1, 2, 3], dtype=torch.int32)],

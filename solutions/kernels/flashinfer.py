@@ -368,8 +368,8 @@ class _Plan:
     first key, end key, page-table offset (paged) or first K/V row (contiguous), which of the rows' partial
     states this is (-1: the only state, written to the output), offset into ``part_rows``).
     ``merges`` int32 ``[num_merges, 3]``: (query row, first partial row, number of partial rows).
-    ``work``, ``narrow``, ``merges``, ``part_rows`` and ``merge_rows`` are views of ONE device buffer (one
-    copy per plan). ``counters`` (split plans with ``fuse_merge``) go back to zero at the end of every run;
+    ``work``, ``narrow``, ``merges``, ``part_rows``, ``merge_first`` and ``merge_count`` are views of ONE
+    device buffer (one copy per plan), each starting on a 16-byte boundary (see :func:`_make_plan`). ``counters`` (split plans with ``fuse_merge``) go back to zero at the end of every run;
     two runs of one plan at once on different streams would share them.
     """
 
@@ -390,7 +390,8 @@ class _Plan:
     splits: np.ndarray       # per tile (level by level), how many chunks its keys were cut into
     kinds: int               # 1: narrow tiles only, 2: wide only, 3: both (which branches the kernel compiles)
     order: str               # the work order used: "longest" or "interleave"
-    merge_rows: torch.Tensor | None  # int32 [2, total_q]: each query row's first partial row, its number of states
+    merge_first: torch.Tensor | None  # int32 [total_q]: each query row's first partial row
+    merge_count: torch.Tensor | None  # int32 [total_q]: each query row's number of states
     counters: torch.Tensor | None    # int32 [total_q * num_heads] zeros: the fused merge's counters (fuse_merge)
 
     @property
@@ -486,9 +487,9 @@ def _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
 
 # yaie: solution-only
 @triton.jit
-def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_ROWS, COUNTERS, w, kv_head,
+def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS, w, kv_head,
                  stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 stride_ot, stride_oh, stride_lt, num_heads, total_q, scale_log2,
+                 stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
                  ROW0: tl.constexpr, TILE_M: tl.constexpr, M: tl.constexpr, GROUP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  PAGED: tl.constexpr, FAST_PATH: tl.constexpr, FUSE_MERGE: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -554,14 +555,14 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MER
         tl.store(PART_O + (part * num_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
         tl.store(PART_LSE + part * num_heads + heads, lse, mask=row_ok)
         if FUSE_MERGE:
-            _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_ROWS, COUNTERS, q_start + tok, heads, row_ok, offs_d,
-                           stride_ot, stride_oh, stride_lt, num_heads, total_q, HEAD_DIM)
+            _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_FIRST, MERGE_COUNT, COUNTERS, q_start + tok, heads, row_ok, offs_d,
+                           stride_ot, stride_oh, stride_lt, num_heads, HEAD_DIM)
 
 
 # yaie: solution-only
 @triton.jit
-def _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_ROWS, COUNTERS, token, heads, row_ok, offs_d,
-                   stride_ot, stride_oh, stride_lt, num_heads, total_q, HEAD_DIM: tl.constexpr):
+def _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_FIRST, MERGE_COUNT, COUNTERS, token, heads, row_ok, offs_d,
+                   stride_ot, stride_oh, stride_lt, num_heads, HEAD_DIM: tl.constexpr):
     """The split merge fused into the plan/run kernel (lesson 04's trick, per query row): every program that
     wrote a partial state of a (token, head) row bumps that row's counter; the program that brings it to
     the row's number of states merges them all (an online log-sum-exp, as _merge_many_kernel) and puts the
@@ -573,13 +574,13 @@ def _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_ROWS, COUNTERS, token, head
     makes the counters' acquire hold for every thread of the program before any of them reads the other
     programs' partial rows (loaded past the L1 cache, ``.cg``)."""
     tl.debug_barrier()
-    count = tl.load(MERGE_ROWS + total_q + token, mask=row_ok, other=0)     # states of the row's token
+    count = tl.load(MERGE_COUNT + token, mask=row_ok, other=0)              # states of the row's token
     counter = COUNTERS + token.to(tl.int64) * num_heads + heads
     before = tl.atomic_add(counter, 1, mask=row_ok, sem="acq_rel", scope="gpu")
     last = row_ok & (before == count - 1)
     tl.debug_barrier()
     if tl.max(last.to(tl.int32), axis=0) > 0:
-        first = tl.load(MERGE_ROWS + token, mask=last, other=0)
+        first = tl.load(MERGE_FIRST + token, mask=last, other=0)
         d_ok = offs_d[None, :] < HEAD_DIM
         top = tl.full(heads.shape, float("-inf"), tl.float32)            # the largest lse so far
         total = tl.zeros(heads.shape, tl.float32)                         # sum of exp(lse_s - top)
@@ -608,9 +609,9 @@ def _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_ROWS, COUNTERS, token, head
 
 # yaie: solution-only
 @triton.jit
-def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_ROWS, COUNTERS,
+def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                     stride_ot, stride_oh, stride_lt, num_heads, num_kv_heads, total_q, scale_log2,
+                     stride_ot, stride_oh, stride_lt, num_heads, num_kv_heads, scale_log2,
                      NARROW_M: tl.constexpr, WIDE_M: tl.constexpr, WIDE_PASS: tl.constexpr, GROUP: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr,
                      PAGE_SIZE: tl.constexpr, KINDS: tl.constexpr, PAGED: tl.constexpr, FUSE_MERGE: tl.constexpr,
@@ -632,16 +633,16 @@ def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_L
     else:
         narrow = KINDS == 1
     if narrow:
-        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_ROWS, COUNTERS, w, kv_head,
+        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS, w, kv_head,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                     stride_ot, stride_oh, stride_lt, num_heads, total_q, scale_log2,
+                     stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
                      0, NARROW_M, NARROW_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, False, FUSE_MERGE,
                      FP32_DOT, PRECISION)
     else:
         for part in tl.static_range(WIDE_M // WIDE_PASS):
-            _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_ROWS, COUNTERS, w,
+            _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS, w,
                          kv_head, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                         stride_vh, stride_ot, stride_oh, stride_lt, num_heads, total_q, scale_log2,
+                         stride_vh, stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
                          part * WIDE_PASS, WIDE_M, WIDE_PASS, GROUP, HEAD_DIM, BLOCK_D, WIDE_N, PAGE_SIZE, PAGED,
                          True, FUSE_MERGE, FP32_DOT, PRECISION)
 
@@ -832,22 +833,28 @@ def _make_plan(levels, num_heads, num_kv_heads, head_dim, block_size, total_q, t
     work, narrow = np.concatenate(work), np.concatenate(narrow)
     order, order_used = _work_order(work, narrow, config["order"], PROGRAMS_PER_SM * sms / num_kv_heads)
     work, narrow = work[order], narrow[order]
-    # One host-to-device copy: work list, kinds, merge list, partial-row tables in one int32 buffer.
-    num_work, num_merges, levels = work.shape[0], merges.shape[0], len(tiles)
+    # One host-to-device copy: work list, kinds, merge list, partial-row tables in one int32 buffer. Each
+    # piece starts on a 16-byte boundary: Triton specializes a kernel on the alignment of its pointers, and
+    # views at odd offsets would compile other copies of the kernel for some plans.
+    num_work, num_merges = work.shape[0], merges.shape[0]
     pieces = [work.ravel(), narrow]
     if num_merges:
-        pieces += [merges.ravel(), *part_rows, first_row, states]
-    packed = torch.from_numpy(np.concatenate(pieces).astype(np.int32)).to(device)
-    ends = np.cumsum([num_work * WORK_FIELDS, num_work, 3 * num_merges, levels * total_q, 2 * total_q])
+        pieces += [merges.ravel(), np.concatenate(part_rows), first_row, states]
+    sizes = np.array([piece.size for piece in pieces])
+    starts = np.cumsum(-(-sizes // 4) * 4) - (-(-sizes // 4) * 4)
+    host = np.zeros(int(starts[-1] + sizes[-1]), dtype=np.int32)
+    for piece, start in zip(pieces, starts):
+        host[start: start + piece.size] = piece
+    packed = torch.from_numpy(host).to(device)
+    views = [packed[start: start + size] for start, size in zip(starts, sizes)]
     fused = bool(num_merges) and bool(config["fuse_merge"])
     return _Plan(num_heads, num_kv_heads, head_dim, block_size, total_q, total_kv,
                  head_dim ** -0.5 if scale is None else float(scale), config,
-                 packed[: ends[0]].view(num_work, WORK_FIELDS), packed[ends[0]: ends[1]],
-                 packed[ends[1]: ends[2]].view(num_merges, 3) if num_merges else None,
-                 packed[ends[2]: ends[3]] if num_merges else None,
+                 views[0].view(num_work, WORK_FIELDS), views[1],
+                 views[2].view(num_merges, 3) if num_merges else None, views[3] if num_merges else None,
                  int(states[split].sum()), work, np.concatenate([t["count"] for t in tiles]),
                  int(narrow.any()) + 2 * int((narrow == 0).any()), order_used,
-                 packed[ends[3]: ends[4]] if num_merges else None,
+                 views[4] if num_merges else None, views[5] if num_merges else None,
                  torch.zeros(total_q * num_heads, dtype=torch.int32, device=device) if fused else None)
 
 
@@ -876,9 +883,10 @@ def _run_plan(plan: _Plan, q, k, v, kv_indices, paged: bool):
     _plan_run_kernel[(num_work * plan.num_kv_heads,)](
         q, k, v, kv_indices, plan.work, plan.narrow, out, lse, part_o, part_lse,
         plan.part_rows if plan.part_rows is not None else plan.work,
-        plan.merge_rows if fused else plan.work, plan.counters if fused else plan.work,
+        plan.merge_first if fused else plan.work, plan.merge_count if fused else plan.work,
+        plan.counters if fused else plan.work,
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), lse.stride(0),
-        num_heads, plan.num_kv_heads, total_q, plan.scale * LOG2E,
+        num_heads, plan.num_kv_heads, plan.scale * LOG2E,
         NARROW_M=cfg["NARROW_M"], WIDE_M=wide_m, WIDE_PASS=wide_pass, GROUP=num_heads // plan.num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_N=cfg["BLOCK_N"], WIDE_N=cfg["WIDE_N"],
         PAGE_SIZE=max(plan.block_size, 1), KINDS=plan.kinds, PAGED=paged, FUSE_MERGE=fused, FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
