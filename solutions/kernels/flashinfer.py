@@ -369,8 +369,9 @@ class _Plan:
     states this is (-1: the only state, written to the output), offset into ``part_rows``).
     ``merges`` int32 ``[num_merges, 3]``: (query row, first partial row, number of partial rows).
     ``work``, ``narrow``, ``merges``, ``part_rows``, ``merge_first`` and ``merge_count`` are views of ONE
-    device buffer (one copy per plan), each starting on a 16-byte boundary (see :func:`_make_plan`). ``counters`` (split plans with ``fuse_merge``) go back to zero at the end of every run;
-    two runs of one plan at once on different streams would share them.
+    device buffer (one copy per plan), each starting on a 16-byte boundary (see :func:`_make_plan`).
+    ``counters`` (split plans with ``fuse_merge``) go back to zero at the end of every run; two runs of one
+    plan at once on different streams would share them.
     """
 
     num_heads: int
@@ -487,7 +488,8 @@ def _attend_range(acc, l_i, m_i, q, pos, K, V, KV_INDICES, page_base, kv_head,
 
 # yaie: solution-only
 @triton.jit
-def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS, w, kv_head,
+def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS,
+                 w, kv_head,
                  stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                  stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
                  ROW0: tl.constexpr, TILE_M: tl.constexpr, M: tl.constexpr, GROUP: tl.constexpr,
@@ -555,7 +557,8 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MER
         tl.store(PART_O + (part * num_heads + heads)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
         tl.store(PART_LSE + part * num_heads + heads, lse, mask=row_ok)
         if FUSE_MERGE:
-            _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_FIRST, MERGE_COUNT, COUNTERS, q_start + tok, heads, row_ok, offs_d,
+            _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_FIRST, MERGE_COUNT, COUNTERS, q_start + tok, heads,
+                           row_ok, offs_d,
                            stride_ot, stride_oh, stride_lt, num_heads, HEAD_DIM)
 
 
@@ -609,7 +612,8 @@ def _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_FIRST, MERGE_COUNT, COUNTER
 
 # yaie: solution-only
 @triton.jit
-def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS,
+def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST,
+                     MERGE_COUNT, COUNTERS,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      stride_ot, stride_oh, stride_lt, num_heads, num_kv_heads, scale_log2,
                      NARROW_M: tl.constexpr, WIDE_M: tl.constexpr, WIDE_PASS: tl.constexpr, GROUP: tl.constexpr,
@@ -633,14 +637,16 @@ def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_L
     else:
         narrow = KINDS == 1
     if narrow:
-        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS, w, kv_head,
+        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS,
+                     w, kv_head,
                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
                      0, NARROW_M, NARROW_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, False, FUSE_MERGE,
                      FP32_DOT, PRECISION)
     else:
         for part in tl.static_range(WIDE_M // WIDE_PASS):
-            _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS, w,
+            _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT,
+                         COUNTERS, w,
                          kv_head, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                          stride_vh, stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
                          part * WIDE_PASS, WIDE_M, WIDE_PASS, GROUP, HEAD_DIM, BLOCK_D, WIDE_N, PAGE_SIZE, PAGED,
@@ -889,7 +895,8 @@ def _run_plan(plan: _Plan, q, k, v, kv_indices, paged: bool):
         num_heads, plan.num_kv_heads, plan.scale * LOG2E,
         NARROW_M=cfg["NARROW_M"], WIDE_M=wide_m, WIDE_PASS=wide_pass, GROUP=num_heads // plan.num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_N=cfg["BLOCK_N"], WIDE_N=cfg["WIDE_N"],
-        PAGE_SIZE=max(plan.block_size, 1), KINDS=plan.kinds, PAGED=paged, FUSE_MERGE=fused, FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+        PAGE_SIZE=max(plan.block_size, 1), KINDS=plan.kinds, PAGED=paged, FUSE_MERGE=fused,
+        FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"] if q.element_size() <= 2 else min(cfg["num_stages"], 2))   # fp32 tiles: 2x smem
