@@ -113,3 +113,24 @@ def test_bad_step():
         PagedStep(manager, [0], [2, 1], 0, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="exactly one token"):
         PagedStep(manager, [0], [2], 1, torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("setting,mixed,prefill_only,decode_only", [
+    ("", True, False, False),          # default: one plan/run launch for a step that mixes both kinds
+    ("1", True, True, True),
+    ("0", False, False, False),
+])
+def test_which_steps_plan(monkeypatch, setting, mixed, prefill_only, decode_only):
+    monkeypatch.setenv("YAIE_PLAN_RUN", setting)
+    manager = ops.kv_cache_manager(16, 4, 1, 2, 8, torch.float32, "cpu")
+    for seq, n in (("a", 5), ("b", 9)):
+        manager.allocate(seq, n)
+
+    def planned(seqs, lens, decodes, use_kernels=True):
+        return PagedStep(manager, seqs, lens, decodes, torch.zeros(sum(lens), dtype=torch.int64),
+                         use_kernels=use_kernels).plan_run
+
+    assert planned(["a", "b"], [1, 9], 1) == mixed
+    assert planned(["b"], [9], 0) == prefill_only
+    assert planned(["a", "b"], [1, 1], 2) == decode_only
+    assert not planned(["a", "b"], [1, 9], 1, use_kernels=False)     # gathered CPU attention never plans

@@ -341,7 +341,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, lay
       runs on it (:func:`attention`);
     * ``step.cascade`` (a CUDA-graph decode step whose sequences share their first blocks,
       :mod:`yaie.engine.cuda_graphs`): cascade decode through lesson 05 (:func:`_cascade_decode`);
-    * ``step.plan_run`` (opt-in: ``YAIE_PLAN_RUN=1``; not for sliding-window layers): lesson 05's
+    * ``step.plan_run`` (a step mixing decodes and prefills; every eager step with ``YAIE_PLAN_RUN=1``; not
+      for sliding-window layers): lesson 05's
       ``FlashInferPagedAttention`` runs decodes and prefills together in one launch per layer, planned once
       per step (:func:`_plan_run_attention`); when all the step's sequences start with the same cached blocks
       (``CASCADE_MIN_SHARED_TOKENS`` or more), its ``CascadeAttention`` reads those once for all of them.
