@@ -492,11 +492,11 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MER
                  w, kv_head,
                  stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                  stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
-                 ROW0: tl.constexpr, TILE_M: tl.constexpr, M: tl.constexpr, GROUP: tl.constexpr,
+                 row0, TILE_M: tl.constexpr, M: tl.constexpr, GROUP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  PAGED: tl.constexpr, FAST_PATH: tl.constexpr, FUSE_MERGE: tl.constexpr, FP32_DOT: tl.constexpr,
                  PRECISION: tl.constexpr):
-    """One work item for one KV head: rows ``ROW0 .. ROW0 + M - 1`` of a tile of TILE_M packed rows (query
+    """One work item for one KV head: rows ``row0 .. row0 + M - 1`` of a tile of TILE_M packed rows (query
     token r // GROUP, query head kv_head * GROUP + r % GROUP) against the keys ``kv_lo .. kv_hi`` of its
     request. (M < TILE_M: the tile in several passes, for float32, whose tiles take twice the registers.)
 
@@ -513,7 +513,7 @@ def _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MER
     slot = tl.load(w + 6)
     rows_at = tl.load(w + 7)
 
-    rows = ROW0 + tl.arange(0, M)
+    rows = row0 + tl.arange(0, M)
     tok = rows // GROUP
     heads = kv_head * GROUP + rows % GROUP
     row_ok = (tok < q_len) & (rows < (TILE_M // GROUP) * GROUP)
@@ -627,7 +627,7 @@ def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_L
 
     ``KINDS``: 3 when the plan has both kinds of tile, 1 narrow only, 2 wide only. A kernel's registers are
     those of its heaviest branch, for every program: a batch of decodes alone compiles without the wide
-    branch, so its programs stay as light as lesson 04's (more of them fit on a multiprocessor)."""
+    branch, so its programs do not carry the wide tile's registers."""
     pid = tl.program_id(0)
     item = pid // num_kv_heads
     kv_head = pid - item * num_kv_heads
@@ -643,14 +643,21 @@ def _plan_run_kernel(Q, K, V, KV_INDICES, WORK, NARROW, OUT, LSE, PART_O, PART_L
                      stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
                      0, NARROW_M, NARROW_M, GROUP, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, PAGED, False, FUSE_MERGE,
                      FP32_DOT, PRECISION)
-    else:
-        for part in tl.static_range(WIDE_M // WIDE_PASS):
+    elif WIDE_PASS == WIDE_M:        # 16-bit types: the whole wide tile at once
+        _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT, COUNTERS,
+                     w, kv_head,
+                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                     stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
+                     0, WIDE_M, WIDE_M, GROUP, HEAD_DIM, BLOCK_D, WIDE_N, PAGE_SIZE, PAGED, True, FUSE_MERGE,
+                     FP32_DOT, PRECISION)
+    else:                            # float32: a loop over passes of WIDE_PASS rows (not unrolled: one copy)
+        for row0 in range(0, WIDE_M, WIDE_PASS):
             _attend_tile(Q, K, V, KV_INDICES, OUT, LSE, PART_O, PART_LSE, PART_ROWS, MERGE_FIRST, MERGE_COUNT,
-                         COUNTERS, w,
-                         kv_head, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                         stride_vh, stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
-                         part * WIDE_PASS, WIDE_M, WIDE_PASS, GROUP, HEAD_DIM, BLOCK_D, WIDE_N, PAGE_SIZE, PAGED,
-                         True, FUSE_MERGE, FP32_DOT, PRECISION)
+                         COUNTERS, w, kv_head,
+                         stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                         stride_ot, stride_oh, stride_lt, num_heads, scale_log2,
+                         row0, WIDE_M, WIDE_PASS, GROUP, HEAD_DIM, BLOCK_D, WIDE_N, PAGE_SIZE, PAGED, True,
+                         FUSE_MERGE, FP32_DOT, PRECISION)
 
 
 # yaie: solution-only
