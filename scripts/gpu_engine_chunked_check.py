@@ -6,7 +6,9 @@ float32, the bundled model, the reference solutions, CUDA graphs on (the default
 
 1. chunked prefill with budgets that divide no prompt (7, 37), prefix caching on and off, gives each
    request the greedy ids of the same call with every prompt prefilled whole, and of transformers for the
-   prompt alone; the chunks run through lesson 05's prefix-prefill kernel (a spy counts its calls);
+   prompt alone; the chunks run through lesson 05 (spies count the calls of its prefix-prefill kernel,
+   which continues a chunk in a prefill-only step, and of its plan/run attention, which runs the steps that
+   mix decodes and chunks);
 2. a cache too small for every request (preemption by recompute and swap), chunks of 11: the same ids.
 
 Each section is independent: a failure is recorded and the next runs. Exit status 1 if any failed.
@@ -46,27 +48,30 @@ def section_same_tokens(device):
     whole, llm = generate(device, chunked_prefill=False, prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).to(device).eval()
     hf_ids = [hf_greedy(hf, llm.tokenizer.encode(p), PARAMS.max_tokens, []) for p in PROMPTS]
-    calls = {"prefix_prefill": 0}
-    original = ops._prefix_prefill
+    calls = {"prefix_prefill": 0, "plan_run": 0}
+    originals = {"prefix_prefill": ops._prefix_prefill, "plan_run": ops._plan_run_attention}
 
-    def spy(*args, **kwargs):
-        calls["prefix_prefill"] += 1
-        return original(*args, **kwargs)
+    def spy(name):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return counted
 
-    ops._prefix_prefill = spy
+    ops._prefix_prefill, ops._plan_run_attention = spy("prefix_prefill"), spy("plan_run")
     result = dict(whole_equals_transformers=whole == hf_ids, runs={})
     try:
         for budget in (7, 37):
             for prefix in (False, True):
-                calls["prefix_prefill"] = 0
+                calls.update(prefix_prefill=0, plan_run=0)
                 got, _ = generate(device, max_num_batched_tokens=budget, prefix_caching=prefix)
                 key = f"budget {budget}, prefix caching {'on' if prefix else 'off'}"
-                result["runs"][key] = dict(equal=got == whole, prefix_prefill_calls=calls["prefix_prefill"])
+                result["runs"][key] = dict(equal=got == whole, prefix_prefill_calls=calls["prefix_prefill"],
+                                           plan_run_calls=calls["plan_run"])
     finally:
-        ops._prefix_prefill = original
+        ops._prefix_prefill, ops._plan_run_attention = originals["prefix_prefill"], originals["plan_run"]
     ok = result["whole_equals_transformers"] and all(r["equal"] for r in result["runs"].values())
     if device == "cuda":
-        ok = ok and all(r["prefix_prefill_calls"] > 0 for r in result["runs"].values())
+        ok = ok and all(r["prefix_prefill_calls"] + r["plan_run_calls"] > 0 for r in result["runs"].values())
     if not ok:
         raise AssertionError(f"chunked prefill changed the tokens or skipped lesson 05: {result}")
     return result
