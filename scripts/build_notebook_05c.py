@@ -411,10 +411,13 @@ md(r"""
     programs share a multiprocessor, and which unit of it does each kind keep busy?) At 512 new over 512
     cached it is the other way round: 0.237 ms longest first, 0.257 ms interleaved. Why? Measure your own
     plan's order at both shapes.
-11. (Engine) `YAIE_PLAN_RUN=1` makes the engine plan every eager step with your `FlashInferPagedAttention`
-    (and with your `CascadeAttention` when all of a step's sequences start with the same cached blocks):
-    read `_plan_step` in `yaie/ops.py`. Where do `qo_indptr` and `kv_indices` come from, why may a sequence's
-    last page never be part of the shared level, and why do the CUDA-graph decode steps not plan at all?
+11. (Engine) The engine runs every step that mixes decodes and prefill chunks through your
+    `FlashInferPagedAttention` (and your `CascadeAttention` when all of the step's sequences start with the
+    same cached blocks): read `_plan_step` in `yaie/ops.py`. Where do `qo_indptr` and `kv_indices` come from,
+    and why may a sequence's last page never be part of the shared level? Decode-only steps replay CUDA graphs,
+    which cannot plan per step: read `_cascade_decode` in `yaie/ops.py` and `shared_pages` in
+    `yaie/engine/cuda_graphs.py`. What is planned once, while the graph warms up, and what changes from one
+    replay to the next? Why is the shared length rounded down to a multiple of 256 tokens?
 
 ## Grade (tasks 5-8)
 """)
