@@ -52,22 +52,23 @@ def sync(device: str) -> None:
 
 
 # ----------------------------------------------------------------------------- 1. check
-class KernelSpy:
-    """Counts calls of lesson 05's prefix_prefill_attention (the engine looks it up at call time)."""
+class Spy:
+    """Counts the calls of ``module.name`` while active (the engine looks both spied functions up at call
+    time: lesson 05's ``prefix_prefill_attention``, the engine's ``ops._cascade_decode``)."""
 
-    def __init__(self):
-        self.calls = 0
-        self.real = lesson05_kernel.prefix_prefill_attention
+    def __init__(self, module, name: str):
+        self.module, self.name, self.calls = module, name, 0
+        self.real = getattr(module, name)
 
     def __enter__(self):
         def spy(*args, **kwargs):
             self.calls += 1
             return self.real(*args, **kwargs)
-        lesson05_kernel.prefix_prefill_attention = spy
+        setattr(self.module, self.name, spy)
         return self
 
     def __exit__(self, *exc):
-        lesson05_kernel.prefix_prefill_attention = self.real
+        setattr(self.module, self.name, self.real)
         return False
 
 
@@ -80,25 +81,6 @@ def leak_report(llm) -> dict:
     cache.clear()
     return dict(sequences_left=len(sequences), free_plus_cached=free_before + cached,
                 free_after_clear=manager.num_free_blocks, usable_blocks=scheduler.usable_blocks)
-
-
-class CascadeSpy:
-    """Counts the engine's cascade decode calls (yaie.ops._cascade_decode, looked up at call time)."""
-
-    def __init__(self):
-        self.calls = 0
-        self.real = ops._cascade_decode
-
-    def __enter__(self):
-        def spy(*args, **kwargs):
-            self.calls += 1
-            return self.real(*args, **kwargs)
-        ops._cascade_decode = spy
-        return self
-
-    def __exit__(self, *exc):
-        ops._cascade_decode = self.real
-        return False
 
 
 def check(device: str) -> dict:
@@ -114,7 +96,7 @@ def check(device: str) -> dict:
         off = LLM(folder, device=device, dtype=torch.float32, block_size=16, prefix_caching=False)
         got_off = [o.token_ids for o in off.generate(prompts, params)]
         llm = LLM(folder, device=device, dtype=torch.float32, block_size=16)
-        with KernelSpy() as spy, CascadeSpy() as cascade:
+        with Spy(lesson05_kernel, "prefix_prefill_attention") as spy, Spy(ops, "_cascade_decode") as cascade:
             first = llm.generate(prompts[0], params)[0].token_ids      # caches the prefix
             rest = [o.token_ids for o in llm.generate(prompts[1:], params)]
         got_on = [first] + rest
@@ -134,7 +116,7 @@ def check(device: str) -> dict:
     off = LLM(DEFAULT_MODEL, device=device, block_size=16, prefix_caching=False)
     want = [o.token_ids for o in off.generate(prompts, params)]
     llm = LLM(DEFAULT_MODEL, device=device, block_size=16)
-    with KernelSpy() as spy:
+    with Spy(lesson05_kernel, "prefix_prefill_attention") as spy:
         llm.generate(prompts[0], params)
         got = [o.token_ids for o in llm.generate(prompts, params)]
     result["bundled_model"] = dict(caching_off_equal=got == want, requests=len(prompts),
@@ -244,7 +226,8 @@ def markdown(report: dict) -> str:
                   "|---|---:|---:|---:|---:|---:|"]
         for r in bench["rows"]:
             lines.append(f"| {r['system']} | {r['total_s']:.3f} | {r['tokens_per_s']:.0f} | "
-                         f"{r['ttft_median_s'] * 1e3:.0f} | {r['ttft_p90_s'] * 1e3:.0f} | {r['ttft_max_s'] * 1e3:.0f} |")
+                         f"{r['ttft_median_s'] * 1e3:.0f} | {r['ttft_p90_s'] * 1e3:.0f} | "
+                         f"{r['ttft_max_s'] * 1e3:.0f} |")
         lines += ["", f"Throughput, caching on / off (cold cache): **{bench['speedup_tokens_per_s']:.2f}x** "
                   "(target >= 3x); median time to first token, off / on: "
                   f"{bench['ttft_median_ratio']:.1f}x. Greedy outputs identical with caching on and off: "

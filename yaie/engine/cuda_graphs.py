@@ -8,7 +8,8 @@ kernels of one step once; a replay launches all of them with one call.
 The price: a graph replays exactly what it recorded, so
 
 * the inputs live in fixed buffers, overwritten before each replay (token ids, positions, context
-  lengths, block tables; the cache slots are computed from them inside the graph); the outputs (logits) land in a fixed buffer too;
+  lengths, block tables; the cache slots are computed from them inside the graph); the outputs (logits)
+  land in a fixed buffer too;
 * the batch size is fixed: one graph per *bucket* (1, 2, 4, 8, ... up to the engine's ``max_num_seqs``),
   and a step of ``n`` sequences runs the smallest bucket ``>= n`` with ``bucket - n`` padding rows. A
   padding row has context length 0 (attention reads nothing) and writes its key and value into a scratch
@@ -29,10 +30,11 @@ per step instead of once per sequence. The shared length is rounded down to a mu
 ``CASCADE_MIN_SHARED_TOKENS`` (so a handful of graphs serves a run) and is part of the graph's key;
 the shared blocks' ids live in a fixed buffer like the rest.
 
-Graphs are recorded lazily, the first time a (bucket, bound) is needed, and live as long as the KV cache
-they write into (the engine keeps both from one ``generate`` call to the next). Only decode-only steps replay a graph; a step with a
-prefill runs eagerly. If recording fails (a student kernel that syncs, say), the engine says so once and
-runs eagerly.
+Graphs are recorded lazily, the first time a (bucket, bound, shared length) is needed, and live as long
+as the KV cache they write into (the engine keeps both from one ``generate`` call to the next). Only
+decode-only steps replay a graph; a step with a prefill runs eagerly. If recording fails (a student
+kernel that syncs, say), the engine says so once and runs eagerly (a failed cascade recording turns only
+the cascade off).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ call are queued; every step runs one forward pass over the decoding requests (on
 prefills (chunks of prompts, up to ``max_num_batched_tokens`` tokens in the step), packed into one batch.
 The KV cache is lesson 03's paged cache (a ``KVCacheManager``, kept from one ``generate`` or ``stream``
 call to the next when the last one ended cleanly); the model reads and writes it through a
-:class:`yaie.model.paged.PagedStep`. When blocks run out the scheduler preempts the newest request by recompute or swap; each request keeps its own sampler
-(and seed), so its tokens do not depend on what it was batched with. On CUDA, decode-only steps replay
+:class:`yaie.model.paged.PagedStep`. When blocks run out the scheduler preempts the newest request by
+recompute or swap; each request keeps its own sampler (and seed), so its tokens do not depend on what it
+was batched with. On CUDA, decode-only steps replay
 CUDA graphs (:mod:`yaie.engine.cuda_graphs`). The host does what it can while the GPU works: a step's
 forward pass is queued, then the previous step's new tokens are turned into text, and only then does the
 host wait for this step's tokens (which requests end is decided by token id and length at once, and by
