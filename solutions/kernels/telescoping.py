@@ -38,13 +38,14 @@ build it. Three kernels cover the forward and backward of both products:
 * gather-accumulate: ``out[l,e,d] = sum_c p[l,e,c] * buf[M[l,c], d]``    (P V forward; dQ of Q K^T)
 * scatter-add:       ``dbuf[M[l,c], d] += sum_e p[l,e,c] * a[l,e,d]``    (dK of Q K^T; dV of P V)
 
-In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32. The
-straightforward kernels work one position at a time (a ``[e, d] x [d, c]`` product per position and
-slot block). The map the model uses keeps every entry in one column while it lives
-(:func:`stable_slots`), so over a block of neighbouring positions a slot holds one or two rows; for such
-maps gather-dot and scatter-add have *blocked* variants that treat a block of positions as one matmul
-per row (``K = positions x e`` deep), reading (or adding to) each slot's rows once per block instead of
-once per position. The host code picks them for maps of that kind.
+In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32. The tasks'
+kernels work one position at a time (a ``[e, d] x [d, c]`` product per position and slot block). The map
+the model uses keeps every entry in one column while it lives (:func:`stable_slots`), so over a block of
+neighbouring positions a slot holds one or two rows; for such maps the reference solution adds *blocked*
+variants of gather-dot and scatter-add that treat a block of positions as one matmul per row
+(``K = positions x e`` deep), reading (or adding to) each slot's rows once per block instead of once per
+position, and picks them for maps of that kind (a "going further" of the lesson: the tasks do not need
+them).
 Empty slots (``M >= n``) give 0 in the forward products and receive no gradient.
 """
 
@@ -668,12 +669,16 @@ def _blocks_plan(index_map: torch.Tensor, m: torch.Tensor, n: int, e: int,
     2): at least 16 (``tl.dot``), at most 128 (registers). Longer blocks share more work, but more slots
     then hold a third row inside a block, done position by position. So: the longest block in which at
     most ``most_third_rows`` of the (block, slot) pairs have a third row; none (per-position kernels) if
-    even the shortest has more: a map whose entries move between columns (oldest-first order, random).
-    Measured once per map tensor (it costs a device sync) and kept on the tensor; every choice gives the
-    same sums, only the speed differs.
+    even the shortest has more (a map whose entries move between columns: oldest-first order, random),
+    if that shortest is under 4 positions (a block of 1 or 2 never holds a third row, but computes both
+    rows of every slot: twice the per-position work) or if ``GROUP`` alone is over 128.
+    Measured once per map tensor (it costs a device sync) and kept on the tensor as ``_yaie_blocks``,
+    keyed by its version counter: a map edited in place is measured again, except one edited inside
+    ``torch.inference_mode`` (such tensors have no counter), whose plan stays as it was. Every choice
+    gives the same sums, only the speed differs.
     """
     group = triton.next_power_of_2(e)
-    shortest = max(1, 16 // group)
+    shortest = max(4, 16 // group)
     block_l = max(shortest, min(8 if triton_interpreted() else 32, 128 // group))
     # The version counter tells an edited map from the one measured (inference tensors have none: they
     # cannot be edited outside inference mode, and the engine builds its maps inside it).
@@ -682,7 +687,7 @@ def _blocks_plan(index_map: torch.Tensor, m: torch.Tensor, n: int, e: int,
     if cached is None or cached[0] != key:
         while block_l >= shortest and _third_row_share(m, n, block_l) > most_third_rows:
             block_l //= 2
-        cached = (key, block_l if block_l >= shortest else 0)
+        cached = (key, block_l if block_l >= shortest and group <= 128 else 0)
         index_map._yaie_blocks = cached
     return cached[1], group
 

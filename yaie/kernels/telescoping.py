@@ -41,13 +41,14 @@ build it. Three kernels cover the forward and backward of both products:
 * gather-accumulate: ``out[l,e,d] = sum_c p[l,e,c] * buf[M[l,c], d]``    (P V forward; dQ of Q K^T)
 * scatter-add:       ``dbuf[M[l,c], d] += sum_e p[l,e,c] * a[l,e,d]``    (dK of Q K^T; dV of P V)
 
-In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32. The
-straightforward kernels work one position at a time (a ``[e, d] x [d, c]`` product per position and
-slot block). The map the model uses keeps every entry in one column while it lives
-(:func:`stable_slots`), so over a block of neighbouring positions a slot holds one or two rows; for such
-maps gather-dot and scatter-add have *blocked* variants that treat a block of positions as one matmul
-per row (``K = positions x e`` deep), reading (or adding to) each slot's rows once per block instead of
-once per position. The host code picks them for maps of that kind.
+In the scatter many ``(l, c)`` pairs hit one buffer row, so it adds with atomics, in float32. The tasks'
+kernels work one position at a time (a ``[e, d] x [d, c]`` product per position and slot block). The map
+the model uses keeps every entry in one column while it lives (:func:`stable_slots`), so over a block of
+neighbouring positions a slot holds one or two rows; for such maps the reference solution adds *blocked*
+variants of gather-dot and scatter-add that treat a block of positions as one matmul per row
+(``K = positions x e`` deep), reading (or adding to) each slot's rows once per block instead of once per
+position, and picks them for maps of that kind (a "going further" of the lesson: the tasks do not need
+them).
 Empty slots (``M >= n``) give 0 in the forward products and receive no gradient.
 """
 
