@@ -134,3 +134,11 @@ def test_which_steps_plan(monkeypatch, setting, mixed, prefill_only, decode_only
     assert planned(["b"], [9], 0) == prefill_only
     assert planned(["a", "b"], [1, 1], 2) == decode_only
     assert not planned(["a", "b"], [1, 9], 1, use_kernels=False)     # gathered CPU attention never plans
+
+
+def test_a_bad_plan_run_setting_is_refused(monkeypatch):
+    monkeypatch.setenv("YAIE_PLAN_RUN", "yes")
+    manager = ops.kv_cache_manager(16, 4, 1, 2, 8, torch.float32, "cpu")
+    manager.allocate("a", 5)
+    with pytest.raises(ValueError, match="YAIE_PLAN_RUN"):
+        PagedStep(manager, ["a"], [5], 0, torch.zeros(5, dtype=torch.int64), use_kernels=True)

@@ -55,6 +55,9 @@ class PagedStep:
         self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
         if plan_run is None:
             setting = os.environ.get("YAIE_PLAN_RUN", "")
+            if setting not in ("", "0", "1"):
+                raise ValueError(f"YAIE_PLAN_RUN must be 1 (plan every eager step), 0 (none) or unset (the steps "
+                                 f"that mix decodes and prefills), got {setting!r}")
             plan_run = setting == "1" or (setting != "0" and num_decodes > 0 and self.num_prefills > 0)
         self.plan_run = bool(plan_run) and self.use_kernels
         self.attention_plans: dict = {}       # lesson 05 plans of this step, by (heads, head_dim, scale)
