@@ -415,3 +415,12 @@ def test_engine_shared_prefix_decodes_through_cascade(monkeypatch, tmp_path):
         assert level0 and all(w[4] - w[3] <= 40 for w in level0)  # ...over the 40 shared tokens
         without = samples(False)
     assert with_cascade == without, (with_cascade, without)
+
+
+@pytest.mark.parametrize("config,what", [
+    ({"interleave": True}, "unknown config keys"), ({"WIDE_M": 100}, "power of two"),
+    ({"NARROW_M": 8}, "power of two"), ({"num_warps": 0}, "num_warps"), ({"fuse_merge": 1}, "fuse_merge"),
+])
+def test_bad_launch_settings_are_refused(config, what):
+    with pytest.raises(ValueError, match=what):
+        fi._tile_config(4, 64, config)

@@ -22,7 +22,7 @@ by :meth:`FlashInferPagedAttention.plan`: the *work list*. One work item is "thi
 request b, against keys ``kv_lo .. kv_hi`` of it". Query heads that share a KV head (grouped-query attention,
 ``group = num_heads // num_kv_heads``) are packed into the rows of one tile, so each K/V tile read from
 memory serves the whole group. A decode (1 token x group heads) gets a narrow tile (16 rows); a prefill chunk
-gets wide tiles (128 rows on a GPU). When the work items are too few to fill the GPU (a small batch with long
+gets wide tiles (128 rows on a GPU, 64 above head dim 128). When the work items are too few to fill the GPU (a small batch with long
 contexts), the key range of each tile is cut into chunks handled by separate programs (split-KV, lesson 04's
 split-K), and their partial results are merged afterwards. :meth:`~FlashInferPagedAttention.run` then does
 no host work but checks and launches: ONE Triton launch over the work list x KV heads (plus one merge
@@ -57,8 +57,9 @@ Measured on an H100 (``bench/results/lesson05_plan_run_h100.md``, bf16, 32 query
 128): a mixed step (32 decodes at 4k + 2 prefills of 1k new tokens over 2k cached) in one launch 0.387 ms
 against 0.439 ms for lesson 04 and the prefix-prefill kernel launched apart (1.13x; longest first instead of
 interleaved: 0.435 ms). Cascade decode of 64 requests over an 8k-token shared prefix: 0.074 ms against
-lesson 04's 0.337 ms with both replayed from CUDA graphs (4.5x); launched from Python, 0.144 against
-0.331 ms on that machine, where the host time of the two launches exceeded the GPU work.
+lesson 04's 0.337 ms with both replayed from CUDA graphs (4.5x), as the engine runs it. Launched from Python
+the cascade's time is mostly the host's (two launches, 0.12-0.13 ms, against 67 us of GPU work): 0.083 and
+0.144 ms in two calls, against 0.331 ms (4.0x and 2.3x).
 
 Tasks: 5 merging attention states (a float64 reference, a two-state and a many-state Triton kernel),
 6 :class:`FlashInferPagedAttention` (reference, plan, run), 7 :class:`FlashInferAttention` (the same over
@@ -571,7 +572,9 @@ def _merge_if_last(OUT, LSE, PART_O, PART_LSE, MERGE_FIRST, MERGE_COUNT, COUNTER
     the row's number of states merges them all (an online log-sum-exp, as _merge_many_kernel) and puts the
     counter back to 0 for the next run. No second launch: on a step of a few tens of microseconds (the
     cascade decode) a launch's host time is as long as the GPU work. Opt-in (``config={"fuse_merge":
-    True}``): checked in the interpreter, not yet measured on a GPU.
+    True}``) because it is slower where measured (H100, cascade decode of 64 requests over an 8k prefix,
+    ``lesson05_plan_run_recheck_h100.log``): 0.105 ms against 0.074 ms with the merge launch, from CUDA
+    graphs; the last program of each row waits on the others' stores, and the counters cost atomics.
 
     The first barrier orders every thread's partial stores before the counters move (release); the second
     makes the counters' acquire hold for every thread of the program before any of them reads the other
@@ -666,9 +669,10 @@ def _tile_config(group: int, head_dim: int, override: dict | None = None) -> dic
     smallest) and step through 64 keys at a time (memory bound: big loads). Wide tiles hold a prefill
     chunk's tokens x heads: 128 rows x 32 keys (compute bound: the prefix-prefill kernel's choice for
     prefills of a few hundred tokens, which fits 4 warps' registers); 64 x 32 for head dims above 128.
-    ``order``: the work list's order (see :func:`_work_order`); ``fuse_merge`` (off by default: not yet
-    measured on a GPU): split rows are merged by the last program that wrote one of their states
-    (:func:`_merge_if_last`) instead of a second launch. Small tiles in the interpreter (fast on a CPU)."""
+    ``order``: the work list's order (see :func:`_work_order`); ``fuse_merge`` (off by default: slower
+    where measured, see :func:`_merge_if_last`): split rows are merged by the last program that wrote one of
+    their states instead of a second launch. Small tiles in the interpreter (fast on a CPU). ``override``
+    may set any of these keys; anything else is refused (ValueError)."""
     narrow = max(16, triton.next_power_of_2(group))
     if triton_interpreted():
         config = dict(NARROW_M=narrow, WIDE_M=max(32, narrow), BLOCK_N=16, WIDE_N=16, num_warps=1, num_stages=1)
@@ -677,9 +681,23 @@ def _tile_config(group: int, head_dim: int, override: dict | None = None) -> dic
     else:
         config = dict(NARROW_M=narrow, WIDE_M=max(64, narrow), BLOCK_N=32, WIDE_N=32, num_warps=4, num_stages=3)
     config.update(order="auto", fuse_merge=False)
+    unknown = sorted(set(override or {}) - set(config))
+    if unknown:
+        raise ValueError(f"unknown config keys {unknown}; the keys are {sorted(config)}")
     config.update(override or {})
     if config["order"] not in ("auto", "longest", "interleave"):
         raise ValueError(f"config order must be 'auto', 'longest' or 'interleave', got {config['order']!r}")
+    for key in ("NARROW_M", "WIDE_M", "BLOCK_N", "WIDE_N"):
+        value = config[key]
+        if not _is_int(value) or value < 16 or value & (value - 1):
+            raise ValueError(f"config {key} must be a power of two >= 16 (tl.dot's smallest tile), got {value!r}")
+    if config["NARROW_M"] < group:
+        raise ValueError(f"config NARROW_M ({config['NARROW_M']}) must hold a decode's {group} query heads")
+    for key in ("num_warps", "num_stages"):
+        if not _is_int(config[key]) or config[key] < 1:
+            raise ValueError(f"config {key} must be an int >= 1, got {config[key]!r}")
+    if not isinstance(config["fuse_merge"], bool):
+        raise ValueError(f"config fuse_merge must be True or False, got {config['fuse_merge']!r}")
     return config
 
 

@@ -25,7 +25,7 @@ by :meth:`FlashInferPagedAttention.plan`: the *work list*. One work item is "thi
 request b, against keys ``kv_lo .. kv_hi`` of it". Query heads that share a KV head (grouped-query attention,
 ``group = num_heads // num_kv_heads``) are packed into the rows of one tile, so each K/V tile read from
 memory serves the whole group. A decode (1 token x group heads) gets a narrow tile (16 rows); a prefill chunk
-gets wide tiles (128 rows on a GPU). When the work items are too few to fill the GPU (a small batch with long
+gets wide tiles (128 rows on a GPU, 64 above head dim 128). When the work items are too few to fill the GPU (a small batch with long
 contexts), the key range of each tile is cut into chunks handled by separate programs (split-KV, lesson 04's
 split-K), and their partial results are merged afterwards. :meth:`~FlashInferPagedAttention.run` then does
 no host work but checks and launches: ONE Triton launch over the work list x KV heads (plus one merge
@@ -60,8 +60,9 @@ Measured on an H100 (``bench/results/lesson05_plan_run_h100.md``, bf16, 32 query
 128): a mixed step (32 decodes at 4k + 2 prefills of 1k new tokens over 2k cached) in one launch 0.387 ms
 against 0.439 ms for lesson 04 and the prefix-prefill kernel launched apart (1.13x; longest first instead of
 interleaved: 0.435 ms). Cascade decode of 64 requests over an 8k-token shared prefix: 0.074 ms against
-lesson 04's 0.337 ms with both replayed from CUDA graphs (4.5x); launched from Python, 0.144 against
-0.331 ms on that machine, where the host time of the two launches exceeded the GPU work.
+lesson 04's 0.337 ms with both replayed from CUDA graphs (4.5x), as the engine runs it. Launched from Python
+the cascade's time is mostly the host's (two launches, 0.12-0.13 ms, against 67 us of GPU work): 0.083 and
+0.144 ms in two calls, against 0.331 ms (4.0x and 2.3x).
 
 Tasks: 5 merging attention states (a float64 reference, a two-state and a many-state Triton kernel),
 6 :class:`FlashInferPagedAttention` (reference, plan, run), 7 :class:`FlashInferAttention` (the same over
