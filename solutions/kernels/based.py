@@ -668,7 +668,7 @@ def _based_state_kernel(
 
 
 # yaie: solution-only
-def _launch_state(k, v, state_kv, state_k, segment_len: int, rows: int = 64, chunk: int = 64,
+def _launch_state(k, v, state_kv, state_k, segment_len: int, rows: int = 32, chunk: int = 64,
                   num_warps: int = 4) -> None:
     """Launch :func:`_based_state_kernel`: the state of every segment into contiguous float32
     ``state_kv [b, h, segments, 273, d_v]`` and ``state_k [b, h, segments, 273]`` (one segment: the
@@ -687,10 +687,13 @@ def _launch_state(k, v, state_kv, state_k, segment_len: int, rows: int = 64, chu
 
 
 # yaie: solution-only
-def _launch_segmented(q, k, v, out, segment_len: int = 1024, return_state: bool = True,
+def _launch_segmented(q, k, v, out, segment_len: int = QUADRATIC_MAX_SEQ, return_state: bool = True,
                       block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
-                      state_rows: int = 64, state_chunk: int = 64, state_warps: int = 4) -> BasedState | None:
-    """The segmented route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
+                      state_rows: int = 32, state_chunk: int = 64, state_warps: int = 4) -> BasedState | None:
+    """The quadratic route of :func:`based_prefill` (one segment of up to ``QUADRATIC_MAX_SEQ`` tokens;
+    several segments are an option for the benchmark and the tests): writes ``out``, returns the final
+    state (or None). State kernel settings: 32 feature rows per program, the faster of those measured
+    (bench/results/lesson08_h100.md, ``based_state`` rows).
 
     1. the state of each segment (:func:`_based_state_kernel`), 2. running sums over segments
     (``cumsum``: entry ``j`` is the state after segment ``j``; the last one is the final state),

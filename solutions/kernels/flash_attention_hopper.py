@@ -37,7 +37,7 @@ so every call gets a correct answer.
 Measured on an H100 (``bench/results/lesson06_cudnn_h100.md``, the notebook's "going further"): forward
 0.68-0.86x of cuDNN at head dim 128 (the reference 0.67-0.77x in the same sweep: +4% to +11%, but -5% at 4k
 causal); backward 0.66-0.77x (the reference 0.64-0.71x), the gain being the fused preprocessing alone. The TMA
-loads, warp specialisation and the loop order moved nothing measurable; dq by atomics was 35-50% slower. The
+loads, warp specialisation and the loop order moved nothing measurable; dq by atomics took 1.4-1.6x the time. The
 softmax and the matrix products of a warp group run one after the other, which caps both kernels; the engine
 keeps the reference.
 """
