@@ -298,10 +298,11 @@ md(r"""
    barrier? (GPU) Time both with `yaie bench lesson08`: which wins, and why?
 6. (GPU) Run `yaie bench lesson08`: at which length does the chunked kernel overtake SDPA, and why does
    flash-linear-attention's quadratic `parallel_based` win at short lengths but lose at long ones? The
-   reference's own default does the same up to 2048 tokens (`_based_segment_kernel`: the quadratic form
-   tiled like flash attention, but with no running maximum; why is none needed?). Its state comes from
-   `_based_state_kernel`, which loads `k` one element per feature row: compare its time with the tiles'
-   in the benchmark, and design a version that loads each chunk of `k` once.
+   reference solution does the same up to 2048 tokens (the module docstring of `yaie/kernels/based.py`
+   describes its route): the quadratic form tiled like flash attention, but with no running maximum (why is
+   none needed?), and the final state from a second kernel that forms `phi(K)^T V` and loads `k` one element
+   per feature row. Compare its time with the tiles' in the benchmark (the `based_state` rows), and design a
+   state kernel that loads each chunk of `k` once.
 7. A Based layer pairs linear attention with exact attention over a short sliding window (64 tokens, say).
    What does a decode step of such a layer keep per sequence? Compare with lesson 04's windowed decode.
 
