@@ -254,3 +254,13 @@ def test_looked_ahead_decode_steps_give_the_same_tokens_and_leak_nothing(monkeyp
     cached = scheduler.prefix_cache.tree.num_evictable_blocks
     assert set(scheduler.manager.seq_ids()) == {SCRATCH_SEQ}
     assert scheduler.manager.num_free_blocks + cached == scheduler.usable_blocks
+
+
+def test_the_shared_slot_table_is_left_intact_by_a_run():
+    """Lesson 03's reference hands out slot mappings as views of one device arange: nothing may write into
+    them. After a run with prefills, decodes, graphs and prefix caching, the table is still the arange."""
+    llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=64))
+    with single_thread():
+        llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, temperature=0))
+    table = llm.last_scheduler.manager._all_slots()
+    assert torch.equal(table, torch.arange(table.numel()))

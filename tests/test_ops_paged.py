@@ -142,3 +142,33 @@ def test_a_bad_plan_run_setting_is_refused(monkeypatch):
     manager.allocate("a", 5)
     with pytest.raises(ValueError, match="YAIE_PLAN_RUN"):
         PagedStep(manager, ["a"], [5], 0, torch.zeros(5, dtype=torch.int64), use_kernels=True)
+
+
+def test_mixed_steps_fall_back_to_lessons_04_and_06_when_lesson_05_is_unfinished(monkeypatch, capsys):
+    """Strict mode (YAIE_SOLUTIONS set) with lesson 05 left to the student's stubs: the default plan/run of a
+    mixed step turns itself off with one notice and the step runs lessons 04 and 06, same output; with
+    YAIE_PLAN_RUN=1 the missing lesson is an error."""
+    monkeypatch.setattr(ops, "_default_plan_run_off", None)
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    manager = ops.kv_cache_manager(16, 4, 1, 2, 8, torch.float32, "cpu")
+    for t in (manager.k_cache[0], manager.v_cache[0]):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    manager.allocate("a", 6)
+    slots = torch.cat([manager.append_slots("a", 1), manager.allocate("b", 5)])
+    q = torch.randn(6, 4, 8, generator=gen)
+    k, v = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen)
+
+    def attend(**kw):
+        step = PagedStep(manager, ["a", "b"], [1, 5], 1, slots, use_kernels=True, **kw)
+        return ops.paged_attention(q, k, v, step, 0)
+
+    want = attend(plan_run=False)
+    monkeypatch.setenv("YAIE_SOLUTIONS", "1-4,6")          # lesson 05: the stubs, strictly
+    got = attend()
+    assert "lesson 05" in capsys.readouterr().err and not ops.default_plan_run()
+    torch.testing.assert_close(got, want)
+    assert not PagedStep(manager, ["a", "b"], [1, 5], 1, slots, use_kernels=True).plan_run   # off from now on
+    monkeypatch.setenv("YAIE_PLAN_RUN", "1")
+    with pytest.raises(ops.KernelMissing):
+        attend()

@@ -350,7 +350,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step, lay
     if getattr(step, "cascade", None) is not None and sliding_window is None:
         return _cascade_decode(q, k, v, step, layer, scale)
     if step.plan_run and sliding_window is None and _plan_run_available():
-        return _plan_run_attention(q, step, layer, scale)
+        try:
+            return _plan_run_attention(q, step, layer, scale)
+        except KernelMissing as err:
+            if getattr(step, "plan_run_forced", False):
+                raise
+            default_plan_run_off(str(err).splitlines()[0])    # strict mode, lesson 05 unfinished: lessons 04/06
+            step.plan_run = False
     out = None
     decodes = step.num_decodes
     if decodes:
@@ -460,6 +466,23 @@ def _plan_run_attention(q, step, layer, scale) -> torch.Tensor:
 
 
 CASCADE_MIN_SHARED_TOKENS = 256   # a shared prefix shorter than this is read per sequence (no cascade)
+
+_default_plan_run_off: str | None = None    # why mixed steps stopped going to lesson 05's plan/run by default
+
+
+def default_plan_run() -> bool:
+    """Whether steps that mix decodes and prefills go to lesson 05's plan/run unless told otherwise: yes,
+    until lesson 05's ``FlashInferPagedAttention`` turned out missing (strict mode, unfinished lesson 05)."""
+    return _default_plan_run_off is None
+
+
+def default_plan_run_off(reason: str) -> None:
+    """Send mixed steps to lessons 04 and 06 from now on (one notice)."""
+    global _default_plan_run_off
+    if _default_plan_run_off is None:
+        _default_plan_run_off = reason
+        print(f"{reason}\nmixed prefill + decode steps run lessons 04 and 06 instead of lesson 05's plan/run",
+              file=sys.stderr, flush=True)
 
 
 def cascade_decode_available(config) -> bool:

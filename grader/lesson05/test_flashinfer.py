@@ -379,6 +379,24 @@ def test_paged_plan_once_run_every_layer(device, seed):
 
 
 @task(6, "FlashInferPagedAttention")
+def test_paged_run_reads_the_page_ids_at_run_time(device, seed):
+    """The engine's CUDA graphs keep a plan and overwrite its kv_indices tensor in place (other pages, as many):
+    each run must follow the pages the tensor holds then."""
+    case = cases(device)[0]
+    planned = Batch(case, torch.float32, device, seed)
+    moved = Batch(case, torch.float32, device, seed + 1000, layout_seed=seed + 7)   # same shape, other pages
+    wrapper = L.FlashInferPagedAttention()
+    wrapper.plan(*planned.csr(), *planned.sizes(), causal=True)
+    planned.kv_indices.copy_(moved.kv_indices)
+    try:
+        check_plan_run(moved, wrapper.run(moved.q, moved.k_cache, moved.v_cache), True,
+                       "run after kv_indices was overwritten in place")
+    except GradingError as err:
+        raise GradingError(f"{err}\n  note:     keep the kv_indices tensor plan() was given and read it in run(), "
+                           "not a copy made in plan(): a caller may change the page ids in place between runs") from None
+
+
+@task(6, "FlashInferPagedAttention")
 def test_paged_empty_contexts(device, seed):
     """Requests without keys (non-causal: their rows get 0 and lse -inf) and requests without queries."""
     case = ([3, 0, 1, 2], [0, 12, 0, 20], 4, 2, 16, 8)

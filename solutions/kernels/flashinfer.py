@@ -1093,7 +1093,9 @@ class FlashInferPagedAttention:
                 (0 rows: the request is skipped).
             kv_indptr: int32 ``[batch + 1]``: request ``b`` owns pages ``kv_indices[kv_indptr[b] : kv_indptr[b+1]]``.
             kv_indices: int32 ``[kv_indptr[-1]]``: physical page ids (>= 0) on the device the cache lives on
-                (the kernel reads them there; the work list goes to the same device).
+                (the kernel reads them there; the work list goes to the same device). Keep this tensor and
+                read it in every ``run``, not a copy: a caller may overwrite its values in place between runs
+                (other pages, as many) and the next run follows them (the engine's CUDA graphs do).
             kv_last_page_len: int32 ``[batch]``: tokens in each request's last page, ``1..block_size``
                 (0 for a request with no pages).
             num_heads, num_kv_heads, head_dim, block_size: the sizes ``run`` will get (grouped-query

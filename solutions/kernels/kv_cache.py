@@ -514,7 +514,8 @@ class KVCacheManager:
 
         Returns:
             The slot mapping of the tokens: int64 ``[num_tokens]`` on the cache's device; token ``t``
-            goes to slot ``table[t // block_size] * block_size + t % block_size``.
+            goes to slot ``table[t // block_size] * block_size + t % block_size``. Callers only read it
+            (the reference may return a view of a tensor it shares between calls: see ``_slots``).
 
         Raises:
             ValueError: ``seq_id`` already in use; ``num_tokens`` not an int >= 0.
@@ -539,7 +540,8 @@ class KVCacheManager:
         sequence owns alone (copy-on-write, with :meth:`copy_blocks`): the other owners keep their data.
 
         Returns:
-            The slot mapping of the new tokens: int64 ``[n]`` on the cache's device.
+            The slot mapping of the new tokens: int64 ``[n]`` on the cache's device (read it only, as
+            ``allocate``'s).
 
         Raises:
             ValueError: unknown or swapped-out sequence; ``n`` not an int >= 1.

@@ -138,7 +138,8 @@ class StepEngine:
                 pending = self.llm._start(self.manager, plan, graphs, self.texts)    # queued, not waited for
             # Not when a request wants log-probabilities: they are read from this step's logits, which the
             # next step's graph replay would overwrite.
-            following = None if self.logprobs else self.llm._look_ahead(self.scheduler, pending, graphs, self.texts)
+            wanted = any(r is not None and r.request_id in self.logprobs for r in pending.requests)
+            following = None if wanted else self.llm._look_ahead(self.scheduler, pending, graphs, self.texts)
         except BaseException:
             self._pending = None
             raise

@@ -26,9 +26,11 @@ step records as a cascade: per layer, all the step's queries attend to those sha
 multi-query pass (lesson 05's ``FlashInferPagedAttention``, planned while warming up, never inside the
 recording), each sequence's own blocks after them go to lesson 05's prefix-prefill kernel (with the new
 token as its one query), and lesson 05's ``merge_state`` joins the two. The shared blocks are read once
-per step instead of once per sequence. The shared length is rounded down to a multiple of
-``CASCADE_MIN_SHARED_TOKENS`` (so a handful of graphs serves a run) and is part of the graph's key;
-the shared blocks' ids live in a fixed buffer like the rest.
+per step instead of once per sequence. The shared length is rounded down to a multiple of the granule,
+``CASCADE_MIN_SHARED_TOKENS`` rounded up to whole blocks (so a handful of graphs serves a run, at most
+``MAX_CASCADE_LENGTHS`` lengths), and is part of the graph's key;
+the shared blocks' ids live in a fixed buffer like the rest (lesson 05's ``run`` reads the ids at every
+call, task 6). Padding rows of a cascade step attend to the shared blocks too: wasted but harmless work.
 
 Graphs are recorded lazily, the first time a (bucket, bound, shared length) is needed, and live as long
 as the KV cache they write into (the engine keeps both from one ``generate`` call to the next). Only
@@ -108,8 +110,10 @@ class DecodeGraphs:
     rounded up to a power of two (at least ``MIN_BOUND``, at most the block table's length), so lesson 04
     sizes its splits about as it would for the step itself: a 2k context in a model that allows 128k is
     not cut into 4k-token splits that leave all but one empty. Contexts grow through a handful of
-    bounds, so a run records a handful of graphs. They share one memory pool: replays never overlap, and
-    each replay's logits are read before the next replay.
+    bounds, so a run records a handful of graphs. They share one memory pool (replays never overlap: one
+    stream). A replay's logits live in the graph's output buffer until the next replay of it; the engine
+    queues the greedy tokens' ``argmax`` right after a replay, so a looked-ahead replay may follow before
+    the host reads them (sampled rows and logprobs read the logits first: no look-ahead for them).
     """
 
     def __init__(self, model, manager, max_batch: int, capture: bool = True):
@@ -126,7 +130,7 @@ class DecodeGraphs:
         # Cascade decode needs lesson 05 and layers without a sliding window; a failed cascade recording
         # turns it off (with a note) and the plain graphs go on.
         self.no_cascade: str | None = None if ops.cascade_decode_available(model.config) else "unavailable"
-        self.cascade_pages = max(1, CASCADE_MIN_SHARED_TOKENS // manager.block_size)   # the granule, in pages
+        self.cascade_pages = -(-CASCADE_MIN_SHARED_TOKENS // manager.block_size)   # the granule, in pages
 
     @staticmethod
     def supported(model, device: torch.device) -> bool:
@@ -163,10 +167,14 @@ class DecodeGraphs:
         bound = self.bound(max(positions) + 1)         # a decode's context ends at its new token
         tables = [self.manager.block_ids(s) for s in seq_ids]
         shared = self.shared_pages(tables)
-        entry = self.graphs.get((bucket, bound, shared)) or self._record(bucket, bound, shared)
+        entry = self.graphs.get((bucket, bound, shared))
+        if entry is None:
+            if shared:            # the real page ids before the warm-up, where lesson 05 plans
+                self._cascade(bucket, shared).load(tables[0][:shared])
+            entry = self._record(bucket, bound, shared)
         if entry is None:
             return None
-        if entry[0] == "plain":                        # the cascade recording failed: the plain graph
+        if isinstance(entry[0], str):                  # ("plain", entry): the cascade recording failed
             shared, entry = 0, entry[1]
         buf, pad = self.buffers[bucket], [0] * (bucket - n)
         lens = [p + 1 for p in positions]
@@ -214,20 +222,22 @@ class DecodeGraphs:
         if cascade is not None:
             step.cascade = cascade
             # Each sequence's own part: its blocks after the shared ones, the tokens there before its new one.
-            step.own_tables = buf.tables[:, cascade.pages:]
+            step.own_tables = buf.tables[:, cascade.pages:].contiguous()   # rows packed, as kernels expect
             step.own_context_lens = (lens - 1 - cascade.pages * size).clamp_min(0).to(torch.int32)
         return self.model.logits(self.model.forward(tokens, positions, step))
+
+    def _cascade(self, bucket: int, shared: int) -> _Cascade:
+        cascade = self.cascades.get((bucket, shared))
+        if cascade is None:
+            cascade = self.cascades[(bucket, shared)] = _Cascade(shared, self.manager.device)
+        return cascade
 
     def _record(self, bucket: int, bound: int, shared: int = 0) -> tuple | None:
         device = self.manager.device
         buf = self.buffers.get(bucket)
         if buf is None:
             buf = self.buffers[bucket] = _Buffers(bucket, self.max_blocks, self.scratch_block, device)
-        cascade = None
-        if shared:
-            cascade = self.cascades.get((bucket, shared))
-            if cascade is None:
-                cascade = self.cascades[(bucket, shared)] = _Cascade(shared, device)
+        cascade = self._cascade(bucket, shared) if shared else None
         # Until the first replay every row is padding (context 0, writing into the scratch block): the
         # warm-up and the recording change nothing a sequence owns.
         buf.ids.zero_()

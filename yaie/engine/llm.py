@@ -13,7 +13,8 @@ forward pass is queued, then the previous step's new tokens are turned into text
 host wait for this step's tokens (which requests end is decided by token id and length at once, and by
 text only for requests with stop strings). When the next step can only be the same greedy decodes again,
 it is planned and launched before this step's tokens are read, its input ids taken from the device
-(:meth:`LLM._look_ahead`): the GPU goes from one step to the next without waiting for the host.
+(:meth:`LLM._look_ahead`): the host plans the next step while the GPU runs this one (the copies into the
+graph's buffers still wait for it: pageable memory). See ``docs/engine.md``, "Pipelining and look-ahead".
 """
 
 from __future__ import annotations

@@ -88,7 +88,9 @@ class Request:
 
     @property
     def max_cached_tokens(self) -> int:
-        """Most tokens this request ever holds in the cache (the last generated token is never fed)."""
+        """Most tokens this request holds in the cache when its steps run one after the other (the last
+        generated token is never fed). A looked-ahead step (:meth:`yaie.engine.llm.LLM._look_ahead`) may feed
+        it, one token more: the look-ahead only runs when every request's next slot fits in the free blocks."""
         return len(self.prompt_ids) + self.max_new_tokens - 1
 
 
@@ -192,7 +194,8 @@ class Scheduler:
 
     def _free(self, request: Request, cache: bool, fed: list[int] = ()) -> None:
         """Give a request's blocks back; with a prefix cache, first put what it computed into the tree
-        (``cache``: its K/V are all written, i.e. not between ``schedule`` and the forward pass)."""
+        (``cache``: its K/V are written, or queued to be: a looked-ahead step still running writes them
+        before any later step, on the same stream, reads or reuses the blocks)."""
         request.num_computed_tokens = 0
         if self.prefix_cache is None:
             self.manager.free(request.request_id)

@@ -38,6 +38,7 @@ class PagedStep:
     """
 
     plan_run = False          # CUDA-graph steps (StaticDecodeStep) never plan
+    plan_run_forced = False   # YAIE_PLAN_RUN=1 (or plan_run=True): a missing lesson 05 is an error, no fallback
 
     def __init__(self, manager, seq_ids: list, query_lens: list[int], num_decodes: int,
                  slot_mapping: torch.Tensor, use_kernels: bool | None = None, plan_run: bool | None = None):
@@ -58,7 +59,11 @@ class PagedStep:
             if setting not in ("", "0", "1"):
                 raise ValueError(f"YAIE_PLAN_RUN must be 1 (plan every eager step), 0 (none) or unset (the steps "
                                  f"that mix decodes and prefills), got {setting!r}")
-            plan_run = setting == "1" or (setting != "0" and num_decodes > 0 and self.num_prefills > 0)
+            self.plan_run_forced = setting == "1"
+            plan_run = setting == "1" or (setting != "0" and num_decodes > 0 and self.num_prefills > 0
+                                          and ops.default_plan_run())
+        else:
+            self.plan_run_forced = bool(plan_run)
         self.plan_run = bool(plan_run) and self.use_kernels
         self.attention_plans: dict = {}       # lesson 05 plans of this step, by (heads, head_dim, scale)
         # Tokens each sequence holds once this step's tokens are written (cached context + new tokens).
