@@ -177,10 +177,10 @@ class LLM:
                  cuda_graphs: bool | None = None, prefix_caching: bool = True, chunked_prefill: bool = True):
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = torch.device(device) if device is not None else default_device()
-        model_class = LlamaModel
-        if load_config(self.model_dir).based_layers:   # lesson 08: Based linear attention + windowed layers
+        model_class, config = LlamaModel, load_config(self.model_dir)
+        if config.based_layers:   # lesson 08: Based linear attention + windowed layers
             from yaie.model.based import BasedModel as model_class
-        self.model = model_class.from_pretrained(self.model_dir, device=self.device, dtype=dtype)
+        self.model = model_class.from_pretrained(self.model_dir, device=self.device, dtype=dtype, config=config)
         self.tokenizer = Tokenizer(self.model_dir)
         self.config = self.model.config
         self.generation_config = _read_generation_config(self.model_dir)

@@ -84,10 +84,11 @@ class LlamaModel:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None) -> "LlamaModel":
+                        dtype: torch.dtype | None = None, config: ModelConfig | None = None) -> "LlamaModel":
         """Load a Hugging Face folder. ``dtype=None``: float32 on the CPU (bf16/fp16 checkpoints are
-        upcast: the CPU is slow and inexact in half precision), the stored dtype on a GPU."""
-        config = load_config(model_dir)
+        upcast: the CPU is slow and inexact in half precision), the stored dtype on a GPU. ``config``: the
+        folder's :func:`load_config`, when the caller has read it already."""
+        config = config or load_config(model_dir)
         device = torch.device(device)
         if dtype is None and device.type == "cpu":
             dtype = torch.float32
