@@ -239,16 +239,21 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+def add_workload_args(p: argparse.ArgumentParser, new_tokens: int = 128) -> None:
+    """The shared-system-prompt workload's options (``scripts/profile_engine.py`` takes them too)."""
     p.add_argument("--device", default="cuda")
     p.add_argument("--size", default="1b", choices=sorted(CONFIGS))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--system-len", type=int, default=2048)
     p.add_argument("--unique-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=new_tokens)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    add_workload_args(p)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip-check", action="store_true")
     args = p.parse_args(argv)

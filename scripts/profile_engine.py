@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("YAIE_SOLUTIONS", "all")
 
+from scripts.gpu_engine_prefix import add_workload_args  # noqa: E402
 from yaie.bench.engine import CONFIGS, build_model  # noqa: E402
 from yaie.engine import LLM, SamplingParams  # noqa: E402
 
@@ -97,13 +98,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--name", default="engine")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--size", default="1b", choices=sorted(CONFIGS))
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--system-len", type=int, default=2048)
-    p.add_argument("--unique-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
+    add_workload_args(p, new_tokens=64)
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--top", type=int, default=35)
     args = p.parse_args(argv)
