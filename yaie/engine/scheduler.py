@@ -24,7 +24,8 @@ prompt is cut into pieces, one per step, ingested beside the running decodes ins
 a whole-prompt step. A request whose prompt is only partly in the cache is ``running`` (it holds its
 blocks, its chunks are reserved step by step: ``Request.num_computed_tokens``), but it samples no token
 until its last chunk has run. A chunk continues a cached context, like a prefix-cache hit, so the
-attention that runs is the same (lesson 05's prefix-prefill kernel on CUDA). Without chunking, the budget
+attention that runs is the same (on CUDA lesson 05: its prefix-prefill kernel, or its plan/run attention
+when decodes share the step). Without chunking, the budget
 counts prefill tokens only and a prompt longer than it still runs whole, alone.
 
 Prefix caching (lesson 05, ``prefix_cache``): an admitted request reads the longest cached prefix of its
