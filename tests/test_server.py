@@ -562,25 +562,33 @@ def test_server_survives(live, client):
 
 
 # ----------------------------------------------------------------------------- yaie serve: the engine in a process
-def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
-    """``python -m yaie.server`` as a user starts it: the engine loop in a child process, the same answers."""
+def start_server(*options: str) -> tuple[subprocess.Popen, str]:
+    """``python -m yaie.server`` on a free local port, as a user starts it (the engine in a child process)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "yaie.server", "--port", str(port), "--log-level", "warning",
-                             "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS)],
-                            env=dict(os.environ, YAIE_SOLUTIONS="all"))
+    proc = subprocess.Popen([sys.executable, "-m", "yaie.server", "--port", str(port), "--block-size", str(BLOCK_SIZE),
+                             "--num-blocks", str(NUM_BLOCKS), *options], env=dict(os.environ, YAIE_SOLUTIONS="all"))
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None, f"yaie serve exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"yaie serve did not answer /health in {seconds:.0f} s"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
+    """``python -m yaie.server`` as a user starts it: the engine loop in a child process, the same answers."""
+    proc, url = start_server("--log-level", "warning")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"yaie serve exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "yaie serve did not answer /health in 60 s"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_until_healthy(proc, url)
         seed = fresh_seed()
         with openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=30, max_retries=0) as client:
             got = client.completions.create(model=MODEL, prompt="Tom had a red kite.", max_tokens=12,
@@ -634,24 +642,10 @@ def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
 def test_yaie_serve_exits_promptly_with_requests_in_flight():
     """Ctrl-C while a request has minutes of work left: it is cancelled after --timeout-graceful-shutdown,
     the engine process stops with the server, and the exit is clean."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "yaie.server", "--port", str(port), "--log-level", "critical",
-                             "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS),
-                             "--timeout-graceful-shutdown", "1"], env=dict(os.environ, YAIE_SOLUTIONS="all"))
+    proc, url = start_server("--log-level", "critical", "--timeout-graceful-shutdown", "1")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tom ran."}], "n": 64, "ignore_eos": True}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"yaie serve exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "yaie serve did not answer /health in 60 s"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_until_healthy(proc, url)
         # 64 choices of up to the whole cache each: minutes of work on a CPU.
         slow = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions", json=body, timeout=60),
                                 daemon=True)
