@@ -506,10 +506,9 @@ def _cascade_decode(q, k, v, step, layer, scale) -> torch.Tensor:
     if shared is None:
         shared = cascade.plans[key] = _plan_shared_prefix(q, k_cache, cascade, scale)
     o_shared, lse_shared = shared.run(q, k_cache, v_cache)
-    batch = q.shape[0]
-    cu_seqlens = getattr(cascade, "cu_seqlens", None)
-    if cu_seqlens is None or cu_seqlens.shape[0] != batch + 1:
-        cu_seqlens = cascade.cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    if cascade.cu_seqlens is None:               # one new token per sequence: 0, 1, ..., batch (made in the warm-up)
+        cascade.cu_seqlens = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    cu_seqlens = cascade.cu_seqlens
     o_own, lse_own = call_in(5, 1, "prefix_prefill_attention", q, k, v, k_cache, v_cache, step.own_tables,
                              cu_seqlens, step.own_context_lens, 1, scale=scale, validate=False)
     # prefix_prefill's lse is heads-first, merge_state's token-major.

@@ -366,6 +366,7 @@ class KVCacheManager:
         self._tables: dict[object, list[int]] = {}       # seq id -> device block ids (resident sequences)
         self._lens: dict[object, int] = {}               # seq id -> tokens stored (resident and swapped)
         self._swapped: dict[object, list[int]] = {}      # seq id -> host block ids (swapped-out sequences)
+        self._slot_ids: torch.Tensor | None = None       # every slot id on the device (_all_slots), made on first use
 
     # ------------------------------------------------------------------ small queries (given)
 
@@ -493,7 +494,7 @@ class KVCacheManager:
 
     def _all_slots(self) -> torch.Tensor:
         """``arange(num_blocks * block_size)`` on the cache's device, made on first use."""
-        if getattr(self, "_slot_ids", None) is None:
+        if self._slot_ids is None:
             self._slot_ids = torch.arange(self.num_blocks * self.block_size, dtype=torch.int64, device=self.device)
         return self._slot_ids
 

@@ -89,6 +89,7 @@ class _Cascade:
         self.page_ids = torch.zeros(pages, dtype=torch.int32, device=device)
         self.host_ids: list[int] | None = None
         self.plans: dict = {}
+        self.cu_seqlens: torch.Tensor | None = None    # the level-1 query offsets of the bucket's batch
 
     def load(self, ids: list[int]) -> None:
         if ids != self.host_ids:
