@@ -492,12 +492,6 @@ class LLM:
             for request in requests:
                 request.output_ids.pop()
 
-    def _forward(self, manager, plan: StepPlan, texts: list[_Text], graphs: DecodeGraphs | None = None) -> list[int]:
-        """One forward pass over a step's decodes and prefill chunks; returns one sampled token per request of
-        ``plan.sampled`` (``texts`` are theirs)."""
-        logits = self._launch(manager, plan, graphs)
-        return _sample_rows(logits, texts) if logits is not None else []
-
     def _launch(self, manager, plan: StepPlan, graphs: DecodeGraphs | None = None,
                 device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Queue one forward pass over a step's decodes and prefill chunks on the device, without waiting for
