@@ -15,6 +15,10 @@ rms_norm / add_rms_norm       lesson 01 ``cpu_rms_norm``             lesson 02 `
 rope                          lesson 01 ``cpu_rope_embeddings``      lesson 02 ``apply_rope_qk``
 silu_and_mul                  plain PyTorch                          lesson 02 ``silu_and_mul``
 kv_cache_manager / write_kv   lesson 03 ``KVCacheManager``           lesson 03
+rope_and_write_kv             rope, then write_kv                    lesson 02's fused
+                                                                     ``apply_rope_qk_store_kv`` (the
+                                                                     reference's, with lesson 03's
+                                                                     reference class); else apart
 paged_attention (decode)      gather + lesson 01                     lesson 04 ``paged_attention_forward``
 paged_attention (prefill)     gather + lesson 01                     lesson 06
                               ``cpu_attention_forward``              ``flash_attention_varlen_forward``
@@ -594,3 +598,31 @@ def write_kv(manager, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v
         manager.write_kv(layer, slot_mapping, k, v, validate=False)
     else:
         manager.write_kv(layer, slot_mapping, k, v)
+
+
+def _fused_rope_write_kv(manager, q: torch.Tensor):
+    """Lesson 02's ``apply_rope_qk_store_kv`` when it may stand in for ``rope`` + ``write_kv``, else None.
+
+    Only the reference has the fused kernel, and it writes the cache itself: so it runs only where the
+    module serving lesson 02 has it AND the manager is the reference's lesson 03 class. A student's lesson 02
+    or 03 keeps the two ops apart, so their code is what runs.
+    """
+    if not _use_gpu_kernels(q) or not type(manager).__module__.startswith("solutions."):
+        return None
+    return getattr(lesson_module(2), "apply_rope_qk_store_kv", None)
+
+
+def rope_and_write_kv(manager, layer: int, slot_mapping: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope` of ``q, k``, then :func:`write_kv` of the rotated ``k`` and ``v``: returns ``(q, k)``.
+
+    One launch on CUDA where the reference serves lessons 02 and 03 (:func:`_fused_rope_write_kv`);
+    the two ops apart otherwise.
+    """
+    fused = _fused_rope_write_kv(manager, q)
+    if fused is not None:
+        return fused(q, k, v, cos, sin, positions, manager.k_cache[layer], manager.v_cache[layer], slot_mapping)
+    q, k = rope(q, k, cos, sin, positions)
+    write_kv(manager, layer, slot_mapping, k, v)
+    return q, k

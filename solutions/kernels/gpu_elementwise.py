@@ -417,6 +417,168 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     return q, k
 
 
+# yaie: solution-only
+def apply_rope_qk_store_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                     sin: torch.Tensor, position_ids: torch.Tensor, k_cache: torch.Tensor,
+                                     v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """Plain PyTorch :func:`apply_rope_qk_store_kv`, out of place: returns new ``(q_rot, k_rot, k_cache, v_cache)``."""
+    q_rot, k_rot = apply_rope_qk_reference(q, k, cos, sin, position_ids)
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    rows = slot_mapping.long()
+    k_out.view(-1, *k_out.shape[2:])[rows] = k_rot.to(k_out.dtype)
+    v_out.view(-1, *v_out.shape[2:])[rows] = v.to(v_out.dtype)
+    return q_rot, k_rot, k_out, v_out
+
+
+# yaie: solution-only
+@triton.jit
+def _rotate_and_store_heads(base_ptr, cache_ptr, token, slot, stride_token, stride_head, cache_stride_slot,
+                            cache_stride_head, num_heads, half, cos1, sin1, valid, slot_ok,
+                            BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # As _rotate_heads (in place), and the rotated heads also go to the token's row of the paged cache.
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    first = base_ptr + token * stride_token + heads * stride_head + dims
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    out1 = tl.where(valid, x1 * cos1 - x2 * sin1, float("nan"))
+    out2 = tl.where(valid, x2 * cos1 + x1 * sin1, float("nan"))
+    out1 = out1.to(base_ptr.dtype.element_ty)
+    out2 = out2.to(base_ptr.dtype.element_ty)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + half, out2, mask=mask)
+    row = cache_ptr + slot * cache_stride_slot + heads * cache_stride_head + dims
+    stored = (heads < tl.where(slot_ok, num_heads, 0)) & (dims < half)     # nothing for a slot outside the cache
+    tl.store(row, out1, mask=stored)
+    tl.store(row + half, out2, mask=stored)
+
+
+# yaie: solution-only
+@triton.jit
+def _rope_qk_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                             q_stride_token, q_stride_head, k_stride_token, k_stride_head,
+                             v_stride_token, v_stride_head, cos_stride, sin_stride,
+                             kc_stride_slot, kc_stride_head, vc_stride_slot, vc_stride_head,
+                             num_q_heads, num_k_heads, half, head_dim, max_position, num_slots,
+                             BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+    # One program per token, as _rope_qk_kernel, plus the cache write of lesson 03's write_kv: the rotated
+    # k heads and the v heads go to row `slot` of the caches seen as [slots, kv_heads, head_dim]. One
+    # launch instead of three (RoPE, then one scatter for K and one for V).
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(pos_ptr + token).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    valid = (position >= 0) & (position < max_position)
+    position = tl.where(valid, position, 0)
+    # A slot outside the cache is never written (the host checks CPU slots; see apply_rope_qk_store_kv).
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(slot_ok, slot, 0)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    cos1 = tl.load(cos_ptr + position * cos_stride + dims, mask=dims < half, other=0.0)
+    sin1 = tl.load(sin_ptr + position * sin_stride + dims, mask=dims < half, other=0.0)
+    _rotate_heads(q_ptr, token, q_stride_token, q_stride_head, num_q_heads, half, cos1, sin1, valid,
+                  BLOCK_Q_HEADS, BLOCK_HALF)
+    _rotate_and_store_heads(k_ptr, k_cache_ptr, token, slot, k_stride_token, k_stride_head, kc_stride_slot,
+                            kc_stride_head, num_k_heads, half, cos1, sin1, valid, slot_ok, BLOCK_K_HEADS, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_K_HEADS)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < tl.where(slot_ok, num_k_heads, 0)) & (cols < head_dim)
+    v = tl.load(v_ptr + token * v_stride_token + heads * v_stride_head + cols, mask=mask)
+    tl.store(v_cache_ptr + slot * vc_stride_slot + heads * vc_stride_head + cols, v, mask=mask)
+
+
+# yaie: solution-only
+def _check_cache_write_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
+    check_float_tensor("v", v)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v {tuple(v.shape)} must have k's shape {tuple(k.shape)}")
+    check_same_dtype(k=k, v=v)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D [num_blocks, block_size, num_kv_heads, head_dim] tensor")
+        if tuple(cache.shape[2:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"{name} {tuple(cache.shape)} must hold [.., .., {num_kv_heads}, {head_dim}] (k's heads "
+                             "and head_dim)")
+        if cache.dtype != k.dtype:
+            raise ValueError(f"{name} is {cache.dtype}, k and v are {k.dtype}: they must match (lesson 03 stores "
+                             "the model's dtype)")
+        if cache.stride(3) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
+            raise ValueError(f"{name} must have contiguous head vectors and blocks of consecutive slots "
+                             "(lesson 03's layout)")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have one shape")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64) \
+            or tuple(slot_mapping.shape) != (num_tokens,):
+        raise ValueError(f"slot_mapping must be an int32 or int64 [num_tokens] = [{num_tokens}] tensor")
+    check_devices(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+
+
+# yaie: solution-only
+def apply_rope_qk_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           position_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rope_qk`, then lesson 03's ``write_kv`` of the rotated ``k`` and of ``v``, in ONE launch.
+
+    Not an exercise: the reference's fusion for the engine (``yaie.ops.rope_and_write_kv`` uses it when
+    lessons 02 and 03 both run the reference; otherwise it calls the two ops apart). At batch 1 a decode
+    step's RoPE and K/V writes are three tiny kernels per layer whose cost is their launch and latency,
+    not their bytes; one kernel does all three.
+
+    Args:
+        q, k, cos, sin, position_ids: as :func:`apply_rope_qk`; ``q`` and ``k`` are rotated in place.
+        v: ``[num_tokens, num_kv_heads, head_dim]``, ``k``'s shape and dtype (any strides).
+        k_cache, v_cache: one layer's paged cache, ``[num_blocks, block_size, num_kv_heads, head_dim]`` in
+            ``k``'s dtype (lesson 03's layout); slot ``s`` is row ``s`` of the cache seen as
+            ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+        slot_mapping: int32/int64 ``[num_tokens]``, the cache slot of each token (distinct slots).
+
+    Returns:
+        ``(q, k)``, the same tensor objects, rotated in place; the caches hold the rotated keys and the values.
+
+    Raises:
+        ValueError: as :func:`apply_rope_qk`; v not k's shape and dtype; caches not 4-D with k's heads,
+            head_dim and dtype, or not in lesson 03's layout; slot_mapping not an integer ``[num_tokens]``;
+            and, for CPU tensors, slots outside the cache.
+
+    On a GPU the slots are not read back to the host (a sync per layer, not allowed in a CUDA graph): a
+    slot outside the cache is skipped, as lesson 03's ``write_kv(validate=False)`` leaves the check to
+    its caller.
+    """
+    _check_rope_inputs(q, k, cos, sin, position_ids)
+    _check_cache_write_inputs(k, v, k_cache, v_cache, slot_mapping)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+        low, high = int(slot_mapping.min()), int(slot_mapping.max())
+        if low < 0 or high >= num_slots:
+            raise ValueError(f"slot_mapping must lie in [0, {num_slots}) (the cache's slots), got [{low}, {high}]")
+    if position_ids.device.type == "cpu" and position_ids.numel():
+        low, high = int(position_ids.min()), int(position_ids.max())
+        if low < 0 or high >= cos.shape[0]:
+            raise ValueError(f"position_ids must lie in [0, {cos.shape[0]}) (the table's length), got [{low}, {high}]")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return q, k
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        # Heads with strided elements: the two ops apart (RoPE works on copies and writes back).
+        apply_rope_qk(q, k, cos, sin, position_ids)
+        rows = slot_mapping.long()
+        k_cache.view(num_slots, *k_cache.shape[2:])[rows] = k
+        v_cache.view(num_slots, *v_cache.shape[2:])[rows] = v
+        return q, k
+    half = head_dim // 2
+    num_k_heads = k.shape[1]
+    _rope_qk_store_kv_kernel[(num_tokens,)](
+        q, k, v, cos, sin, position_ids, slot_mapping, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        num_q_heads, num_k_heads, half, head_dim, cos.shape[0], num_slots,
+        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), BLOCK_K_HEADS=triton.next_power_of_2(num_k_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+    return q, k
+
+
 # ----------------------------------------------------------------------------- SiLU-and-mul
 
 # yaie: solution-only

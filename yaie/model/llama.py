@@ -10,7 +10,7 @@ residual add and the next norm in one pass::
 
     h, residual = add_rms_norm(x, residual, input_norm)   # residual += x; h = norm(residual)
     q, k, v = split(h @ Wqkv.T)                            # one product for the three projections
-    q, k = rope(q, k, positions)
+    q, k = rope(q, k, positions)                           # (with a paged cache: one kernel with the store)
     attn = cache.attend(layer, q, k, v)                    # store k, v; attend over the context
     x = attn @ Wo.T
     h, residual = add_rms_norm(x, residual, post_attention_norm)
@@ -104,10 +104,14 @@ class LlamaModel:
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = ops.rope(q, k, self.cos, self.sin, positions)
         # The cache stores k, v and runs attention: a PagedStep (the engine: lesson 03's blocks, lessons
-        # 04/06 on CUDA) or a ContiguousKVCache (one sequence, lesson 01; tests and logit checks).
-        attn = cache.attend(n, q, k, v, layer.sliding_window)
+        # 04/06 on CUDA; it rotates q, k itself, so the rotation and the cache write can be one kernel) or a
+        # ContiguousKVCache (one sequence, lesson 01; tests and logit checks).
+        if hasattr(cache, "rope_and_attend"):
+            attn = cache.rope_and_attend(n, q, k, v, self.cos, self.sin, positions, layer.sliding_window)
+        else:
+            q, k = ops.rope(q, k, self.cos, self.sin, positions)
+            attn = cache.attend(n, q, k, v, layer.sliding_window)
         return _linear(attn.reshape(-1, q_size), layer.o, layer.o_bias)
 
     @torch.inference_mode()

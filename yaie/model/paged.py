@@ -1,9 +1,10 @@
 """One engine step over the paged KV cache: which sequences run, where their tokens go, what they read.
 
 The engine builds a :class:`PagedStep` per forward pass and hands it to the model as its ``cache``; each
-layer calls :meth:`PagedStep.attend`, which writes the layer's new keys and values into the lesson 03
-cache and runs attention through :func:`yaie.ops.paged_attention`. Everything that is the same for all
-layers (block tables, lengths, offsets) is built once here, on the host, and copied to the device once.
+layer calls :meth:`PagedStep.rope_and_attend`, which rotates the layer's new queries and keys, writes the
+keys and values into the lesson 03 cache and runs attention through :func:`yaie.ops.paged_attention`.
+Everything that is the same for all layers (block tables, lengths, offsets) is built once here, on the
+host, and copied to the device once.
 
 Token order inside a step: first one token per *decoding* sequence, then the tokens of each *prefilling*
 sequence, packed (no padding)::
@@ -137,6 +138,13 @@ class PagedStep:
                sliding_window: int | None = None) -> torch.Tensor:
         """Write this layer's new ``k, v`` into the paged cache, then attend; ``[num_tokens, heads, head_dim]``."""
         ops.write_kv(self.manager, layer, self.slot_mapping, k, v)
+        return ops.paged_attention(q, k, v, self, layer, sliding_window)
+
+    def rope_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, positions: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+        """Rotate ``q, k`` by ``positions`` (RoPE), then as :meth:`attend`. Where the reference serves lessons 02
+        and 03, the rotation and the cache write are one kernel (:func:`yaie.ops.rope_and_write_kv`)."""
+        q, k = ops.rope_and_write_kv(self.manager, layer, self.slot_mapping, q, k, v, cos, sin, positions)
         return ops.paged_attention(q, k, v, self, layer, sliding_window)
 
 
