@@ -7,7 +7,8 @@ solutions here). Generation runs through the paged cache and lessons 04/06 (scri
 checks that); the logit checks below use the one-sequence ContiguousKVCache path (lesson 01 attention).
 Checks:
 
-1. spies: a short generation calls lesson 02's rms_norm, fused_add_rms_norm, apply_rope_qk, silu_and_mul;
+1. spies: a short generation calls lesson 02's rms_norm, fused_add_rms_norm, apply_rope_qk_store_kv (RoPE
+   and the cache write in one kernel: the reference serves lessons 02 and 03), silu_and_mul;
 2. float32: greedy token ids equal transformers' (same GPU, float32) on the bundled model's prompts and
    on random Llama 3 / Qwen2 / Mistral checkpoints;
 3. bfloat16 (the bundled checkpoint's dtype): prefill logits of the engine and of transformers, both in
@@ -50,7 +51,7 @@ def engine_logits(llm, ids):
 
 def section_spies():
     import solutions.kernels.gpu_elementwise as l2
-    names = ["rms_norm", "fused_add_rms_norm", "apply_rope_qk", "silu_and_mul"]
+    names = ["rms_norm", "fused_add_rms_norm", "apply_rope_qk_store_kv", "silu_and_mul"]
     calls = dict.fromkeys(names, 0)
     saved = {n: getattr(l2, n) for n in names}
     try:
