@@ -1,0 +1,263 @@
+"""The kernels of a batch-1 decode step, each against what it would replace, timed inside CUDA graphs.
+
+    python scripts/bench_decode_kernels.py --out "$OUT"          # on a CUDA GPU -> $OUT/decode_kernels_<gpu>.json
+    python scripts/bench_decode_kernels.py --check               # CPU: run every variant once (interpreter)
+
+Shapes: the engine benchmark's random 1.1B Llama (hidden 2048, 32 query / 8 KV heads of 64, SwiGLU 8192,
+vocab 32000, bf16, KV blocks of 16 tokens). Each op is recorded ``--reps`` times in one CUDA graph and the
+graph replayed, so a time includes the launch gap a graph node costs in the engine's decode graph. The
+matrix-vector products cycle through copies of their weight totalling >= 256 MB (more than the L2 cache),
+as in a decode step, where every weight is read once; the attention and RoPE inputs stay small (as in the
+engine, where they are a few hundred KB per layer).
+
+Rows:
+* ``rope + kv write``: lesson 02's fused ``apply_rope_qk_store_kv`` vs ``apply_rope_qk`` + lesson 03's
+  ``write_kv`` (two index copies), 1 token;
+* ``paged decode``: lesson 04's kernel at batch 1 for several contexts under the CUDA graphs' context bound,
+  by split count and tile (the default marked);
+* ``gemv``: a Triton matrix-vector product (prototype below) vs cuBLAS (``F.linear``) at the model's
+  projections, one token;
+* ``argmax``: torch.argmax of one row of 32000 float32 logits vs a one-program Triton scan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from yaie.device import prepare_triton  # noqa: E402
+
+if not torch.cuda.is_available():
+    prepare_triton()
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from solutions.kernels import gpu_elementwise as l02  # noqa: E402
+from solutions.kernels import kv_cache as l03  # noqa: E402
+from solutions.kernels import paged_attention as l04  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 2048, 32, 8, 64, 8192, 32000, 16
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SWIGLU: tl.constexpr):
+    # out[n] = sum_k x[k] * w[n, k]; one program per BLOCK_N rows of w, the whole K; with SWIGLU, x is
+    # silu(g) * u of the gate/up output [g | u] (each K wide), rounded to the storage dtype as silu_and_mul does.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        if SWIGLU:
+            g = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0).to(tl.float32)
+            x = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(out_ptr + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def gemv(x, w, out, block_n, block_k, warps, stages, swiglu=False):
+    n, k = w.shape
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, out, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                             SWIGLU=swiglu, num_warps=warps, num_stages=stages)
+    return out
+
+
+@triton.jit
+def _argmax_kernel(x_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    idx = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + cols, mask=cols < V, other=float("-inf"))
+        better = x > best
+        best = tl.where(better, x, best)
+        idx = tl.where(better, cols, idx)
+    top = tl.max(best, 0)
+    tl.store(out_ptr, tl.min(tl.where(best == top, idx, V), 0))
+
+
+def graph_us(fn, reps: int, iters: int = 10) -> float:
+    """Microseconds per call of ``fn`` recorded ``reps`` times in one CUDA graph (median of ``iters`` replays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(reps):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def timer(device, reps):
+    if device == "cuda":
+        return lambda fn: graph_us(fn, reps)
+    return lambda fn: (fn(0), float("nan"))[1]       # --check: run once, no time
+
+
+def bench_rope(device, dtype, time_of, rows):
+    manager = l03.KVCacheManager(num_blocks=64, block_size=BLOCK, num_layers=16, num_kv_heads=KV_HEADS,
+                                 head_dim=HEAD_DIM, dtype=dtype, device=device)
+    cos, sin = torch.randn(4096, HEAD_DIM, device=device), torch.randn(4096, HEAD_DIM, device=device)
+    for tokens in (1, 64):
+        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=device, dtype=dtype)
+        q, k, v = (t.reshape(tokens, -1, HEAD_DIM) for t in qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
+                                                                        KV_HEADS * HEAD_DIM], -1))
+        positions = torch.arange(tokens, device=device) + 100
+        slots = torch.arange(tokens, device=device) + 37
+
+        def apart(i):
+            l02.apply_rope_qk(q, k, cos, sin, positions)
+            manager.write_kv(i % 16, slots, k, v, validate=False)
+
+        def fused(i):
+            l02.apply_rope_qk_store_kv(q, k, v, cos, sin, positions, manager.k_cache[i % 16], manager.v_cache[i % 16],
+                                       slots)
+
+        for name, fn in (("apply_rope_qk + write_kv", apart), ("apply_rope_qk_store_kv", fused)):
+            rows.append(dict(op="rope + kv write", shape=f"{tokens} token(s), {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}",
+                             impl=name, us=time_of(fn)))
+
+
+def bench_decode(device, dtype, time_of, rows, quick):
+    blocks = 4096 // BLOCK
+    k_cache = torch.randn(16, blocks, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(blocks, device=device, dtype=torch.int32)[None]
+    q = torch.randn(1, HEADS, HEAD_DIM, device=device, dtype=dtype)
+    cases = [(200, 1024), (1000, 1024), (3000, 4096)] if not quick else [(40, 64)]
+    for context, bound in cases:
+        lens = torch.tensor([context], device=device, dtype=torch.int32)
+        default = l04.choose_num_splits(1, KV_HEADS, bound, l04._num_sms(q.device))
+        for splits in ((1, 2, 4, 8, 16, 32) if not quick else (1, 2)):
+            for tile in ((16, 32, 64) if not quick else (16,)):
+                for warps in ((2, 4) if not quick else (1,)):
+                    config = dict(TILE_N=tile, num_warps=warps, num_stages=2 if quick else 3)
+
+                    def fn(i, splits=splits, config=config):
+                        l04._launch_decode(q, k_cache[i % 16], v_cache[i % 16], table, lens, bound, HEAD_DIM ** -0.5,
+                                           splits, config=config)
+
+                    rows.append(dict(op="paged decode", shape=f"b1 h{HEADS}/{KV_HEADS} d{HEAD_DIM} ctx{context} "
+                                     f"bound{bound}", impl=f"splits={splits} tile={tile} warps={warps}",
+                                     default=splits == default and tile == 64 and warps == 4, us=time_of(fn)))
+
+
+def bench_gemv(device, dtype, time_of, rows, quick):
+    shapes = {"qkv": (3072, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
+              "lm_head": (VOCAB, HIDDEN)}
+    if quick:
+        shapes = {"tiny": (40, 96), "tiny down": (24, 80)}
+    configs = [(bn, bk, w, s) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8) for s in (3, 4)]
+    if quick:
+        configs = [(4, 32, 1, 1)]
+    for name, (n, k) in shapes.items():
+        copies = max(2, -(-(256 << 20) // (n * k * 2))) if not quick else 2
+        weights = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+        x = torch.randn(1, k, device=device, dtype=dtype)
+        gate_up = torch.randn(1, 2 * k, device=device, dtype=dtype)
+        out = torch.empty(1, n, device=device, dtype=dtype)
+        mb = n * k * 2 / 1e6
+        want = F.linear(x, weights[0]).double()
+        rows.append(dict(op="gemv", shape=f"{name} {n}x{k} ({mb:.1f} MB)", impl="cuBLAS F.linear", MB=mb,
+                         us=time_of(lambda i: F.linear(x, weights[i % copies]))))
+        if name in ("down", "tiny down"):
+            rows.append(dict(op="gemv", shape=f"{name} {n}x{k} ({mb:.1f} MB)", impl="silu_and_mul + cuBLAS", MB=mb,
+                             us=time_of(lambda i: F.linear(l02.silu_and_mul(gate_up), weights[i % copies]))))
+        for bn, bk, w, s in configs:
+            gemv(x, weights[0], out, bn, bk, w, s)
+            error = (out.double() - want).abs().max().item()
+            rows.append(dict(op="gemv", shape=f"{name} {n}x{k} ({mb:.1f} MB)", impl=f"triton BN{bn} BK{bk} w{w} s{s}",
+                             MB=mb, max_abs_err_vs_cublas=error,
+                             us=time_of(lambda i, c=(bn, bk, w, s): gemv(x, weights[i % copies], out, *c))))
+            if name in ("down", "tiny down"):
+                gemv(gate_up, weights[0], out, bn, bk, w, s, swiglu=True)
+                ref = F.linear(l02.silu_and_mul(gate_up), weights[0]).double()
+                rows.append(dict(op="gemv", shape=f"{name} {n}x{k} ({mb:.1f} MB)",
+                                 impl=f"triton silu+down BN{bn} BK{bk} w{w} s{s}", MB=mb,
+                                 max_abs_err_vs_cublas=(out.double() - ref).abs().max().item(),
+                                 us=time_of(lambda i, c=(bn, bk, w, s): gemv(gate_up, weights[i % copies], out, *c,
+                                                                               swiglu=True))))
+
+
+def bench_argmax(device, time_of, rows, quick):
+    vocab = VOCAB if not quick else 300
+    logits = torch.randn(1, vocab, device=device)
+    out = torch.empty(1, dtype=torch.int32, device=device)
+    _argmax_kernel[(1,)](logits, out, vocab, BLOCK=1024 if not quick else 64)
+    assert int(out) == int(logits.argmax()), (int(out), int(logits.argmax()))
+    rows.append(dict(op="argmax", shape=f"1x{vocab} fp32", impl="torch.argmax", us=time_of(lambda i: logits.argmax(-1))))
+    for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16)) if not quick else ((64, 1),):
+        rows.append(dict(op="argmax", shape=f"1x{vocab} fp32", impl=f"triton 1 program BLOCK{block} w{warps}",
+                         us=time_of(lambda i, b=block, w=warps: _argmax_kernel[(1,)](logits, out, vocab, BLOCK=b,
+                                                                                     num_warps=w))))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--check", action="store_true", help="tiny shapes, each variant run once (CPU interpreter)")
+    p.add_argument("--reps", type=int, default=64)
+    p.add_argument("--only", default="rope,decode,gemv,argmax")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    time_of = timer(device, args.reps)
+    rows: list[dict] = []
+    began = time.perf_counter()
+    only = set(args.only.split(","))
+    if "rope" in only:
+        bench_rope(device, dtype, time_of, rows)
+    if "decode" in only:
+        bench_decode(device, dtype, time_of, rows, args.check)
+    if "gemv" in only:
+        bench_gemv(device, dtype, time_of, rows, args.check)
+    if "argmax" in only:
+        bench_argmax(device, time_of, rows, args.check)
+    for r in rows:
+        print(f"{r['op']:16} {r['shape']:40} {r['impl']:42} {r['us']:8.2f} us"
+              + ("  (default)" if r.get("default") else "")
+              + (f"  err {r['max_abs_err_vs_cublas']:.2e}" if "max_abs_err_vs_cublas" in r else ""), flush=True)
+    if args.out:
+        from yaie.bench.harness import environment, gpu_slug
+        env = environment() if device == "cuda" else {}
+        report = dict(environment=env, command="python scripts/bench_decode_kernels.py " + " ".join(argv or sys.argv[1:]),
+                      reps_per_graph=args.reps, seconds=time.perf_counter() - began, rows=rows)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"decode_kernels_{gpu_slug() if device == 'cuda' else 'cpu'}.json"
+        (out / name).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
