@@ -48,6 +48,9 @@ class ModelConfig:
     telescoping_capacity: int | None = None   # lesson 07: constant-size telescoping caches of this many entries
     based_layers: list = field(default_factory=list)   # lesson 08: layers of Based linear attention (the rest windowed)
     based_feature_dim: int = 16                        # lesson 08: width of a Based layer's q and k per head
+    based_conv_layers: list = field(default_factory=list)   # lesson 08: BaseConv layers (public Based checkpoints)
+    checkpoint_format: str = "hf"      # "based_gpt": the public Based checkpoints' names (see _based_gpt_settings)
+    based_gpt: dict = field(default_factory=dict)      # what the loader needs to convert a "based_gpt" checkpoint
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -56,6 +59,8 @@ class ModelConfig:
                 raise ModelLoadError(f"{source}: the required key {key!r} is missing")
             return raw[key]
 
+        if _is_based_gpt(raw):   # lesson 08: the public Based checkpoints' own format
+            return cls(**_based_gpt_settings(raw, source))
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type")
         known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
@@ -106,6 +111,91 @@ def _based_settings(raw: dict, layers: int, source: str) -> dict:
         raise ModelLoadError(f"{source}: a Based model's other layers need a sliding_window")
     return dict(based_layers=based, based_feature_dim=int(raw.get("based_feature_dim") or 16),
                 sliding_windows=[None if n in based else int(raw["sliding_window"]) for n in range(layers)])
+
+
+def _is_based_gpt(raw: dict) -> bool:
+    """A config.json of the public Based checkpoints (github.com/HazyResearch/based): GPT-2 keys plus
+    ``alt_mixer_layers`` / ``alt_mixer_2_layers``."""
+    return "n_embd" in raw and ("alt_mixer_layers" in raw or "alt_mixer_2_layers" in raw)
+
+
+def _based_gpt_settings(raw: dict, source: str) -> dict:
+    """Lesson 08: the public Based format (``hazyresearch/based-360m``, ``based-1b``) as a Based model here.
+
+    Its layers: ``alt_mixer_2_layers`` sliding-window softmax attention (RoPE; flash-attn
+    ``window_size=(w // 2, 0)``: a query sees itself and the ``w // 2`` tokens before it, so the window
+    here is ``w // 2 + 1``), ``alt_mixer_layers`` Taylor linear attention (the lesson's Based layers),
+    every other layer a BaseConv (:mod:`yaie.model.base_conv`). Norms are RMSNorm; the MLP is SwiGLU.
+    Settings the original code takes with another meaning, or that this engine does not run, are
+    refused with the key named. Defaults follow the original classes (GPT2Config, BaseConv,
+    SlidingAttention), except where a key is absent that every published config sets (``rotary_emb_fraction``
+    1, ``activation_function`` swiglu): those take the published value.
+    """
+    def need(key, where=raw, name=None):
+        if where.get(key) is None:
+            raise ModelLoadError(f"{source}: the required key {name or key!r} is missing (Based format)")
+        return where[key]
+
+    def refuse(what):
+        raise ModelLoadError(f"{source}: {what}; this engine runs the published Based configuration")
+
+    hidden, heads, layers = int(need("n_embd")), int(need("n_head")), int(need("n_layer"))
+    head_dim = hidden // heads
+    if hidden % heads:
+        refuse(f"n_embd={hidden} is not a multiple of n_head={heads}")
+    if raw.get("activation_function", "swiglu") != "swiglu":
+        refuse(f"activation_function {raw['activation_function']!r} (only swiglu)")
+    if raw.get("rms_norm") is False:
+        refuse("rms_norm is false (LayerNorm); only RMSNorm is supported")
+    if raw.get("prenorm") is False or raw.get("parallel_block"):
+        refuse("prenorm false or parallel_block true")
+    if float(raw.get("rotary_emb_fraction", 1)) != 1 or raw.get("rotary_emb_interleaved") or \
+            raw.get("rotary_emb_scale_base") is not None:
+        refuse("rotary embeddings other than full-width, non-interleaved RoPE "
+               "(rotary_emb_fraction 1, rotary_emb_interleaved false, no rotary_emb_scale_base)")
+    if raw.get("scale_attn_weights") is False or raw.get("scale_attn_by_inverse_layer_idx"):
+        refuse("attention scaled other than by 1/sqrt(head_dim)")
+    mixer, linear, window = raw.get("mixer"), need("alt_mixer"), need("alt_mixer_2")
+    if mixer is None:
+        refuse("no 'mixer' (the other layers would be full attention)")
+    if int(linear.get("num_heads", 16)) != heads or int(linear.get("head_dim") or head_dim) != head_dim:
+        refuse(f"alt_mixer num_heads/head_dim differ from the attention layers' ({heads} heads of {head_dim})")
+    feature_dim = int(linear.get("feature_dim", 16))
+    feature_map = linear.get("feature_map") or {}
+    if not str(feature_map.get("_target_", "TaylorExp")).endswith("TaylorExp") or \
+            int(feature_map.get("input_dim", feature_dim)) != feature_dim or feature_map.get("scale_dim"):
+        refuse("alt_mixer.feature_map must be TaylorExp with input_dim = feature_dim")
+    if window.get("window_size", 128) is None:
+        refuse("alt_mixer_2.window_size is null")
+    window_size = int(window.get("window_size", 128))
+
+    windowed = {int(n) for n in raw.get("alt_mixer_2_layers") or []}
+    based = sorted({int(n) for n in raw.get("alt_mixer_layers") or []} - windowed)   # alt_mixer_2 wins a tie
+    if any(not 0 <= n < layers for n in windowed | set(based)):
+        refuse(f"alt_mixer_layers / alt_mixer_2_layers name layers outside 0..{layers - 1}")
+    conv = [n for n in range(layers) if n not in windowed and n not in based]
+    expand = int(mixer.get("expand_proj", 2))
+    multiple = int(raw.get("pad_vocab_size_multiple") or 1)
+    vocab = -(-int(need("vocab_size")) // multiple) * multiple    # the embedding's rows (padded)
+    eos = raw.get("eos_token_id")
+    return dict(
+        model_type="based", vocab_size=vocab, hidden_size=hidden, intermediate_size=int(need("n_inner")),
+        num_layers=layers, num_heads=heads, num_kv_heads=int(raw.get("n_head_kv") or heads), head_dim=head_dim,
+        # No layer limits the position (linear attention has none, the window layers see only distances
+        # <= window under RoPE): the table is sized for long serving.
+        max_position_embeddings=max(int(raw.get("n_positions") or 0), int(mixer.get("l_max") or 0), 32768),
+        rms_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)), rope_theta=float(raw.get("rotary_emb_base", 10000.0)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        sliding_windows=[window_size // 2 + 1 if n in windowed else None for n in range(layers)],
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [int(eos)],
+        based_layers=based, based_feature_dim=feature_dim, based_conv_layers=conv, checkpoint_format="based_gpt",
+        based_gpt=dict(conv_inner=expand * hidden // 2, conv_kernel=int(mixer.get("kernel_size", 3)),
+                       conv_proj_bias=bool(mixer.get("use_bias", True)),
+                       qkv_bias=bool(raw.get("qkv_proj_bias", True)), out_bias=bool(raw.get("out_proj_bias", True)),
+                       fc1_bias=bool(raw.get("mlp_fc1_bias", True)), fc2_bias=bool(raw.get("mlp_fc2_bias", True)),
+                       vocab_size=int(raw["vocab_size"])),
+    )
 
 
 def _rope_settings(raw: dict) -> tuple[float, dict | None]:
