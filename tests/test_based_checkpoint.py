@@ -315,3 +315,13 @@ def test_attention_layers_give_the_reference_logits(tmp_path, fmt, monkeypatch):
         for t in range(prompt, 14):
             steps.append(model.logits(model.forward(ids[t:t + 1], torch.arange(t, t + 1), cache)))
     torch.testing.assert_close(torch.cat(steps).double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_bin_file_that_is_not_a_state_dict_is_refused(tmp_path):
+    from yaie.model.loader import load_weights
+
+    cfg = public_config(3, linear=[1], sliding=[2])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a checkpoint")
+    with pytest.raises(ModelLoadError, match="pytorch_model.bin"):
+        load_weights(tmp_path, load_config(tmp_path))

@@ -118,28 +118,45 @@ def _based_gpt_index(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], objec
     """Every tensor of the checkpoint (a leading ``model.``, as the training code saves it, dropped): its
     shape, and a ``read(names)`` giving the tensors. Safetensors files first, else ``pytorch_model.bin``."""
     if not any(model_dir.glob("*.safetensors")) and (model_dir / BIN_FILE).is_file():
-        try:   # weights_only: a checkpoint is data, never code to run
-            state = torch.load(model_dir / BIN_FILE, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as err:   # a pickle with more than tensors, a truncated file, ...
-            raise ModelLoadError(f"{model_dir / BIN_FILE}: not a loadable state dict of tensors ({err})") from None
-        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]       # a training checkpoint: the weights sit under state_dict
+        state = _load_bin(model_dir / BIN_FILE)
         tensors = {_strip_model(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
         return {k: tuple(v.shape) for k, v in tensors.items()}, lambda names: {n: tensors[n] for n in names}
-    located = {_strip_model(k): (path, k) for k, path in weight_files(model_dir).items()}
-    shapes = {}
-    for name, (path, stored) in located.items():
+    by_file: dict[Path, list[str]] = {}
+    for stored, path in weight_files(model_dir).items():
+        by_file.setdefault(path, []).append(stored)
+    shapes, located = {}, {}
+    for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
-            shapes[name] = tuple(f.get_slice(stored).get_shape())
+            for stored in names:
+                shapes[_strip_model(stored)] = tuple(f.get_slice(stored).get_shape())
+                located[_strip_model(stored)] = (path, stored)
 
     def read(names):
-        out = {}
+        wanted: dict[Path, list[str]] = {}
         for name in names:
-            path, stored = located[name]
+            wanted.setdefault(located[name][0], []).append(name)
+        out = {}
+        for path, group in wanted.items():
             with safe_open(str(path), framework="pt") as f:
-                out[name] = f.get_tensor(stored)
+                out.update({name: f.get_tensor(located[name][1]) for name in group})
         return out
     return shapes, read
+
+
+def _load_bin(path: Path) -> dict:
+    """A ``pytorch_model.bin`` state dict, read as data only (``weights_only``: no code in it runs)."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:     # the legacy (non-zip) format cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - a pickle with more than tensors, a truncated file, ...
+        raise ModelLoadError(f"{path}: not a loadable state dict of tensors ({err})") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]           # a training checkpoint: the weights sit under state_dict
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    return state
 
 
 def _strip_model(name: str) -> str:
