@@ -10,21 +10,33 @@ A Based layer projects each token to ``q, k [heads, 16]`` (``q_proj``/``k_proj``
 ``heads * based_feature_dim`` rows; no RoPE) and ``v [heads, head_dim]``, and computes
 ``out_i = sum_j w_ij v_j / sum_j w_ij`` with ``w = 1 + s + s^2/2``, ``s = q.k / 4``, over ``j <= i``.
 
-Serving keeps **constant memory per sequence** (:class:`BasedCache`):
+Serving keeps **constant memory per sequence**, for a whole batch of sequences at once
+(:class:`BasedSlots`, one row per sequence):
 
-* Based layers: the state ``[heads, 273, head_dim]`` + ``[heads, 273]`` (float32). The prompt runs
-  through lesson 08's prefill (:func:`based_prefill`: the chunked kernel, or the quadratic tile kernel
-  for prompts of up to 2048 tokens; on a CPU its PyTorch twin ``based_chunked_reference``, the
-  interpreter being too slow for an engine), which returns the state;
-  each generated token updates it with :func:`based_decode_step`.
-* Window layers: a ring of the last ``window`` keys and values; attention through :func:`yaie.ops.attention`
-  (lesson 01's kernel, the window as a mask), the prompt in blocks of queries so no ``n x n`` matrix is built.
+* Based layers: a lesson 08 :class:`BasedState` with a batch dimension, ``kv [rows, heads, 273, head_dim]``
+  and ``k [rows, heads, 273]`` (float32). A prompt runs through lesson 08's prefill (:func:`based_prefill`;
+  on a CPU its PyTorch twin ``based_chunked_reference``, the interpreter being too slow for an engine),
+  whose final state is copied into the sequence's row; a decode step updates every row at once with
+  :func:`based_decode_step` (``[rows, heads, .]``).
+* Window layers: a **ring** of ``window`` key/value slots per sequence, laid out as pages of a lesson 03
+  paged cache (``window / block_size`` blocks per row; the token at position ``p`` lives in slot
+  ``p mod window``). Keys are rotated (RoPE) before they are written, so the order of the ring does not
+  matter to softmax: a decode step writes each row's new key and value into its ring (lesson 03's
+  ``write_kv``) and attends over its first ``min(p + 1, window)`` slots with lesson 04's paged decode
+  kernel. A prompt attends through lesson 06's varlen flash attention with its sliding window; its last
+  ``window`` keys and values are then written into the ring. On a CPU, lesson 01's attention stands in
+  for both kernels.
 
-The engine (:class:`yaie.engine.llm.LLM`) hands Based models to :func:`run_based`: one sequence at a time,
-each with its own :class:`BasedCache`.
+The decode step has fixed shapes (the rows' tables, ``window`` as the context bound), so on CUDA it is
+recorded as a CUDA graph per batch bucket and replayed (:meth:`BasedSlots.decode`). The engine
+(:class:`yaie.engine.llm.LLM`) serves Based models through :func:`run_based`: every sequence of a
+``generate`` call decodes in the same steps (:func:`yaie.engine.sequential.run_batched`).
+:class:`BasedCache` is one sequence's cache for :meth:`BasedModel.forward` (tests, logit checks).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -32,7 +44,8 @@ from yaie import ops
 from yaie.model.llama import LayerWeights, LlamaModel, _linear
 
 LESSON = 8
-PREFILL_BLOCK = 1024       # window-layer prompt attention: queries per block
+PREFILL_BLOCK = 1024       # window-layer prompt attention on a CPU: queries per block
+RING_BLOCK_SIZES = (16, 32, 8, 64, 128)   # tokens per ring page, in order of preference (lesson 04 takes 8..128)
 
 
 def _lesson():
@@ -55,28 +68,310 @@ class BasedModel(LlamaModel):
 
 
 def based_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Based attention of one sequence in the quadratic form, float32: ``q, k [t, heads, 16]``,
-    ``v [t, heads, d]`` -> ``[t, heads, d]``. For checks (the engine never builds the ``t x t`` weights)."""
-    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))
+    """Based attention of one sequence in the quadratic form: ``q, k [t, heads, 16]``, ``v [t, heads, d]``
+    -> ``[t, heads, d]``, in float32 (float64 for float64 inputs). For checks (the engine never builds the
+    ``t x t`` weights)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v = (x.to(compute).transpose(0, 1) for x in (q, k, v))
     s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     w = (1 + s + 0.5 * s * s).tril()
     return ((w @ v) / w.sum(-1, keepdim=True)).transpose(0, 1)
 
 
-class BasedCache:
-    """What one sequence keeps between steps, for every layer: a Based state or a window of keys/values.
+def ring_block_size(window: int) -> int:
+    """Tokens per page of a window ring: a size lesson 04's kernel takes that divides ``window`` (so a ring
+    is whole pages), else the window itself (one page per ring)."""
+    return next((size for size in RING_BLOCK_SIZES if window % size == 0), window)
 
-    ``attend`` (window layers) and ``attend_linear`` (Based layers) are what :class:`BasedModel` calls.
-    ``use_kernels``: the prompt of a Based layer through lesson 08's Triton kernel (default: on CUDA).
+
+class BasedSlots:
+    """The serving state of up to ``capacity`` sequences of a Based model, one row each (module docstring).
+
+    Rows ``0 .. n - 1`` hold the running sequences (the engine keeps them packed with :meth:`move`), so a
+    decode step of ``n`` sequences reads leading slices of every buffer, never a gather.
+
+    Args:
+        model: the :class:`BasedModel`.
+        capacity: rows (sequences at once).
+        use_kernels: the GPU kernels (lessons 04, 06, 08); default: on CUDA. Off: PyTorch stand-ins.
+        graphs: replay decode steps from CUDA graphs, one per batch bucket (needs CUDA). Default: on CUDA.
+        capture: False runs the graphs' fixed-buffer, bucket-padded steps eagerly (CPU tests of that path).
+    """
+
+    def __init__(self, model, capacity: int, use_kernels: bool | None = None, graphs: bool | None = None,
+                 capture: bool = True):
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        cfg = model.config
+        self.model, self.config, self.capacity = model, cfg, capacity
+        self.device, self.dtype = model.device, model.dtype
+        cuda = self.device.type == "cuda"
+        self.use_kernels = cuda if use_kernels is None else bool(use_kernels)
+        self.static = cuda if graphs is None else bool(graphs)
+        if self.static and capture and not cuda:
+            raise ValueError("CUDA graphs need a CUDA device (capture=False runs their steps eagerly)")
+        self.capture = self.static and capture
+        based = _lesson()
+        self.states = {n: based.empty_state(capacity, cfg.num_heads, cfg.head_dim, self.device)
+                       for n in cfg.based_layers}
+        window_layers = [n for n in range(cfg.num_layers) if n not in cfg.based_layers]
+        self.window_index = {n: i for i, n in enumerate(window_layers)}   # model layer -> ring layer
+        self.window = self.block_size = 0
+        self.manager = self.tables = None
+        if window_layers:
+            windows = {cfg.sliding_windows[n] for n in window_layers}
+            if len(windows) != 1 or None in windows:
+                raise ValueError(f"the non-Based layers of a Based model need one sliding window, got {windows}")
+            self.window = windows.pop()
+            self.block_size = ring_block_size(self.window)
+            pages = self.window // self.block_size
+            # Lesson 03's paged cache: each row's ring is one "sequence" of `window` tokens.
+            self.manager = ops.kv_cache_manager(capacity * pages, self.block_size, len(window_layers),
+                                                cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+            rings = [("ring", r) for r in range(capacity)]
+            for ring in rings:
+                self.manager.allocate(ring, self.window)
+            for cache in (*self.manager.k_cache, *self.manager.v_cache):
+                cache.zero_()      # slots not written yet are masked, but 0 * NaN garbage would still be NaN
+            self.tables = self.manager.block_table(rings).to(torch.int32).contiguous()   # [rows, pages]
+        self.ids = torch.zeros(2, capacity, dtype=torch.int64, device=self.device)   # decode input: tokens, positions
+        self.buckets = _buckets(capacity)
+        self.graphs: dict[int, tuple] = {}        # bucket -> (graph or None, its logits buffer)
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.failed: str | None = None            # why recording failed: then steps run eagerly
+        self.in_use = False
+        self.key = None                           # what the engine made it under (reuse across calls)
+
+    # ------------------------------------------------------------------ memory
+    def row_nbytes(self) -> int:
+        """Bytes one sequence holds: its rows of the Based states and its rings, whatever its length."""
+        total = sum((s.kv[0].numel() + s.k[0].numel()) * s.kv.element_size() for s in self.states.values())
+        if self.manager is not None:
+            pages = self.window // self.block_size
+            per_layer = [c[0].numel() * c.element_size() * pages for c in (*self.manager.k_cache, *self.manager.v_cache)]
+            total += sum(per_layer)
+        return total
+
+    # ------------------------------------------------------------------ the engine's calls
+    def prefill(self, row: int, token_ids: list[int]) -> torch.Tensor:
+        """Run a prompt into row ``row`` (replacing what the row held); the logits of its last token ``[1, vocab]``."""
+        if not 0 <= row < self.capacity:
+            raise ValueError(f"row {row} is outside 0..{self.capacity - 1}")
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(ids, torch.arange(len(token_ids), device=self.device), _Prefill(self, row))
+        return self.model.logits(hidden[-1:])
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step of rows ``0 .. n - 1`` (``n = len(tokens)``): row ``i`` reads ``tokens[i]`` at
+        ``positions[i]``. Returns the logits ``[n, vocab]`` (float32)."""
+        n = len(tokens)
+        if not 1 <= n <= self.capacity or len(positions) != n:
+            raise ValueError(f"a decode step takes 1..{self.capacity} rows with one position each, got "
+                             f"{n} tokens and {len(positions)} positions")
+        self.ids[:, :n].copy_(torch.tensor([tokens, positions], dtype=torch.int64))
+        if self.static and self.failed is None:
+            bucket = next(b for b in self.buckets if b >= n)
+            entry = self.graphs.get(bucket) or self._record(bucket, n)
+            if entry is not None:
+                graph, logits = entry
+                if graph is None:                 # capture=False: the same fixed-buffer step, eagerly
+                    logits = self._step(bucket)
+                else:
+                    graph.replay()
+                return logits[:n]
+        return self._step(n)
+
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src``'s sequence moves to row ``dst`` (the engine packs running rows after one ends): its
+        Based states are copied; its ring pages change rows in the block table (no key is copied)."""
+        for state in self.states.values():
+            state.kv[dst].copy_(state.kv[src])
+            state.k[dst].copy_(state.k[src])
+        if self.tables is not None:
+            self.tables[[src, dst]] = self.tables[[dst, src]]
+
+    # ------------------------------------------------------------------ decode step, graphs
+    def _step(self, rows: int) -> torch.Tensor:
+        tokens, positions = self.ids[0, :rows], self.ids[1, :rows]
+        return self.model.logits(self.model.forward(tokens, positions, _Decode(self, positions)))
+
+    def _record(self, bucket: int, live: int) -> tuple | None:
+        """Record the decode step of ``bucket`` rows. Rows past the live ones are free: whatever the step
+        does to them is overwritten by the next prompt admitted there. The warm-up runs (which compile
+        kernels outside the recording) change the live rows' states and rings: they are saved and restored."""
+        if not self.capture:
+            self.graphs[bucket] = (None, None)
+            return self.graphs[bucket]
+        saved = self._save(live)
+        try:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step(bucket)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                logits = self._step(bucket)
+        except Exception as err:  # noqa: BLE001 - any failure: say so once, run eagerly from now on
+            torch.cuda.synchronize(self.device)
+            self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            print(f"yaie: recording a CUDA graph of the Based decode step failed ({self.failed}); decoding "
+                  "without graphs from now on", file=sys.stderr, flush=True)
+            return None
+        finally:
+            self._restore(saved)
+        self.graphs[bucket] = (graph, logits)
+        return self.graphs[bucket]
+
+    def _save(self, rows: int) -> list:
+        saved = [(s.kv[:rows].clone(), s.k[:rows].clone()) for s in self.states.values()]
+        if self.manager is not None:
+            saved += [c.clone() for c in (*self.manager.k_cache, *self.manager.v_cache)]
+        return saved
+
+    def _restore(self, saved: list) -> None:
+        for (kv, k), state in zip(saved, self.states.values()):
+            state.kv[:kv.shape[0]].copy_(kv)
+            state.k[:k.shape[0]].copy_(k)
+        if self.manager is not None:
+            for copy, cache in zip(saved[len(self.states):], (*self.manager.k_cache, *self.manager.v_cache)):
+                cache.copy_(copy)
+
+    # ------------------------------------------------------------------ the layers
+    def ring_slots(self, rows: torch.Tensor | slice, positions: torch.Tensor) -> torch.Tensor:
+        """Cache slots (int64) of the tokens at ``positions`` of the sequences in ``rows`` (one row per
+        position, or one row for all): page ``table[(p mod window) // block_size]``, then the offset in it."""
+        ring = positions % self.window
+        tables = self.tables[rows]
+        if tables.dim() == 1:
+            tables = tables.expand(positions.shape[0], -1)
+        pages = tables.gather(1, (ring // self.block_size).unsqueeze(1)).squeeze(1).to(torch.int64)
+        return pages * self.block_size + ring % self.block_size
+
+    def prefill_window(self, layer: int, row: int, q, k, v) -> torch.Tensor:
+        """A window layer over a whole prompt (``[t, heads, d]``, RoPE applied); its last keys go to the ring."""
+        t, w = q.shape[0], self.window
+        if self.use_kernels:
+            cu = torch.tensor([0, t], dtype=torch.int32, device=q.device)
+            out, _ = ops.call(6, "flash_attention_varlen_forward", q, k, v, cu, cu, t, t, causal=True,
+                              sliding_window=w)
+        else:
+            outs = []
+            for start in range(0, t, PREFILL_BLOCK):     # blocks of queries: no t x t matrix
+                end = min(start + PREFILL_BLOCK, t)
+                lo = max(0, start - (w - 1))             # the first key the block's first query sees
+                outs.append(ops.attention(q[start:end], k[lo:end], v[lo:end], sliding_window=w))
+            out = torch.cat(outs)
+        kept = min(t, w)
+        positions = torch.arange(t - kept, t, device=q.device)
+        ops.write_kv(self.manager, self.window_index[layer], self.ring_slots(row, positions), k[-kept:], v[-kept:])
+        return out
+
+    def decode_window(self, layer: int, q, k, v, slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """A window layer, one token per row (``q [rows, heads, d]``): write each row's key and value at its
+        ring slot, then attend over the ring's first ``context_lens`` slots."""
+        index, rows = self.window_index[layer], q.shape[0]
+        ops.write_kv(self.manager, index, slots, k, v)
+        k_cache, v_cache = self.manager.k_cache[index], self.manager.v_cache[index]
+        if self.use_kernels:
+            return ops.call(4, "paged_attention_forward", q, k_cache, v_cache, self.tables[:rows], context_lens,
+                            self.window, validate=False)
+        # PyTorch: gather each row's ring, mask the slots not written yet, lesson 01's attention.
+        ring = self.tables[:rows].to(torch.int64)[:, :, None] * self.block_size + \
+            torch.arange(self.block_size, device=q.device)                      # [rows, pages, block]
+        ring = ring.flatten(1)                                                  # [rows, window]
+        keys = k_cache.flatten(0, 1)[ring].transpose(1, 2)                      # [rows, kv_heads, window, d]
+        values = v_cache.flatten(0, 1)[ring].transpose(1, 2)
+        seen = torch.arange(self.window, device=q.device) < context_lens[:, None]
+        out = ops.call(1, "cpu_attention_forward", q[:, :, None], keys, values, seen[:, None, None, :])
+        return out[:, :, 0]
+
+    def continue_window(self, layer: int, row: int, start: int, q, k, v) -> torch.Tensor:
+        """A window layer, several tokens after a prefill (positions ``start ..``): the ring's keys put back
+        in position order, the new ones after them, exact windowed attention, then the ring updated."""
+        t, w = q.shape[0], self.window
+        index = self.window_index[layer]
+        old = torch.arange(max(0, start - (w - 1)), start, device=q.device)
+        slots = self.ring_slots(row, old)
+        keys = torch.cat([self.manager.k_cache[index].flatten(0, 1)[slots], k])
+        values = torch.cat([self.manager.v_cache[index].flatten(0, 1)[slots], v])
+        out = ops.attention(q, keys, values, sliding_window=w)
+        kept = min(t, w)
+        new = torch.arange(start + t - kept, start + t, device=q.device)
+        ops.write_kv(self.manager, index, self.ring_slots(row, new), k[-kept:], v[-kept:])
+        return out
+
+    def prefill_linear(self, layer: int, row: int, q, k, v) -> torch.Tensor:
+        """A Based layer over a whole prompt (``q, k [t, heads, 16]``, ``v [t, heads, d]``): lesson 08's prefill;
+        its final state becomes the row's."""
+        based = _lesson()
+        qb, kb, vb = (x.transpose(0, 1)[None] for x in (q, k, v))     # [1, heads, t, .] views
+        prefill = based.based_prefill if self.use_kernels else based.based_chunked_reference
+        out, state = prefill(qb, kb, vb)
+        self.states[layer].kv[row].copy_(state[0][0])
+        self.states[layer].k[row].copy_(state[1][0])
+        return out[0].transpose(0, 1).to(q.dtype)
+
+    def decode_linear(self, layer: int, q, k, v, rows: slice | None = None) -> torch.Tensor:
+        """A Based layer, one token per row (``q, k [rows, heads, 16]``, ``v [rows, heads, d]``): lesson 08's
+        recurrent step on the leading rows of the state (``rows``: which ones, default ``0 .. len(q) - 1``)."""
+        rows = rows or slice(0, q.shape[0])
+        state = self.states[layer]
+        return _lesson().based_decode_step(q, k, v, _lesson().BasedState(state.kv[rows], state.k[rows]))
+
+
+def _buckets(capacity: int) -> list[int]:
+    from yaie.engine.cuda_graphs import buckets
+
+    return buckets(capacity)
+
+
+class _Prefill:
+    """The cache :meth:`BasedModel.forward` gets for one prompt going into row ``row``."""
+
+    def __init__(self, slots: BasedSlots, row: int):
+        self.slots, self.row = slots, row
+
+    def attend(self, layer, q, k, v, sliding_window=None):
+        return self.slots.prefill_window(layer, self.row, q, k, v)
+
+    def attend_linear(self, layer, q, k, v):
+        return self.slots.prefill_linear(layer, self.row, q, k, v)
+
+
+class _Decode:
+    """The cache :meth:`BasedModel.forward` gets for one decode step of the leading rows: the ring slots and
+    context lengths come from the positions on the device (no host value: the step can be a CUDA graph)."""
+
+    def __init__(self, slots: BasedSlots, positions: torch.Tensor):
+        self.slots = slots
+        rows = positions.shape[0]
+        if slots.manager is not None:
+            self.ring_slots = slots.ring_slots(slice(0, rows), positions)
+            self.context_lens = (positions + 1).clamp(max=slots.window).to(torch.int32)
+
+    def attend(self, layer, q, k, v, sliding_window=None):
+        return self.slots.decode_window(layer, q, k, v, self.ring_slots, self.context_lens)
+
+    def attend_linear(self, layer, q, k, v):
+        return self.slots.decode_linear(layer, q, k, v)
+
+
+class BasedCache:
+    """One sequence's cache for :meth:`BasedModel.forward` (tests, logit checks): a :class:`BasedSlots` of one
+    row. The first forward is the prompt (the prefill path), then one token per call (the decode step),
+    or several (each Based layer steps token by token; each window layer attends over its ring and the
+    new tokens).
+
+    ``use_kernels``: the GPU kernels (default: on CUDA).
     """
 
     def __init__(self, config, device: torch.device | str, use_kernels: bool | None = None):
         self.config = config
         self.device = torch.device(device)
         self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
-        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
+        self.slots: BasedSlots | None = None
         self.tokens = [0] * config.num_layers
 
     def __len__(self) -> int:
@@ -84,56 +379,76 @@ class BasedCache:
         return self.tokens[-1]
 
     def nbytes(self) -> int:
-        """Bytes held for this sequence: the Based states and the windows of keys and values."""
-        tensors = [t for state in self.states.values() for t in state] + list(self.keys.values()) + \
-            list(self.values.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes held for this sequence: its Based states and its window rings (0 before the first forward)."""
+        return self.slots.row_nbytes() if self.slots is not None else 0
+
+    def _slots(self, dtype: torch.dtype) -> BasedSlots:
+        if self.slots is None:
+            model = _Shape(self.config, self.device, dtype)
+            self.slots = BasedSlots(model, 1, use_kernels=self.use_kernels, graphs=False)
+        return self.slots
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None = None) -> torch.Tensor:
-        """A window layer: ``q [t, heads, d]``, ``k, v [t, kv_heads, d]`` -> ``[t, heads, d]``; keeps the last
-        ``sliding_window`` keys and values."""
+        """A window layer: ``q [t, heads, d]``, ``k, v [t, kv_heads, d]`` (RoPE applied) -> ``[t, heads, d]``."""
         if sliding_window is None:
             raise ValueError(f"layer {layer} of a Based model must be a Based layer or a sliding-window layer")
-        w = int(sliding_window)
-        old_k = self.keys.get(layer, k[:0])
-        old_v = self.values.get(layer, v[:0])
-        keys, values = torch.cat([old_k, k]), torch.cat([old_v, v])
-        first_new = old_k.shape[0]                       # keys[first_new + i] is new token i
-        outs = []
-        for start in range(0, q.shape[0], PREFILL_BLOCK):
-            end = min(start + PREFILL_BLOCK, q.shape[0])
-            lo = max(0, first_new + start - (w - 1))     # the first key the block's first query sees
-            outs.append(ops.attention(q[start:end], keys[lo:first_new + end], values[lo:first_new + end],
-                                      sliding_window=w))
-        self.keys[layer], self.values[layer] = keys[-w:].clone(), values[-w:].clone()
-        self.tokens[layer] += q.shape[0]
-        return torch.cat(outs)
+        slots, start, t = self._slots(k.dtype), self.tokens[layer], q.shape[0]
+        if start == 0:
+            out = slots.prefill_window(layer, 0, q, k, v)
+        elif t == 1:
+            step = _Decode(slots, torch.tensor([start], device=q.device))
+            out = slots.decode_window(layer, q, k, v, step.ring_slots, step.context_lens)
+        else:
+            out = slots.continue_window(layer, 0, start, q, k, v)
+        self.tokens[layer] += t
+        return out
 
     def attend_linear(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A Based layer: ``q, k [t, heads, 16]``, ``v [t, heads, d]`` -> ``[t, heads, d]``; updates the state."""
-        based = _lesson()
-        state = self.states.get(layer)
-        if state is None:
-            qb, kb, vb = (x.transpose(0, 1)[None] for x in (q, k, v))     # [1, heads, t, .] views
-            if self.use_kernels:
-                out, state = based.based_prefill(qb, kb, vb)
-            else:
-                out, state = based.based_chunked_reference(qb, kb, vb)
-            self.states[layer] = based.BasedState(*state)
-            out = out[0].transpose(0, 1)
-        else:
-            outs = [based.based_decode_step(q[i:i + 1].float(), k[i:i + 1].float(), v[i:i + 1].float(), state)
-                    for i in range(q.shape[0])]      # one token at a time: [1, heads, .] as batch 1
-            out = torch.cat(outs)
+        slots = self._slots(v.dtype)
+        if self.tokens[layer] == 0:
+            out = slots.prefill_linear(layer, 0, q, k, v)
+        else:                               # one token at a time: [1, heads, .] as a batch of one row
+            out = torch.cat([slots.decode_linear(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1]) for i in range(q.shape[0])])
         self.tokens[layer] += q.shape[0]
-        return out.to(q.dtype)
+        return out
+
+
+class _Shape:
+    """What :class:`BasedSlots` reads of a model when it only serves layer calls (:class:`BasedCache`)."""
+
+    def __init__(self, config, device: torch.device, dtype: torch.dtype):
+        self.config, self.device, self.dtype = config, device, dtype
 
 
 def run_based(llm, prompt_ids: list[list[int]], params: list):
     """The engine's generation loop for Based models: events ``(request, text piece, its _Text)`` as
-    :meth:`yaie.engine.llm.LLM._run` yields them. Sequences run one after another, each with its own
-    constant-size :class:`BasedCache`; ``llm.last_caches`` keeps them (for tests and memory figures)."""
-    from yaie.engine.sequential import run_one_at_a_time
+    :meth:`yaie.engine.llm.LLM._run` yields them. All sequences decode together in the rows of one
+    :class:`BasedSlots` (:func:`yaie.engine.sequential.run_batched`); ``llm.last_caches`` holds one record
+    per sequence (``nbytes()``, ``len()``: for tests and memory figures)."""
+    from yaie.engine.sequential import run_batched
 
-    return run_one_at_a_time(llm, prompt_ids, params, lambda: BasedCache(llm.config, llm.device))
+    slots = _slots_for_run(llm, min(len(prompt_ids), llm.max_num_seqs))
+    try:
+        yield from run_batched(llm, prompt_ids, params, slots)
+    finally:
+        slots.in_use = False
+
+
+def _slots_for_run(llm, rows: int) -> BasedSlots:
+    """The rows of a run: the last run's (kept on the engine, graphs and all) when they are free, as many,
+    and made under the same settings (graphs on or off, the same lesson switch); else new ones, kept for
+    the next run unless another run still holds the kept ones (an unfinished ``stream``)."""
+    key = (llm.cuda_graphs, ops.selection())
+    kept = getattr(llm, "based_slots", None)
+    if kept is not None and not kept.in_use:
+        if kept.key == key and kept.capacity >= rows:
+            kept.in_use = True
+            return kept
+        llm.based_slots = kept = None          # dropped before the new rows are allocated
+    slots = BasedSlots(llm.model, rows, graphs=llm.cuda_graphs)
+    slots.key, slots.in_use = key, True
+    if kept is None:
+        llm.based_slots = slots
+    return slots
