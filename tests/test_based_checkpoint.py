@@ -63,7 +63,9 @@ def public_tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         scale = scale if scale is not None else 1 / math.sqrt(shape[-1])
         return torch.randn(*shape, generator=gen) * scale
 
-    t = {"transformer.embeddings.word_embeddings.weight": rand(rows, h, scale=1.0),
+    embedding = rand(rows, h, scale=1.0)
+    embedding[cfg["vocab_size"]:] = 0        # the padding rows: no token, logit 0 (trained ones end up far below)
+    t = {"transformer.embeddings.word_embeddings.weight": embedding,
          "transformer.ln_f.weight": 1 + 0.1 * rand(h, scale=1.0)}
     for n in range(cfg["n_layer"]):
         p = f"transformer.layers.{n}."
