@@ -193,8 +193,7 @@ def _based_gpt_settings(raw: dict, source: str) -> dict:
         based_gpt=dict(conv_inner=expand * hidden // 2, conv_kernel=int(mixer.get("kernel_size", 3)),
                        conv_proj_bias=bool(mixer.get("use_bias", True)),
                        qkv_bias=bool(raw.get("qkv_proj_bias", True)), out_bias=bool(raw.get("out_proj_bias", True)),
-                       fc1_bias=bool(raw.get("mlp_fc1_bias", True)), fc2_bias=bool(raw.get("mlp_fc2_bias", True)),
-                       vocab_size=int(raw["vocab_size"])),
+                       fc1_bias=bool(raw.get("mlp_fc1_bias", True)), fc2_bias=bool(raw.get("mlp_fc2_bias", True))),
     )
 
 
