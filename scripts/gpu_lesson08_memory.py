@@ -2,20 +2,28 @@
 
     python scripts/gpu_lesson08_memory.py MODEL_DIR [--out memory.json]
 
-For prompts of 1k and 16k random token ids: the bytes the sequence's :class:`BasedCache` holds (the
-tensors it keeps) after the engine's generate call, and again after the prompt plus 64 decode steps run
-on a cache of the script's own, timed apart (prefill seconds, decode ms per token; on a GPU also the
-peak of allocated memory over what was allocated before). Beside it, the bf16 KV cache a full-attention
-model of the same shape (every layer a softmax layer over the whole context) would hold for the same tokens.
+For prompts of 1k and 16k random token ids: the bytes one sequence holds in the engine (its row of the
+batched Based states and its window rings: ``llm.last_caches[0].nbytes()``) after a generate call, and
+again on a :class:`BasedCache` of the script's own, where the prompt and then 64 decode steps (batch 1,
+eager) are timed apart (prefill seconds, decode ms per token; on a GPU also the peak of allocated memory
+over what was allocated before). Beside it, the bf16 KV cache a full-attention model of the same shape
+(every layer a softmax layer over the whole context) would hold for the same tokens.
 
-    python scripts/gpu_lesson08_memory.py MODEL_DIR --full FULL_MODEL_DIR [--out memory.json]
+    python scripts/gpu_lesson08_memory.py MODEL_DIR --full FULL_MODEL_DIR [--batches 1,16] [--out memory.json]
 
 ``--full``: decode speed in the engine, the Based model beside a full-attention one, at the same prompt
-lengths: tokens per second of one sequence's decode, from two ``generate`` calls on the same prompt (1
-and 1 + 64 new tokens; the difference is 64 decode steps). The full-attention model runs through the
-engine's paged KV cache (CUDA graphs where the engine uses them, no prefix caching so the second call
-computes its prompt again); its context limit is raised to cover the longest prompt (a copy of its
-config in a temporary folder): the speed of a step does not depend on the weights having seen such lengths.
+lengths and batch sizes: tokens per second of ``batch`` sequences decoding together (each its own random
+prompt), from two ``generate`` calls on the same prompts (1 and 1 + 64 new tokens each; the difference is
+64 decode steps of the whole batch). Both run as the engine runs them on the device: CUDA graphs of the
+decode step. The full-attention model runs through the engine's paged KV cache (no prefix caching, so
+the second call computes its prompts again); its context limit is raised to cover the longest prompt (a
+copy of its config in a temporary folder): the speed of a step does not depend on the weights having seen
+such lengths.
+
+    python scripts/gpu_lesson08_memory.py MODEL_DIR --full FULL_MODEL_DIR --device cpu --lengths 64,200 \
+        --batches 1,3 --decode-steps 4      # a smoke run of the script's logic on a CPU
+
+``YAIE_GIT_COMMIT`` (when set) names the commit in the results.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -44,6 +53,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (no GPU memory figures)")
     p.add_argument("--full", default=None, help="a full-attention model: decode tokens/s beside the Based model's")
     p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--batches", default="1,16", help="sequences decoding together in the --full comparison")
     args = p.parse_args()
     cuda = args.device == "cuda"
     if not cuda:
@@ -70,7 +80,7 @@ def main() -> None:
         token = llm.model.logits(hidden[-1:]).argmax(-1)
         sync()
         t1 = time.perf_counter()
-        for step in range(64):
+        for step in range(args.decode_steps):
             hidden = llm.model.forward(token, torch.tensor([n + step], device=llm.device), cache)
             token = llm.model.logits(hidden).argmax(-1)
         sync()
@@ -80,22 +90,29 @@ def main() -> None:
         row = dict(prompt_tokens=n, tokens_at_end=len(cache), state_bytes=cache.nbytes(),
                    engine_state_bytes=engine_bytes, peak_extra_allocated_bytes=peak,
                    full_attention_bf16_kv_bytes=full_kv, prefill_seconds=round(t1 - t0, 4),
-                   decode_ms_per_token=round(1e3 * (t2 - t1) / 64, 3))
+                   decode_ms_per_token=round(1e3 * (t2 - t1) / args.decode_steps, 3))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = dict(model=str(args.model), gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, rows=rows)
+    result = dict(commit=os.environ.get("YAIE_GIT_COMMIT"), command="python " + " ".join(sys.argv),
+                  model=str(args.model), gpu=torch.cuda.get_device_name() if cuda else "cpu",
+                  torch=torch.__version__, rows=rows)
     if args.full:
         lengths = [int(x) for x in args.lengths.split(",")]
-        decode = {"based": engine_decode_speed(llm, lengths, args.decode_steps, sync)}
+        batches = [int(x) for x in args.batches.split(",")]
+        decode = {"based": engine_decode_speed(llm, lengths, batches, args.decode_steps, sync, "based")}
         with tempfile.TemporaryDirectory() as tmp:
             full = LLM(long_context_copy(args.full, tmp, max(lengths) + args.decode_steps + 16), device=args.device,
                        prefix_caching=False)
-            decode["full_attention"] = engine_decode_speed(full, lengths, args.decode_steps, sync)
+            decode["full_attention"] = engine_decode_speed(full, lengths, batches, args.decode_steps, sync,
+                                                            "full attention")
+            del full
         result["engine_decode"] = dict(
             based_model=str(args.model), full_attention_model=str(args.full), decode_steps=args.decode_steps,
-            rows=[dict(prompt_tokens=n, based_tokens_per_s=b, full_attention_tokens_per_s=f,
-                       based_over_full=round(b / f, 3))
-                  for n, b, f in zip(lengths, decode["based"], decode["full_attention"])])
+            based_cuda_graphs=llm.cuda_graphs,
+            rows=[dict(prompt_tokens=n, batch=b, based_tokens_per_s=decode["based"][n, b],
+                       full_attention_tokens_per_s=decode["full_attention"][n, b],
+                       based_over_full=round(decode["based"][n, b] / decode["full_attention"][n, b], 3))
+                  for n in lengths for b in batches])
         for row in result["engine_decode"]["rows"]:
             print(json.dumps(row), flush=True)
     if args.out:
@@ -123,29 +140,33 @@ def long_context_copy(model_dir: str, tmp: str, context: int) -> str:
     return dst
 
 
-def engine_decode_speed(llm, lengths: list[int], steps: int, sync) -> list[float]:
-    """Decode tokens per second of one sequence in ``llm.generate``, after prompts of ``lengths`` random ids."""
+def engine_decode_speed(llm, lengths: list[int], batches: list[int], steps: int, sync, label: str) -> dict:
+    """Decode tokens per second of ``batch`` sequences in one ``llm.generate`` call, after prompts of
+    ``lengths`` random ids: ``{(length, batch): tokens/s}``."""
     gen = torch.Generator().manual_seed(1)
     vocab = llm.config.vocab_size
     llm.generate([[2, 3, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))   # warm-up
-    speeds = []
+    speeds = {}
     for n in lengths:
-        ids = torch.randint(2, vocab - 64, (n,), generator=gen).tolist()
-        # One untimed call at this length first: the first prompt of a new length compiles kernels and
-        # captures graphs, which would otherwise land in one of the two timed calls.
-        llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-        best = {}
-        for _ in range(2):                                   # the faster of two tries of each call
-            for new in (1, 1 + steps):
-                sync()
-                t0 = time.perf_counter()
-                llm.generate([ids], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
-                sync()
-                best[new] = min(best.get(new, float("inf")), time.perf_counter() - t0)
-        decode_s = best[1 + steps] - best[1]
-        if decode_s <= 0:
-            raise RuntimeError(f"{n} tokens: {steps} decode steps took no time ({best}); the timing is broken")
-        speeds.append(round(steps / decode_s, 1))
+        for batch in batches:
+            prompts = [torch.randint(2, vocab - 64, (n,), generator=gen).tolist() for _ in range(batch)]
+            # One untimed call of this shape first: the first prompt of a new length compiles kernels and
+            # a new batch size records graphs, which would otherwise land in one of the timed calls.
+            llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            best = {}
+            for _ in range(2):                               # the faster of two tries of each call
+                for new in (1, 1 + steps):
+                    sync()
+                    t0 = time.perf_counter()
+                    llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+                    sync()
+                    best[new] = min(best.get(new, float("inf")), time.perf_counter() - t0)
+            decode_s = best[1 + steps] - best[1]
+            if decode_s <= 0:
+                raise RuntimeError(f"{n} tokens, batch {batch}: {steps} decode steps took no time ({best}); "
+                                   "the timing is broken")
+            speeds[n, batch] = round(batch * steps / decode_s, 1)
+            print(f"{label}: {n} tokens, batch {batch}: {speeds[n, batch]} tokens/s", flush=True)
     return speeds
 
 

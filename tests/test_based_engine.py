@@ -272,7 +272,7 @@ def test_cuda_graphs_give_the_eager_tokens_and_the_cpu_logits(model_dir, referen
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     seed = fresh_seed()
-    prompts = _prompts(seed)
+    prompts = _prompts(seed, LENGTHS + (7, 40, 90))     # 8: every step runs a whole bucket, graphed or not
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     graphed = LLM(model_dir, device="cuda", dtype=torch.float32)
     eager = LLM(model_dir, device="cuda", dtype=torch.float32, cuda_graphs=False)
@@ -291,3 +291,25 @@ def test_cuda_graphs_give_the_eager_tokens_and_the_cpu_logits(model_dir, referen
         torch.testing.assert_close(kernels.decode(fed, positions), plain.decode(fed, positions), atol=2e-3,
                                    rtol=2e-3, msg=lambda m: f"seed={seed}, step {step}: {m}")
 
+
+
+@pytest.mark.gpu
+def test_bundled_model_in_bf16_graphs_give_the_eager_tokens(reference_lessons):
+    """The bundled tiny Based model as served (bf16, CUDA graphs): 8 sequences decoding together pick the
+    tokens of the same steps run eagerly."""
+    from pathlib import Path
+
+    from yaie.engine import LLM, SamplingParams
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    seed = fresh_seed()
+    model = Path(__file__).resolve().parents[1] / "yaie" / "assets" / "tiny-based"
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (1, 63, 64, 65, 200, 700, 2100, 5000)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    graphed = LLM(model, device="cuda")
+    got = [o.token_ids for o in graphed.generate(prompts, params)]
+    assert graphed.based_slots.graphs and graphed.based_slots.failed is None
+    want = [o.token_ids for o in LLM(model, device="cuda", cuda_graphs=False).generate(prompts, params)]
+    assert got == want, f"seed={seed}"
