@@ -132,7 +132,7 @@ class BasedSlots:
             for ring in rings:
                 self.manager.allocate(ring, self.window)
             for cache in (*self.manager.k_cache, *self.manager.v_cache):
-                cache.zero_()      # slots not written yet are masked, but 0 * NaN garbage would still be NaN
+                cache.zero_()      # the PyTorch path weighs unwritten slots by 0, and 0 * NaN garbage is NaN
             self.tables = self.manager.block_table(rings).to(torch.int32).contiguous()   # [rows, pages]
         self.ids = torch.zeros(2, capacity, dtype=torch.int64, device=self.device)   # decode input: tokens, positions
         self.buckets = _buckets(capacity)
@@ -313,12 +313,11 @@ class BasedSlots:
         self.states[layer].k[row].copy_(state[1][0])
         return out[0].transpose(0, 1).to(q.dtype)
 
-    def decode_linear(self, layer: int, q, k, v, rows: slice | None = None) -> torch.Tensor:
+    def decode_linear(self, layer: int, q, k, v) -> torch.Tensor:
         """A Based layer, one token per row (``q, k [rows, heads, 16]``, ``v [rows, heads, d]``): lesson 08's
-        recurrent step on the leading rows of the state (``rows``: which ones, default ``0 .. len(q) - 1``)."""
-        rows = rows or slice(0, q.shape[0])
-        state = self.states[layer]
-        return _lesson().based_decode_step(q, k, v, _lesson().BasedState(state.kv[rows], state.k[rows]))
+        recurrent step, in place on the leading ``rows`` rows of the state (views: nothing is copied)."""
+        based, rows, state = _lesson(), q.shape[0], self.states[layer]
+        return based.based_decode_step(q, k, v, based.BasedState(state.kv[:rows], state.k[:rows]))
 
 
 def _buckets(capacity: int) -> list[int]:
