@@ -2,7 +2,7 @@
 registers per thread, bytes spilled, shared memory, tensor-core instructions. No GPU needed.
 
     python scripts/probe_lesson08_registers.py                  # both chunked designs, a few settings;
-                                                                # the short-sequence route's two kernels
+                                                                # the default route's two kernels
 
 The "registers" kernel (the default: the whole state in registers, order-2 features built as [C, 16, 16]
 products) spills kilobytes at every setting; the "rows" design keeps the order-2 state in memory 16 rows
@@ -34,14 +34,17 @@ def ptxas() -> str:
     return next((t for t in tools if t.endswith("blackwell")), tools[0])
 
 
-def probe(kernel, consts: dict, num_warps: int, num_stages: int = 3) -> dict:
+def probe(kernel, consts: dict, num_warps: int, num_stages: int = 3, types: dict | None = None) -> dict:
     sig = {}
     for name in kernel.arg_names:
-        if name in consts:
+        if types and name in types:
+            sig[name] = types[name]
+        elif name in consts:
             sig[name] = "constexpr"
         elif name in ("Q", "K", "V", "O"):
             sig[name] = "*bf16"
-        elif name in ("STATE_KV", "STATE_K", "PREFIX_KV", "PREFIX_K"):
+        elif name in ("STATE_KV", "STATE_K", "PREFIX_KV", "PREFIX_K"):     # float32 unless `types` says
+
             sig[name] = "*fp32"
         else:
             sig[name] = "i32"
@@ -72,16 +75,22 @@ def main() -> None:
             except Exception as err:  # noqa: BLE001 - report and go on
                 result = f"failed: {type(err).__name__}: {str(err)[:200]}"
             print(f"{variant:9s} chunk {chunk:3d} BV {block_v:3d} {warps} warps: {result}", flush=True)
-    # The short-sequence route: the quadratic (segment) kernel and the state kernel.
-    for name, kernel, consts, warps in (
-            ("segment BM 128 BN 64", based._based_segment_kernel,
-             {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_V": 64, "PRECISION": "tf32"}, 8),
-            ("state rows 64 chunk 64", based._based_state_kernel,
-             {"ROWS": 64, "CHUNK": 64, "BLOCK_V": 64, "PRECISION": "tf32"}, 4),
-            ("state rows 32 chunk 64", based._based_state_kernel,
-             {"ROWS": 32, "CHUNK": 64, "BLOCK_V": 64, "PRECISION": "tf32"}, 4)):
+    # The default route: the segment (quadratic) kernel, float32 or bfloat16 boundary states, and the
+    # kernel that writes those states.
+    for name, kernel, consts, warps, types in (
+            ("segment BM 128 BN 64, float32 states", based._based_segment_kernel,
+             {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_V": 64, "PRECISION": "tf32", "PREFIX_16BIT": False}, 8, None),
+            ("segment BM 128 BN 64, bfloat16 states", based._based_segment_kernel,
+             {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_V": 64, "PRECISION": "tf32", "PREFIX_16BIT": True}, 8,
+             {"PREFIX_KV": "*bf16"}),
+            ("segment BM 64 BN 64, bfloat16 states", based._based_segment_kernel,
+             {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_V": 64, "PRECISION": "tf32", "PREFIX_16BIT": True}, 4,
+             {"PREFIX_KV": "*bf16"}),
+            *((f"prefix states groups {g} tokens {t}", based._based_prefix_state_kernel,
+               {"GROUPS": g, "BLOCK_T": t, "BLOCK_V": 64, "PRECISION": "tf32"}, w, {"PREFIX_KV": "*bf16"})
+              for g, t, w in ((8, 64, 4), (8, 64, 8), (16, 64, 8), (4, 64, 4), (8, 32, 4), (8, 128, 8)))):
         try:
-            result = probe(kernel, consts, warps)
+            result = probe(kernel, consts, warps, types=types)
         except Exception as err:  # noqa: BLE001 - report and go on
             result = f"failed: {type(err).__name__}: {str(err)[:200]}"
         print(f"{name}, {warps} warps: {result}", flush=True)

@@ -57,15 +57,19 @@ def test_second_kernel_design_order2_state_in_memory():
     torch.testing.assert_close(kv.double(), phi_k.transpose(-1, -2) @ v.double(), atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("seq,value_dim,segment,block_m,dtype", [
-    (1, 64, 128, 64, torch.float32), (129, 64, 128, 64, torch.float32), (300, 32, 64, 64, torch.float32),
-    (300, 128, 128, 64, torch.float16), (513, 48, 128, 128, torch.float32), (200, 256, 64, 32, torch.float32)])
-def test_segmented_route_equals_the_quadratic_form(seq, value_dim, segment, block_m, dtype):
+@pytest.mark.parametrize("seq,value_dim,segment,block_m,dtype,groups,p16", [
+    (1, 64, 128, 64, torch.float32, 8, None), (129, 64, 128, 64, torch.float32, 4, None),
+    (300, 32, 64, 64, torch.float32, 16, None), (300, 128, 128, 64, torch.float16, 8, None),
+    (300, 64, 64, 64, torch.float16, 2, True), (513, 48, 128, 128, torch.float32, 8, None),
+    (200, 256, 64, 32, torch.float32, 1, None)])
+def test_segmented_route_equals_the_quadratic_form(seq, value_dim, segment, block_m, dtype, groups, p16):
     """The reference's default route with short segments: segment and block edges, partial segments,
-    value blocks, float16 (the state enters as float32 operands); the state; the same output without it."""
+    value blocks, row blocks of the state kernel, float16 with float32 boundary states and with 16-bit
+    ones (the bfloat16 path's code); the state; the same output without it."""
     q, k, v = _qkv(seq, value_dim=value_dim, dtype=dtype, seed=seq)
     out = torch.full_like(v, float("nan"))
-    state = ref._launch_segmented(q, k, v, out, segment, True, block_m, 32, 4)
+    state = ref._launch_segmented(q, k, v, out, segment, True, block_m, 32, 4, state_groups=groups,
+                                  state_block_t=32, prefix_16bit=p16)
     fp32 = dtype == torch.float32
     tol = dict(atol=2e-5, rtol=1e-4) if fp32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.double(), _exact(q, k, v), **tol)
@@ -74,40 +78,63 @@ def test_segmented_route_equals_the_quadratic_form(seq, value_dim, segment, bloc
     torch.testing.assert_close(state.kv.double(), phi_k.transpose(-1, -2) @ v.double(), **tol)
     torch.testing.assert_close(state.k.double(), phi_k.sum(-2), atol=1e-4, rtol=1e-6)
     again = torch.full_like(v, float("nan"))
-    assert ref._launch_segmented(q, k, v, again, segment, False, block_m, 32, 4) is None
+    assert ref._launch_segmented(q, k, v, again, segment, False, block_m, 32, 4, state_groups=groups,
+                                 state_block_t=32, prefix_16bit=p16) is None
     torch.testing.assert_close(again, out, atol=0, rtol=0)
 
 
-def test_state_kernel_gives_each_segments_state():
-    """Step 1 of the segmented route: phi(K)^T V and sum phi(K) over each segment's own tokens."""
+@pytest.mark.parametrize("groups,block_t", [(8, 32), (4, 64), (16, 16)])
+def test_boundary_state_kernel_writes_every_prefix(groups, block_t):
+    """Step 1 of the default route: the state after each segment but the last (phi(K)^T V and sum phi(K)
+    over all tokens before the boundary) and the final state; a segment that is no multiple of the tile."""
     q, k, v = _qkv(150, value_dim=40, seed=5)
-    parts_kv = torch.full((1, 2, 3, 273, 40), float("nan"))
-    parts_k = torch.full((1, 2, 3, 273), float("nan"))
-    ref._launch_state(k, v, parts_kv, parts_k, 64, 32, 32)
+    prefix_kv = torch.full((1, 2, 2, 273, 40), float("nan"))
+    prefix_k = torch.full((1, 2, 2, 273), float("nan"))
+    final = ref.BasedState(torch.full((1, 2, 273, 40), float("nan")), torch.full((1, 2, 273), float("nan")))
+    ref._launch_prefix_state(k, v, prefix_kv, prefix_k, final.kv, final.k, 56, groups, block_t)
     phi_k = ref.taylor_feature_map(k.double())
-    for j, (lo, hi) in enumerate([(0, 64), (64, 128), (128, 150)]):
-        exact = phi_k[:, :, lo:hi].transpose(-1, -2) @ v[:, :, lo:hi].double()
-        torch.testing.assert_close(parts_kv[:, :, j].double(), exact, atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(parts_k[:, :, j].double(), phi_k[:, :, lo:hi].sum(-2), atol=1e-4, rtol=1e-6)
+    for j, end in enumerate([56, 112, 150]):
+        exact_kv = phi_k[:, :, :end].transpose(-1, -2) @ v[:, :, :end].double()
+        exact_k = phi_k[:, :, :end].sum(-2)
+        got_kv, got_k = (prefix_kv[:, :, j], prefix_k[:, :, j]) if j < 2 else final
+        torch.testing.assert_close(got_kv.double(), exact_kv, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(got_k.double(), exact_k, atol=1e-4, rtol=1e-6)
+    with pytest.raises(ValueError, match="groups"):
+        ref._launch_prefix_state(k, v, prefix_kv, prefix_k, final.kv, final.k, 56, 3)
 
 
-def test_default_route_switches_at_the_threshold(monkeypatch):
-    """chunk_size=None: the quadratic form up to QUADRATIC_MAX_SEQ tokens, the chunked kernel beyond; same answers."""
-    q, k, v = _qkv(40, value_dim=32, seed=3)
+def test_default_route_is_the_segmented_one(monkeypatch):
+    """chunk_size=None: the segmented route at DEFAULT_SEGMENT; the same answers as the chunked kernel."""
+    q, k, v = _qkv(140, value_dim=32, seed=3)
     calls = []
     for name in ("_launch_segmented", "_launch_prefill"):
         real = getattr(ref, name)
         monkeypatch.setattr(ref, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
-    results = []
-    for limit in (128, 39):
-        monkeypatch.setattr(ref, "QUADRATIC_MAX_SEQ", limit)
-        results.append(ref.based_prefill(q, k, v))
+    monkeypatch.setattr(ref, "DEFAULT_SEGMENT", 128)      # two segments
+    out_s, state_s = ref.based_prefill(q, k, v)
+    out_c, state_c = ref.based_prefill(q, k, v, chunk_size=16)
     assert calls == ["_launch_segmented", "_launch_prefill"]
-    (out_q, state_q), (out_c, state_c) = results
-    torch.testing.assert_close(out_q, out_c, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(state_q.kv, state_c.kv, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(state_q.k, state_c.k, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out_s, out_c, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(state_s.kv, state_c.kv, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(state_s.k, state_c.k, atol=1e-4, rtol=1e-5)
     assert ref.based_prefill(q, k, v, return_state=False)[1] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq,segment,value_dim,groups", [(1000, 256, 64, 8), (777, 128, 128, 4), (2049, 512, 64, 16),
+                                                          (300, 128, 96, 2)])
+def test_segmented_route_bfloat16_gpu(seq, segment, value_dim, groups):
+    """bfloat16 on the GPU: the boundary states kept in bfloat16 and read by one long product."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    q, k, v = (t.cuda().to(torch.bfloat16) for t in _qkv(seq, value_dim=value_dim, heads=3, seed=seq))
+    out = torch.full_like(v, float("nan"))
+    state = ref._launch_segmented(q, k, v, out, segment, True, state_groups=groups)
+    exact = _exact(q.cpu(), k.cpu(), v.cpu())
+    torch.testing.assert_close(out.double().cpu(), exact, atol=2e-2, rtol=1.6e-2)
+    phi_k = ref.taylor_feature_map(k.double().cpu())
+    torch.testing.assert_close(state.kv.double().cpu(), phi_k.transpose(-1, -2) @ v.double().cpu(),
+                               atol=1e-2 * seq ** 0.5, rtol=2e-2)
 
 
 def test_prefill_reads_nothing_past_the_sequence():

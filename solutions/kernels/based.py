@@ -81,7 +81,7 @@ EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_VALUE_DIM = 256
 DEFAULT_CHUNK = 32                                     # on the H100 chunks of 16 and 32 time alike, 64 and 128 are slower
-QUADRATIC_MAX_SEQ = 2048                               # based_prefill's default: the quadratic form up to here, then chunks
+DEFAULT_SEGMENT = 256                                  # based_prefill's default route: the quadratic form inside segments this long
 
 
 class BasedState(NamedTuple):
@@ -503,11 +503,11 @@ def _launch_prefill(q, k, v, out, state_kv, state_k, chunk_size: int, block_v: i
 def _read_prefix_state(q, num, den, P_KV, P_K, offs_v, v_ok, value_dim, PRECISION: tl.constexpr):
     """``num += phi(q) @ P_kv``, ``den += phi(q) . P_k`` for a block of queries ``q`` (already halved).
 
-    ``P_KV`` points at one state ``[273, value_dim]``, ``P_K`` at its ``[273]`` normaliser. With
+    ``P_KV`` points at one float32 state ``[273, value_dim]``, ``P_K`` at its ``[273]`` normaliser. With
     ``q/2`` the features are ``[1, q/2, (q_a/2)(q_b/2) / sqrt 2]``; the 256 order-2 ones are visited
     16 at a time (block ``a``: ``q_a q / sqrt 2`` against state rows ``17 + 16 a .. 17 + 16 a + 15``), so no
     ``[BLOCK_M, 256]`` tile is built. The products take float32 operands (a long sequence's sums can pass
-    float16's 65504): exact ("ieee") for float32 inputs, tf32 tensor cores for 16-bit ones.
+    float16's 65504): exact ("ieee") for float32 inputs, tf32 tensor cores for float16 ones.
     """
     inv_sqrt2 = 0.7071067811865476
     offs_f = tl.arange(0, 16)
@@ -529,12 +529,43 @@ def _read_prefix_state(q, num, den, P_KV, P_K, offs_v, v_ok, value_dim, PRECISIO
 
 # yaie: solution-only
 @triton.jit
+def _read_prefix_state_16bit(q, num, den, P_KV, P_K, offs_v, v_ok, value_dim):
+    """What :func:`_read_prefix_state` computes, from a copy of the state in the inputs' 16-bit dtype.
+
+    All 256 order-2 features of the block at once: ``q2 [BLOCK_M, 256]`` (``q_a q_b / sqrt 2`` of the
+    halved ``q``, built as ``[BLOCK_M, 16, 16]`` products), then one ``[BLOCK_M, 256] x [256, BLOCK_V]``
+    tensor-core product against the state's order-2 rows. One long product keeps the tensor cores
+    busy where sixteen products of depth 16 mostly wait; 16-bit operands are what the chunked kernel
+    already uses for its state (the route takes this for bfloat16, whose range is float32's). The normaliser stays float32 (its order-2 part is ``q^T Z2 q / sqrt 2``
+    with ``Z2`` the ``[16, 16]`` sums of ``k_a k_b``: a small exact product).
+    """
+    inv_sqrt2 = 0.7071067811865476
+    offs_f = tl.arange(0, 16)
+    offs_2 = tl.arange(0, 256)
+    qf = q.to(tl.float32)
+    q_scaled = qf * inv_sqrt2
+    q2 = tl.reshape(q_scaled[:, :, None] * qf[:, None, :], [q.shape[0], 256])           # a major, b minor
+    p0 = tl.load(P_KV + offs_v, mask=v_ok, other=0.0)
+    p1 = tl.load(P_KV + (1 + offs_f[:, None]) * value_dim + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+    p2 = tl.load(P_KV + (17 + offs_2[:, None]) * value_dim + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+    num += p0.to(tl.float32)[None, :]
+    num = tl.dot(q, p1, num)
+    num = tl.dot(q2.to(q.dtype), p2, num)
+    z2 = tl.load(P_K + 17 + offs_f[:, None] * 16 + offs_f[None, :])                     # [16, 16] float32
+    den += tl.load(P_K) + tl.sum(qf * tl.load(P_K + 1 + offs_f)[None, :], 1)
+    den += tl.sum(tl.dot(q_scaled, z2, input_precision="ieee") * qf, 1)
+    return num, den
+
+
+# yaie: solution-only
+@triton.jit
 def _based_segment_kernel(
     Q, K, V, O, PREFIX_KV, PREFIX_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     seq_len, value_dim, heads, segment_len,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    PREFIX_16BIT: tl.constexpr,
 ):
     """``BLOCK_M`` queries: the quadratic form over the keys of their own segment, the state before it.
 
@@ -544,7 +575,8 @@ def _based_segment_kernel(
     float32, and divided once at the end. Per key block: ``s = q k^T`` (a ``[BLOCK_M, 16]`` by
     ``[16, BLOCK_N]`` tensor-core product), ``w`` elementwise, ``num += w @ v``, ``den += sum(w)``. The keys
     of earlier segments arrive in one piece: ``phi(q) @ S`` with ``S`` the state at the segment's start
-    (``PREFIX_KV [batch * heads, segments, 273, value_dim]``: entry ``j`` sums segments ``0..j``).
+    (``PREFIX_KV [batch * heads, segments - 1, 273, value_dim]``: entry ``j`` sums segments ``0..j``;
+    in the inputs' dtype when ``PREFIX_16BIT``, else float32).
     """
     # The last query blocks of a segment read the most key blocks: start them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -573,9 +605,13 @@ def _based_segment_kernel(
     seg_start = segment * segment_len
     if segment > 0:
         # Every key of the earlier segments, through the state after them.
-        prefix = bh.to(tl.int64) * tl.cdiv(seq_len, segment_len) + segment - 1
-        num, den = _read_prefix_state(q, num, den, PREFIX_KV + prefix * (273 * value_dim), PREFIX_K + prefix * 273,
-                                      offs_v, v_ok, value_dim, PRECISION)
+        prefix = bh.to(tl.int64) * (tl.cdiv(seq_len, segment_len) - 1) + segment - 1
+        if PREFIX_16BIT:
+            num, den = _read_prefix_state_16bit(q, num, den, PREFIX_KV + prefix * (273 * value_dim),
+                                                PREFIX_K + prefix * 273, offs_v, v_ok, value_dim)
+        else:
+            num, den = _read_prefix_state(q, num, den, PREFIX_KV + prefix * (273 * value_dim),
+                                          PREFIX_K + prefix * 273, offs_v, v_ok, value_dim, PRECISION)
 
     # Key blocks of the segment wholly before this query block: every weight counts, no mask.
     for start in range(seg_start, pid_m * BLOCK_M, BLOCK_N):
@@ -607,118 +643,180 @@ def _based_segment_kernel(
 
 # yaie: solution-only
 @triton.jit
-def _based_state_kernel(
-    K, V, STATE_KV, STATE_K,
+def _store_rows(KV, first_row, first_v, value_dim, values):
+    """``KV[first_row:, first_v:] = values`` (cast to KV's dtype) for one state ``KV [273, value_dim]``."""
+    rows = first_row + tl.arange(0, values.shape[0])
+    cols = first_v + tl.arange(0, values.shape[1])
+    tl.store(KV + rows[:, None] * value_dim + cols[None, :], values.to(KV.dtype.element_ty),
+             mask=(cols < value_dim)[None, :])
+
+
+# yaie: solution-only
+@triton.jit
+def _store_orders01(KV, KS, s0, s1, z0, z1, z2, first_v, value_dim, WRITE_K):
+    """Rows 0..16 of one numerator state (``s0 [BLOCK_V]``, ``s1 [16, BLOCK_V]``) and, when ``WRITE_K`` (the
+    program of the first value block), the whole normaliser ``KS [273]``: ``z0``, ``z1 [16]``, ``z2 [16, 16]``."""
+    offs_f = tl.arange(0, 16)
+    _store_rows(KV, 0, first_v, value_dim, s0[None, :])
+    _store_rows(KV, 1, first_v, value_dim, s1)
+    if WRITE_K:
+        tl.store(KS + tl.arange(0, 1), z0)
+        tl.store(KS + 1 + offs_f, z1)
+        tl.store(KS + 17 + offs_f[:, None] * 16 + offs_f[None, :], z2)
+
+
+# yaie: solution-only
+@triton.jit
+def _based_prefix_state_kernel(
+    K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     seq_len, value_dim, heads, segment_len,
-    ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The state of each segment of ``segment_len`` tokens: ``phi(K)^T V`` and ``sum phi(K)`` over its tokens.
+    """The state at every segment boundary, ``phi(K)^T V`` and ``sum phi(K)`` over the tokens before it.
 
-    Grid: (blocks of ``ROWS`` feature rows, segments * value blocks, batch * heads); the output is
-    ``STATE_KV [batch * heads, segments, 273, value_dim]`` and ``STATE_K [batch * heads, segments, 273]``.
-    Row ``r`` of a state is feature ``r`` of :func:`taylor_feature_map`: ``1`` (r = 0), ``k_a / 2``
-    (r = 1 + a) or ``k_a k_b / (4 sqrt 2)`` (r = 17 + 16 a + b). A program builds its rows of ``phi(k)^T``
-    for a chunk of tokens, ``[ROWS, CHUNK]``, by loading k at the columns ``a`` and ``b`` each row
-    needs, and adds ``phi^T @ v`` to its ``[ROWS, BLOCK_V]`` float32 sum: a plain matrix product, split
-    over programs by rows so that nothing has to be added up across programs afterwards.
+    Grid: (1 + 16 / GROUPS row blocks, value blocks, batch * heads). A program owns some feature rows of
+    the state of one (sequence, head) and walks the whole sequence, ``BLOCK_T`` tokens at a time, keeping
+    its rows of the running sums in registers (float32): no two programs ever add into the same numbers.
+    At the end of every segment but the last it stores its rows of the running state into
+    ``PREFIX_KV [batch * heads, segments - 1, 273, value_dim]`` (float32, or the inputs' 16-bit dtype: that
+    tensor) and ``PREFIX_K [batch * heads, segments - 1, 273]`` (float32); at the end of the sequence
+    into the final ``STATE_KV [batch * heads, 273, value_dim]``, ``STATE_K [batch * heads, 273]`` (float32).
+
+    Row block 0: the order-0 and order-1 rows 0..16 (``sum v``, ``sum k/2 v^T``) and the whole normaliser
+    (the count, ``sum k/2`` and ``sum k_a k_b / (4 sqrt 2)``, 273 numbers: cheap, one program does it).
+    Row block ``r >= 1``: the order-2 rows of features ``a = (r - 1) GROUPS .. r GROUPS - 1``, i.e. state
+    rows ``17 + 16 a + b`` for every ``b``: ``GROUPS * 16`` consecutive rows. Their features for a tile of
+    tokens, ``k_a k_b`` as ``[GROUPS * 16, BLOCK_T]``, are built from two loads of k (the columns ``a`` and
+    all 16 columns) as ``[GROUPS, 16, BLOCK_T]`` products in the inputs' dtype (the product of two 16-bit
+    numbers rounded once, as a float32 product cast down would be), then one tensor-core product with
+    ``v``; the constant ``1 / (4 sqrt 2)`` is applied once, when the sums are stored.
     """
     pid_r = tl.program_id(0)
-    segments = tl.cdiv(seq_len, segment_len)
-    segment = tl.program_id(1) % segments
-    pid_v = tl.program_id(1) // segments
+    pid_v = tl.program_id(1)
     bh = tl.program_id(2)
     batch = (bh // heads).to(tl.int64)
     head = (bh % heads).to(tl.int64)
     k_base = K + batch * stride_kb + head * stride_kh
     v_base = V + batch * stride_vb + head * stride_vh
+    segments = tl.cdiv(seq_len, segment_len)
+    prefix_kv = PREFIX_KV + bh.to(tl.int64) * (segments - 1) * (273 * value_dim)
+    prefix_k = PREFIX_K + bh.to(tl.int64) * (segments - 1) * 273
+    state_kv = STATE_KV + bh.to(tl.int64) * (273 * value_dim)
+    state_k = STATE_K + bh.to(tl.int64) * 273
+    order2_scale = 0.17677669529663687                    # 1 / (4 sqrt 2)
 
-    rows = pid_r * ROWS + tl.arange(0, ROWS)          # feature rows 0..272 (the last block runs past 273)
-    order1 = (rows >= 1) & (rows < 17)
-    order2 = (rows >= 17) & (rows < 273)
-    col_a = tl.where(order2, (rows - 17) // 16, tl.where(order1, rows - 1, 0))   # the k column(s) of row r
-    col_b = tl.where(order2, (rows - 17) % 16, 0)
-    offs_c = tl.arange(0, CHUNK)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_f = tl.arange(0, 16)
+    first_v = pid_v * BLOCK_V
+    offs_v = first_v + tl.arange(0, BLOCK_V)
     v_ok = offs_v < value_dim
-
-    kv = tl.zeros([ROWS, BLOCK_V], dtype=tl.float32)
-    ksum = tl.zeros([ROWS], dtype=tl.float32)
-    seg_start = segment * segment_len
-    seg_end = tl.minimum(seg_start + segment_len, seq_len)
-    for start in range(seg_start, seg_end, CHUNK):
-        tokens = start + offs_c
-        t_ok = tokens < seg_end
-        k_a = tl.load(k_base + tokens[None, :] * stride_ks + col_a[:, None], mask=t_ok[None, :], other=0.0)
-        k_b = tl.load(k_base + tokens[None, :] * stride_ks + col_b[:, None], mask=t_ok[None, :], other=0.0)
-        v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
-                    mask=t_ok[:, None] & v_ok[None, :], other=0.0)
-        k_a = k_a.to(tl.float32)
-        phi_t = tl.where(order2[:, None], k_a * k_b.to(tl.float32) * 0.17677669529663687,   # 1/(4 sqrt 2)
-                         tl.where(order1[:, None], 0.5 * k_a, 1.0))
-        phi_t = tl.where(t_ok[None, :], phi_t, 0.0)   # tokens past the end count nothing (not even row 0)
-        kv = tl.dot(phi_t.to(v.dtype), v, kv, input_precision=PRECISION)
-        ksum += tl.sum(phi_t, 1)
-
-    r_ok = rows < 273
-    state = bh.to(tl.int64) * segments + segment
-    tl.store(STATE_KV + (state * 273 + rows[:, None]) * value_dim + offs_v[None, :], kv,
-             mask=r_ok[:, None] & v_ok[None, :])
-    if pid_v == 0:
-        tl.store(STATE_K + state * 273 + rows, ksum, mask=r_ok)
+    if pid_r == 0:
+        # Orders 0 and 1 of the numerator: sum v (row 0), sum (k/2) v^T (rows 1..16); the normaliser:
+        # the count, sum k/2, and sum k k^T (its 256 order-2 entries, a [16, 16] product per tile).
+        s0 = tl.zeros([BLOCK_V], dtype=tl.float32)
+        s1 = tl.zeros([16, BLOCK_V], dtype=tl.float32)
+        z0 = tl.zeros([1], dtype=tl.float32)
+        z1 = tl.zeros([16], dtype=tl.float32)
+        z2 = tl.zeros([16, 16], dtype=tl.float32)
+        for segment in range(0, segments):
+            seg_end = tl.minimum((segment + 1) * segment_len, seq_len)
+            for start in range(segment * segment_len, seg_end, BLOCK_T):
+                tokens = start + offs_t
+                t_ok = tokens < seg_end
+                k = tl.load(k_base + tokens[:, None] * stride_ks + offs_f[None, :], mask=t_ok[:, None], other=0.0)
+                v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
+                            mask=t_ok[:, None] & v_ok[None, :], other=0.0)
+                k_t = tl.trans(k)
+                s1 = tl.dot((k_t * 0.5).to(v.dtype), v, s1, input_precision=PRECISION)   # k/2: exact
+                s0 += tl.sum(v.to(tl.float32), 0)
+                z0 += tl.sum(t_ok.to(tl.float32), 0)
+                z1 += tl.sum(k_t.to(tl.float32), 1) * 0.5
+                z2 = tl.dot(k_t, k, z2, input_precision=PRECISION)    # 16-bit products are exact in float32
+            if segment < segments - 1:                 # the state before the next segment
+                _store_orders01(prefix_kv + segment * (273 * value_dim), prefix_k + segment * 273,
+                                s0, s1, z0, z1, z2 * order2_scale, first_v, value_dim, pid_v == 0)
+        _store_orders01(state_kv, state_k, s0, s1, z0, z1, z2 * order2_scale, first_v, value_dim, pid_v == 0)
+    else:
+        # Order 2: rows 17 + 16 a + b for a in this block's GROUPS features, b = 0..15.
+        first_a = (pid_r - 1) * GROUPS
+        offs_a = first_a + tl.arange(0, GROUPS)
+        first_row = 17 + first_a * 16
+        kv = tl.zeros([GROUPS * 16, BLOCK_V], dtype=tl.float32)
+        for segment in range(0, segments):
+            seg_end = tl.minimum((segment + 1) * segment_len, seq_len)
+            for start in range(segment * segment_len, seg_end, BLOCK_T):
+                tokens = start + offs_t
+                t_ok = tokens < seg_end
+                k_t = tl.load(k_base + tokens[None, :] * stride_ks + offs_f[:, None], mask=t_ok[None, :], other=0.0)
+                k_a = tl.load(k_base + tokens[None, :] * stride_ks + offs_a[:, None], mask=t_ok[None, :], other=0.0)
+                v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
+                            mask=t_ok[:, None] & v_ok[None, :], other=0.0)
+                # k_a k_b for every (a, b) of the block; tokens past the end read k = 0: no feature.
+                feats_t = tl.reshape(k_a[:, None, :] * k_t[None, :, :], [GROUPS * 16, BLOCK_T])
+                kv = tl.dot(feats_t.to(v.dtype), v, kv, input_precision=PRECISION)
+            if segment < segments - 1:                 # the state before the next segment
+                _store_rows(prefix_kv + segment * (273 * value_dim), first_row, first_v, value_dim,
+                            kv * order2_scale)
+        _store_rows(state_kv, first_row, first_v, value_dim, kv * order2_scale)
 
 
 # yaie: solution-only
-def _launch_state(k, v, state_kv, state_k, segment_len: int, rows: int = 32, chunk: int = 64,
-                  num_warps: int = 4) -> None:
-    """Launch :func:`_based_state_kernel`: the state of every segment into contiguous float32
-    ``state_kv [b, h, segments, 273, d_v]`` and ``state_k [b, h, segments, 273]`` (one segment: the
-    ``[b, h, 273, ...]`` tensors of a :class:`BasedState` will do)."""
+def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len: int, groups: int = 8,
+                         block_t: int = 64, num_warps: int = 4) -> None:
+    """Launch :func:`_based_prefix_state_kernel`: the state before every segment but the first into
+    contiguous ``prefix_kv [b, h, segments - 1, 273, d_v]`` (float32 or bfloat16) and
+    ``prefix_k [b, h, segments - 1, 273]`` (float32), the final state into ``state_kv [b, h, 273, d_v]``,
+    ``state_k [b, h, 273]`` (float32; the tensors of a :class:`BasedState` will do)."""
     batch, heads, seq, _ = k.shape
     value_dim = v.shape[-1]
+    if groups not in (1, 2, 4, 8, 16):
+        raise ValueError(f"groups must divide 16, got {groups}")
     block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
-    segments = triton.cdiv(seq, segment_len)
-    grid = (triton.cdiv(EXPANDED_DIM, rows), segments * triton.cdiv(value_dim, block_v), batch * heads)
-    _based_state_kernel[grid](
-        k, v, state_kv, state_k,
+    grid = (1 + FEATURE_DIM // groups, triton.cdiv(value_dim, block_v), batch * heads)
+    _based_prefix_state_kernel[grid](
+        k, v, prefix_kv, prefix_k, state_kv, state_k,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         seq, value_dim, heads, segment_len,
-        ROWS=rows, CHUNK=chunk, BLOCK_V=block_v,
+        GROUPS=groups, BLOCK_T=block_t, BLOCK_V=block_v,
         PRECISION="ieee" if k.dtype == torch.float32 else "tf32", num_warps=num_warps)
 
 
 # yaie: solution-only
-def _launch_segmented(q, k, v, out, segment_len: int = QUADRATIC_MAX_SEQ, return_state: bool = True,
+def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_state: bool = True,
                       block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
-                      state_rows: int = 32, state_chunk: int = 64, state_warps: int = 4) -> BasedState | None:
-    """The quadratic route of :func:`based_prefill` (one segment of up to ``QUADRATIC_MAX_SEQ`` tokens;
-    several segments are an option for the benchmark and the tests): writes ``out``, returns the final
-    state (or None). State kernel settings: 32 feature rows per program, the faster of those measured
-    (bench/results/lesson08_h100.md, ``based_state`` rows).
+                      state_groups: int = 8, state_block_t: int = 64, state_warps: int = 4,
+                      prefix_16bit: bool | None = None) -> BasedState | None:
+    """The default route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
 
-    1. the state of each segment (:func:`_based_state_kernel`), 2. running sums over segments
-    (``cumsum``: entry ``j`` is the state after segment ``j``; the last one is the final state),
-    3. every query block (:func:`_based_segment_kernel`). One segment: step 2 is empty, step 1 is
-    only run when the state is wanted.
+    1. the state at every segment boundary and the final state (:func:`_based_prefix_state_kernel`,
+    skipped for a single segment whose state is not wanted), 2. every query block
+    (:func:`_based_segment_kernel`): the quadratic form inside its segment, the state before it.
+    ``prefix_16bit``: keep the boundary states in the inputs' 16-bit dtype (read by one long tensor-core
+    product); ``None``: for bfloat16 (float16's range, 65504, is too short for long sums; float32 inputs
+    keep float32 states).
     """
     batch, heads, seq, _ = q.shape
     value_dim = v.shape[-1]
     if segment_len % block_m:
         raise ValueError(f"segment_len must be a multiple of block_m, got {segment_len} and {block_m}")
     segments = triton.cdiv(seq, segment_len)
+    if prefix_16bit is None:
+        prefix_16bit = q.dtype == torch.bfloat16
+    if prefix_16bit and q.dtype == torch.float32:
+        raise ValueError("prefix_16bit needs float16 or bfloat16 inputs")
     f32 = dict(dtype=torch.float32, device=v.device)
     prefix_kv = prefix_k = torch.zeros(1, **f32)           # not read: one segment has no state before it
     state = None
     if segments > 1 or return_state:
-        parts_kv = torch.empty(batch, heads, segments, EXPANDED_DIM, value_dim, **f32)
-        parts_k = torch.empty(batch, heads, segments, EXPANDED_DIM, **f32)
-        _launch_state(k, v, parts_kv, parts_k, segment_len, state_rows, state_chunk, state_warps)
         if segments > 1:
-            prefix_kv, prefix_k = parts_kv.cumsum(2), parts_k.cumsum(2)
-        else:
-            prefix_kv, prefix_k = parts_kv, parts_k
-        if return_state:
-            state = BasedState(prefix_kv[:, :, -1].clone(), prefix_k[:, :, -1].clone())
+            prefix_kv = torch.empty(batch, heads, segments - 1, EXPANDED_DIM, value_dim, device=v.device,
+                                    dtype=q.dtype if prefix_16bit else torch.float32)
+            prefix_k = torch.empty(batch, heads, segments - 1, EXPANDED_DIM, **f32)
+        state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, **f32),
+                           torch.empty(batch, heads, EXPANDED_DIM, **f32))
+        _launch_prefix_state(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len, state_groups,
+                             state_block_t, state_warps)
     block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
     grid = (triton.cdiv(seq, block_m), triton.cdiv(value_dim, block_v), batch * heads)
     extra = {} if num_stages is None else {"num_stages": num_stages}
@@ -728,8 +826,9 @@ def _launch_segmented(q, k, v, out, segment_len: int = QUADRATIC_MAX_SEQ, return
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         seq, value_dim, heads, segment_len,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_V=block_v,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, **extra)
-    return state
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PREFIX_16BIT=prefix_16bit,
+        num_warps=num_warps, **extra)
+    return state if return_state else None
 
 
 # yaie: task 2
@@ -767,10 +866,10 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     batch, heads, seq, _ = q.shape
     value_dim = v.shape[-1]
     out = torch.empty(batch, heads, seq, value_dim, dtype=v.dtype, device=v.device)
-    if chunk_size is None and seq <= QUADRATIC_MAX_SEQ:
-        # Short sequences: the quadratic form, every query block in parallel (one segment); the state
-        # from its own kernel.
-        return out, _launch_segmented(q, k, v, out, QUADRATIC_MAX_SEQ, return_state)
+    if chunk_size is None:
+        # The default route: the quadratic form inside segments, every query block in parallel; the
+        # state at the segment boundaries from its own kernel.
+        return out, _launch_segmented(q, k, v, out, DEFAULT_SEGMENT, return_state)
     # The kernel writes the final state (the "rows" variant also uses it as working memory).
     state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=v.device),
                        torch.empty(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=v.device))

@@ -49,18 +49,16 @@ DEVICE = "cuda"
 BATCH, HEADS, FEATURES, VALUE_DIM = 16, 16, 16, 64
 DTYPE = torch.bfloat16
 SEGMENT_SWEEP = [  # (segment_len, block_m, block_n, num_warps, num_stages or None)
-    (1024, 128, 64, 4, None), (1024, 64, 64, 4, None), (1024, 128, 128, 8, None), (1024, 128, 64, 8, 3),
-    (1024, 64, 32, 4, 3), (256, 128, 64, 8, None), (512, 128, 64, 8, None), (2048, 128, 64, 8, None),
-    (4096, 128, 64, 8, None),
+    (128, 128, 64, 8, None), (256, 128, 64, 8, None), (256, 64, 64, 4, None), (256, 128, 128, 8, None),
+    (512, 128, 64, 8, None), (1024, 128, 64, 8, None),
 ]
-STATE_SWEEP = [  # (rows, chunk, num_warps); up to STATE_SWEEP_MAX tokens
-    (64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 8),
+STATE_SWEEP = [  # (groups of 16 order-2 rows per program, tokens per step, num_warps); segments of 256
+    (4, 64, 4), (4, 64, 8), (8, 64, 8), (4, 32, 4), (8, 128, 8), (2, 64, 4),
 ]
-STATE_SWEEP_MAX = 4096
-CHUNKED_SWEEP = [  # (chunk, block_v, num_warps); the first at every length, the others from CHUNKED_SWEEP_MIN
-    (32, 64, 4), (16, 64, 4), (32, 32, 4), (16, 32, 4), (32, 16, 4), (16, 16, 2),
+STATE_SWEEP_SEGMENT = 256
+CHUNKED_SWEEP = [  # (chunk, block_v, num_warps): the chunked kernel (lesson task 2, chunk_size given)
+    (32, 64, 4),
 ]
-CHUNKED_SWEEP_MIN = 4096
 
 
 def lengths(quick: bool) -> list[int]:
@@ -107,7 +105,7 @@ def _timed_setting(name, kernel, launch, check, shape, warmup, rep, flops) -> li
 
 def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
     """Other launch settings of the reference kernels (they need its private launchers)."""
-    if not all(hasattr(based, f) for f in ("_launch_prefill", "_launch_segmented", "_launch_state")):
+    if not all(hasattr(based, f) for f in ("_launch_prefill", "_launch_segmented", "_launch_prefix_state")):
         return []
     seq = q.shape[2]
     rows: list[Row] = []
@@ -129,19 +127,17 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
             name, "based_prefill",
             lambda: found.update(state=based._launch_segmented(q, k, v, out, seg, True, bm, bn, warps, stages)),
             lambda: max(_rel_err(out, ref_out), state_err(found["state"])), shape, warmup, rep, flops)
-    if seq <= STATE_SWEEP_MAX:
-        segments = -(-seq // 1024)
-        parts_kv = torch.empty(BATCH, HEADS, segments, 273, VALUE_DIM, device=DEVICE, dtype=torch.float32)
-        parts_k = torch.empty(BATCH, HEADS, segments, 273, device=DEVICE, dtype=torch.float32)
-        for nrows, chunk, warps in STATE_SWEEP:
-            rows += _timed_setting(
-                f"yaie state kernel (segment 1024, rows {nrows}, chunk {chunk}, {warps} warps)", "based_state",
-                lambda: based._launch_state(k, v, parts_kv, parts_k, 1024, nrows, chunk, warps),
-                lambda: max(_rel_err(parts_kv.sum(2), ref_state.kv), _rel_err(parts_k.sum(2), ref_state.k)),
-                shape, warmup, rep, flops // 2)
-    for i, (chunk, block_v, warps) in enumerate(CHUNKED_SWEEP):
-        if i and seq < CHUNKED_SWEEP_MIN:
-            continue
+    segments = -(-seq // STATE_SWEEP_SEGMENT)
+    prefix_kv = torch.empty(BATCH, HEADS, segments - 1, 273, VALUE_DIM, device=DEVICE, dtype=q.dtype)
+    prefix_k = torch.empty(BATCH, HEADS, segments - 1, 273, device=DEVICE, dtype=torch.float32)
+    for groups, block_t, warps in STATE_SWEEP:
+        rows += _timed_setting(
+            f"yaie boundary states (segment {STATE_SWEEP_SEGMENT}, groups {groups}, tokens {block_t}, {warps} warps)",
+            "based_state",
+            lambda: based._launch_prefix_state(k, v, prefix_kv, prefix_k, kv, ks, STATE_SWEEP_SEGMENT, groups,
+                                               block_t, warps),
+            lambda: max(_rel_err(kv, ref_state.kv), _rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
+    for chunk, block_v, warps in CHUNKED_SWEEP:
         rows += _timed_setting(
             f"yaie chunked (registers, chunk {chunk}, BV {block_v}, {warps} warps)", "based_prefill",
             lambda: based._launch_prefill(q, k, v, out, kv, ks, chunk, block_v, warps, None, "registers"),

@@ -84,7 +84,7 @@ EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_VALUE_DIM = 256
 DEFAULT_CHUNK = 32                                     # on the H100 chunks of 16 and 32 time alike, 64 and 128 are slower
-QUADRATIC_MAX_SEQ = 2048                               # based_prefill's default: the quadratic form up to here, then chunks
+DEFAULT_SEGMENT = 256                                  # based_prefill's default route: the quadratic form inside segments this long
 
 
 class BasedState(NamedTuple):
