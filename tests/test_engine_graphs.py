@@ -264,3 +264,65 @@ def test_the_shared_slot_table_is_left_intact_by_a_run():
         llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, temperature=0))
     table = llm.last_scheduler.manager._all_slots()
     assert torch.equal(table, torch.arange(table.numel()))
+
+
+def test_block_table_buffer_rewrites_only_changed_rows_and_matches_a_full_write(monkeypatch):
+    """The fixed block-table buffer is written incrementally (rows that changed since the last step, in one
+    copy): after any sequence of steps (tables growing, the batch shrinking and changing, a recording that
+    resets the buffer) the rows the graph reads equal the tables of the step, padding rows start with the
+    scratch block, and a step where no table changed writes nothing."""
+    from yaie.engine import cuda_graphs
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    scratch, batch = 99, 6
+    buf = cuda_graphs._Buffers(batch, 8, scratch, torch.device("cpu"))
+    tables = [torch.randint(0, 50, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen).tolist()
+              for _ in range(batch)]
+    writes = []
+    real_upload = cuda_graphs.upload
+
+    def spy(dst, values):
+        writes.append(len(values))
+        real_upload(dst, values)
+
+    monkeypatch.setattr(cuda_graphs, "upload", spy)
+    for step in range(40):
+        if step % 7 == 3:                    # a sequence gets a new block
+            tables[step % len(tables)].append(int(torch.randint(0, 50, (1,), generator=gen)))
+        if step in (15, 30) and len(tables) > 1:
+            del tables[int(torch.randint(0, len(tables), (1,), generator=gen))]   # one finishes
+        if step == 22:
+            buf.reset()                      # a new graph of this bucket was recorded
+        writes.clear()
+        unchanged = [list(t) for t in tables] == buf.rows[:len(tables)] and all(
+            row == [scratch] for row in buf.rows[len(tables):])
+        buf.load_tables([list(t) for t in tables])
+        assert not (unchanged and writes), f"seed {seed}, step {step}: nothing changed, yet rows were written"
+        assert len(writes) <= 1, f"seed {seed}, step {step}: one copy at most, got {writes}"
+        for i, table in enumerate(tables):
+            assert buf.tables[i, :len(table)].tolist() == table, f"seed {seed}, step {step}, row {i}"
+        assert (buf.tables[len(tables):, 0] == scratch).all(), f"seed {seed}, step {step}: padding rows"
+
+
+def test_generate_decodes_the_text_once_and_gets_the_streamed_text():
+    """``generate`` reads a request's text only at its end, so it decodes all its tokens at once; that text
+    equals the stream decoder's (the pieces ``stream`` yields), also for token streams that split
+    characters across tokens (the bundled byte-level tokenizer) or end inside one."""
+    import random
+    from types import SimpleNamespace
+
+    from yaie.engine.llm import _Text
+    tokenizer = LLM(DEFAULT_MODEL, device="cpu").tokenizer
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    engine = SimpleNamespace(tokenizer=tokenizer, eos_token_ids=[])
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    for _ in range(30):
+        ids = [rng.randrange(3, tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
+        at_once, streamed = _Text(engine, params), _Text(engine, params)
+        a, b = Request(0, [1], 100), Request(1, [1], 100)
+        pieces = []
+        for token in ids:
+            at_once.accept(a, token)
+            pieces.append(streamed.push(b, token))
+        assert at_once.final_text == streamed.final_text == "".join(pieces), f"seed {seed}, ids {ids}"

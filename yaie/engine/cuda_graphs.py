@@ -76,7 +76,40 @@ class _Buffers:
     def __init__(self, batch: int, max_blocks: int, scratch_block: int, device: torch.device):
         self.ids = torch.zeros(3, batch, dtype=torch.int64, device=device)
         self.tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
-        self.tables[:, 0] = scratch_block
+        self.scratch_block = scratch_block
+        self.rows: list[list[int]] = []      # what each row of ``tables`` holds (host copy), set by reset()
+        self.reset()
+
+    def reset(self) -> None:
+        """Every row padding: context length 0, the scratch block first in its table."""
+        self.ids.zero_()
+        self.tables[:, 0] = self.scratch_block
+        self.rows = [[self.scratch_block]] * self.tables.shape[0]
+
+    def load_tables(self, tables: list[list[int]]) -> None:
+        """Make ``tables`` (one list of block ids per sequence) the first rows, padding rows after them.
+        Only rows that changed since the last step are written: a sequence's table grows by a block once
+        every ``block_size`` steps, so most steps copy nothing; when some did change, one copy of the
+        rows from the first changed one to the last. (Columns past a row's length are never followed.)"""
+        wanted = tables + [[self.scratch_block]] * (len(self.rows) - len(tables))
+        changed = [i for i, (row, held) in enumerate(zip(wanted, self.rows)) if row != held]
+        if not changed:
+            return
+        first, last = changed[0], changed[-1] + 1
+        width = max(len(row) for row in wanted[first:last])
+        upload(self.tables[first:last, :width], [row + [0] * (width - len(row)) for row in wanted[first:last]])
+        self.rows[first:last] = wanted[first:last]
+
+
+def upload(dst: torch.Tensor, values: list) -> None:
+    """Copy ``values`` (nested lists of ints in ``dst``'s shape) into ``dst`` without waiting for the device:
+    a copy from pageable host memory waits for the kernels queued before it (the host would stall on the
+    previous step), one from pinned memory is only queued. The pinned buffer is not reused before the
+    copy has run (torch's pinned-memory allocator records the copy)."""
+    host = torch.tensor(values, dtype=dst.dtype)
+    if dst.is_cuda:
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=True)
 
 
 class _Cascade:
@@ -93,7 +126,7 @@ class _Cascade:
 
     def load(self, ids: list[int]) -> None:
         if ids != self.host_ids:
-            self.page_ids.copy_(torch.tensor(ids, dtype=torch.int32))
+            upload(self.page_ids, ids)
             self.host_ids = list(ids)
 
 
@@ -179,14 +212,10 @@ class DecodeGraphs:
             shared, entry = 0, entry[1]
         buf, pad = self.buffers[bucket], [0] * (bucket - n)
         lens = [p + 1 for p in positions]
-        buf.ids.copy_(torch.tensor([token_ids + pad, positions + pad, lens + pad], dtype=torch.int64))
+        upload(buf.ids, [token_ids + pad, positions + pad, lens + pad])
         if device_tokens is not None:
             buf.ids[0, :n].copy_(device_tokens)
-        width = max(len(t) for t in tables)
-        rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        buf.tables[:n, :width].copy_(rows)                 # columns past a row's length are never followed
-        if pad:                                            # earlier, larger steps left their rows here
-            buf.tables[n:, 0].fill_(self.scratch_block)
+        buf.load_tables(tables)
         if shared:
             self.cascades[(bucket, shared)].load(tables[0][:shared])
         graph, logits = entry
@@ -241,8 +270,7 @@ class DecodeGraphs:
         cascade = self._cascade(bucket, shared) if shared else None
         # Until the first replay every row is padding (context 0, writing into the scratch block): the
         # warm-up and the recording change nothing a sequence owns.
-        buf.ids.zero_()
-        buf.tables[:, 0] = self.scratch_block
+        buf.reset()
         if not self.capture:
             self.graphs[(bucket, bound, shared)] = (None, None)
             return self.graphs[(bucket, bound, shared)]

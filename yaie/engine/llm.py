@@ -11,10 +11,14 @@ was batched with. On CUDA, decode-only steps replay
 CUDA graphs (:mod:`yaie.engine.cuda_graphs`). The host does what it can while the GPU works: a step's
 forward pass is queued, then the previous step's new tokens are turned into text, and only then does the
 host wait for this step's tokens (which requests end is decided by token id and length at once, and by
-text only for requests with stop strings). When the next step can only be the same greedy decodes again,
-it is planned and launched before this step's tokens are read, its input ids taken from the device
-(:meth:`LLM._look_ahead`): the host plans the next step while the GPU runs this one (the copies into the
-graph's buffers still wait for it: pageable memory). See ``docs/engine.md``, "Pipelining and look-ahead".
+text only for requests with stop strings; ``generate`` decodes each request's text once, at its end). When
+the next step can only be the same greedy decodes again, it is planned and launched before this step's
+tokens are read, its input ids taken from the device (:meth:`LLM._look_ahead`): the host plans the next
+step while the GPU runs this one. Nothing in a decode step waits for the GPU but reading its tokens: the
+inputs go to the graph's buffers from pinned memory, queued (:func:`yaie.engine.cuda_graphs.upload`), and
+the tokens come back through pinned memory and an event recorded right after them (:class:`_Launched`), so
+reading one step's tokens does not wait for the looked-ahead step queued behind it. See
+``docs/engine.md``, "Pipelining and look-ahead".
 """
 
 from __future__ import annotations
@@ -131,6 +135,13 @@ class _Text:
 
     @property
     def final_text(self) -> str:
+        if self.pending and not self.decoder.ids:
+            # Nothing decoded piece by piece (``generate`` reads the text only at the end): one decode of
+            # all the tokens, which is what the stream decoder's pieces add up to, unless the text ends in
+            # an incomplete character (then the stream decoder holds it back: decode as it does).
+            text = self.decoder.tokenizer.decode(self.pending)
+            if not text.endswith("\ufffd"):
+                return text if self.end is None else text[:self.end]
         self._decode()
         return self.decoder.text if self.end is None else self.decoder.text[:self.end]
 
@@ -311,7 +322,7 @@ class LLM:
             raise ValueError("sampling_params must be a SamplingParams or a list of them")
         checked = [self._prompt_ids(p) for p in prompts]  # every prompt is checked before any work
         finished = {}
-        for request, _, text in self._run([ids for _, ids in checked], params):
+        for request, _, text in self._run([ids for _, ids in checked], params, pieces=False):
             if request.state == "finished":
                 finished[request.request_id] = CompletionOutput(text.final_text, request.output_ids,
                                                                 text.finish_reason)
@@ -345,9 +356,10 @@ class LLM:
                                     cfg.head_dim, self.model.dtype, self.device, self.num_cpu_blocks,
                                     swap=self.preemption == "swap" and self.num_cpu_blocks > 0)
 
-    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams]):
+    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], pieces: bool = True):
         """Generator over events ``(request, text piece, its _Text)``: one per request per step, the last
-        one with ``request.state == "finished"``."""
+        one with ``request.state == "finished"``. ``pieces=False`` (``generate``, which reads the text only
+        at the end): only the last event of each request, its piece empty; nothing is decoded per step."""
         if self.config.telescoping_capacity:   # lesson 07: constant-size caches, not the paged KV cache
             from yaie.model.telescoping import run_telescoping
             yield from run_telescoping(self, prompt_ids, params)
@@ -386,7 +398,7 @@ class LLM:
                 # be the same decodes again (its token ids come from the device).
                 following = self._look_ahead(scheduler, pending, graphs, texts)
                 for request, text in late:
-                    yield request, text.piece(), text
+                    yield request, text.piece() if pieces else "", text
                 late = []
                 for request, token in zip(pending.requests, pending.tokens()):
                     if request is None:           # it ended before this (looked-ahead) step was read
@@ -398,10 +410,12 @@ class LLM:
                         # runs with it, that step fed this token too: its K/V count as computed.
                         fed = following is not None and following.drop(request)
                         scheduler.finish(request, [] if kept or not fed else [token])
-                    late.append((request, text))
+                        late.append((request, text))
+                    elif pieces:
+                        late.append((request, text))
                 pending = following
             for request, text in late:
-                yield request, text.piece(), text
+                yield request, text.piece() if pieces else "", text
         finally:
             if cache is not None:
                 cache.in_use = False
@@ -538,11 +552,23 @@ class _Launched:
                  decode_only: bool):
         self.requests, self.texts, self.logits, self.device_tokens = requests, texts, logits, device_tokens
         self.decode_only = decode_only
+        self._host_tokens, self._copied = None, None
+        if device_tokens is not None and device_tokens.is_cuda:
+            # Queue the tokens' copy to the host now, right behind this step's kernels, and mark its end
+            # with an event: :meth:`tokens` waits for this step alone. (``tolist()`` on the device tensor
+            # would queue the copy behind a looked-ahead step launched meanwhile and wait for that one too.)
+            self._host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
+            self._host_tokens.copy_(device_tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def tokens(self) -> list[int]:
         """The sampled tokens on the host (waits for the step)."""
         if self.logits is None:
             return []
+        if self._copied is not None:
+            self._copied.synchronize()
+            return self._host_tokens.tolist()
         if self.device_tokens is not None:
             return self.device_tokens.tolist()
         return _sample_rows(self.logits, self.texts)

@@ -245,23 +245,26 @@ class Scheduler:
         """Reserve the slots of every running request's next tokens: one for a decode, the next chunk for a
         request whose chunked prefill is under way (while the step's budget lasts). Returns the budget of
         the step less those chunks (the caller takes the decodes off, once swap-ins are known)."""
-        decodes = sum(not r.prefilling for r in self.running)
+        # Whether each request is prefilling, found once: it changes only when its tokens are reserved below.
+        batch = [(request, request.prefilling) for request in self.running]
+        decodes = sum(not prefilling for _, prefilling in batch)
         budget = self.max_num_batched_tokens - decodes     # decodes always run; chunks get what is left
-        for request in list(self.running):       # oldest first; victims are taken from the end
+        append_slots = self.manager.append_slots
+        for request, prefilling in batch:         # oldest first; victims are taken from the end
             if request.state != "running":
                 continue                          # preempted earlier in this loop
             wanted = 1
-            if request.prefilling:
+            if prefilling:
                 wanted = min(request.num_tokens - request.num_computed_tokens, budget)
                 if wanted <= 0:
                     continue                      # no budget left in this step: its next chunk waits
             while True:
                 n = wanted
-                if request.prefilling:            # a smaller chunk rather than preempting anyone
+                if prefilling:                    # a smaller chunk rather than preempting anyone
                     self._evict_cached(self._blocks_needed(request, wanted))
                     n = min(wanted, max(1, self._room(request)))
                 try:
-                    slots = self.manager.append_slots(request.request_id, n)
+                    slots = append_slots(request.request_id, n)
                 except self.out_of_blocks:
                     if self._evict_cached(self.manager.num_free_blocks + 1):
                         continue                  # a cached prefix made room: nobody is preempted
@@ -271,7 +274,7 @@ class Scheduler:
                         break
                     continue
                 start = request.num_computed_tokens
-                if request.prefilling:
+                if prefilling:
                     plan.add_prefill(request, slots, start)
                     self._prefilled.append(request)
                     budget -= n
