@@ -24,6 +24,7 @@ reading one step's tokens does not wait for the looked-ahead step queued behind 
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
@@ -75,6 +76,7 @@ class _Text:
 
     def __init__(self, llm: "LLM", params: SamplingParams):
         self.params = params
+        self.greedy = params.greedy        # read for every request at every step: found once
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.eos_token_ids))
         self.hold = max((len(s) for s in params.stop), default=1) - 1
@@ -470,7 +472,7 @@ class LLM:
         sampled = plan.sampled
         step_texts = [texts[r.request_id] for r in sampled]
         logits = self._launch(manager, plan, graphs, device_tokens)
-        greedy = logits is not None and all(t.params.greedy for t in step_texts)
+        greedy = logits is not None and all(t.greedy for t in step_texts)
         return _Launched(list(sampled), step_texts, logits, logits.argmax(dim=-1) if greedy else None,
                          decode_only=not plan.prefills)
 
@@ -488,9 +490,9 @@ class LLM:
         requests = pending.requests
         if (pending.device_tokens is None or not pending.decode_only or graphs is None
                 or not graphs.fits(len(requests))
-                or scheduler.waiting or scheduler.swapped or any(r is None for r in requests)
-                or len(scheduler.running) != len(requests)
-                or any(a is not b for a, b in zip(scheduler.running, requests))
+                or scheduler.waiting or scheduler.swapped
+                or len(scheduler.running) != len(requests)      # (a dropped row, None, is never running)
+                or not all(map(operator.is_, scheduler.running, requests))
                 or scheduler.manager.num_free_blocks < len(requests)
                 or all(len(r.output_ids) + 1 >= r.max_new_tokens for r in requests)):
             return None
@@ -498,8 +500,8 @@ class LLM:
             request.output_ids.append(LOOK_AHEAD_TOKEN)
         try:
             plan = scheduler.schedule()
-            if plan.prefills or len(plan.decodes) != len(requests) or any(
-                    a is not b for a, b in zip(plan.decodes, requests)):
+            if plan.prefills or len(plan.decodes) != len(requests) or not all(
+                    map(operator.is_, plan.decodes, requests)):
                 raise RuntimeError("a looked-ahead step planned other work than the same decodes (a bug)")
             return self._start(scheduler.manager, plan, graphs, texts, pending.device_tokens)
         finally:
