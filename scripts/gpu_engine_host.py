@@ -65,11 +65,14 @@ def throughput(args) -> dict:
     steps = llm.last_scheduler.stats.steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
-        llm.generate(prompts[:batch], params)
-    kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()
-                    if e.device_type == DeviceType.CUDA)
-    return dict(rows=rows, profile=dict(batch=batch, steps=steps, wall_ms_per_step=wall * 1e3 / steps,
-                                        kernel_ms_per_step=kernel_us / 1e3 / steps))
+        outs = llm.generate(prompts[:batch], params)
+    averages = prof.key_averages()
+    kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in averages if e.device_type == DeviceType.CUDA)
+    sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    return dict(rows=rows, token_ids=[o.token_ids for o in outs],
+                profile=dict(batch=batch, steps=steps, wall_ms_per_step=wall * 1e3 / steps,
+                             kernel_ms_per_step=kernel_us / 1e3 / steps,
+                             table=averages.table(sort_by=sort, row_limit=20)))
 
 
 def host_cost(args) -> dict:
@@ -176,6 +179,10 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {name} | {p['batch']} | {p['steps']} | {p['wall_ms_per_step']:.3f} | "
                              f"{p['kernel_ms_per_step']:.3f} |")
         lines.append("")
+    runs = [report["engines"][n].get("throughput", {}).get("token_ids") for n in names]
+    if len(runs) == 2 and all(runs):
+        lines += [f"Greedy tokens of the profiled batch, {names[0]} vs {names[1]}: "
+                  f"{'identical' if runs[0] == runs[1] else 'DIFFERENT'}.", ""]
     lines += ["Host time of one decode-loop iteration, forward pass stubbed (tiny model on the CPU, thread time):", "",
               "| engine | batch | us per step | us per request per step |", "|---|---:|---:|---:|"]
     for name in names:
@@ -230,6 +237,9 @@ def main(argv=None) -> int:
                       new_tokens=args.new_tokens, repeats=args.repeats), engines=engines)
     (out / "engine_host.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "engine_host.md").write_text(markdown(report))
+    (out / "engine_host_profile.txt").write_text("".join(
+        f"== {name}: top operators by device time, one generate at batch {e['throughput']['profile']['batch']}\n"
+        f"{e['throughput']['profile']['table']}\n\n" for name, e in engines.items()))
     print(markdown(report), flush=True)
     return 0
 
