@@ -15,8 +15,9 @@ Rows:
   ``write_kv`` (two index copies), 1 token;
 * ``paged decode``: lesson 04's kernel at batch 1 for several contexts under the CUDA graphs' context bound,
   by split count and tile (the default marked);
-* ``gemv``: a Triton matrix-vector product (prototype below) vs cuBLAS (``F.linear``) at the model's
-  projections, one token;
+* ``matvec``: lesson 02's one-row products (``matvec``, ``silu_and_mul_matvec``, ``add_rms_norm_matvec``) vs
+  cuBLAS (``F.linear``) and the unfused ops before it, at the model's projections, one token; the fused
+  norm's launch settings swept;
 * ``argmax``: torch.argmax of one row of 32000 float32 logits vs a one-program Triton scan.
 """
 
@@ -46,36 +47,6 @@ from solutions.kernels import kv_cache as l03  # noqa: E402
 from solutions.kernels import paged_attention as l04  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 2048, 32, 8, 64, 8192, 32000, 16
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SWIGLU: tl.constexpr):
-    # out[n] = sum_k x[k] * w[n, k]; one program per BLOCK_N rows of w, the whole K; with SWIGLU, x is
-    # silu(g) * u of the gate/up output [g | u] (each K wide), rounded to the storage dtype as silu_and_mul does.
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_ok = cols < K
-        if SWIGLU:
-            g = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            u = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0).to(tl.float32)
-            x = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x[None, :]
-    tl.store(out_ptr + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=row_ok)
-
-
-def gemv(x, w, out, block_n, block_k, warps, stages, swiglu=False):
-    n, k = w.shape
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, out, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                             SWIGLU=swiglu, num_warps=warps, num_stages=stages)
-    return out
 
 
 @triton.jit
@@ -158,8 +129,8 @@ def bench_decode(device, dtype, time_of, rows, quick):
     for context, bound in cases:
         lens = torch.tensor([context], device=device, dtype=torch.int32)
         default = l04.choose_num_splits(1, KV_HEADS, bound, l04._num_sms(q.device))
-        for splits in ((1, 2, 4, 8, 16, 32) if not quick else (1, 2)):
-            for tile in ((16, 32, 64) if not quick else (16,)):
+        for splits in ((1, 2, 4, 8, 16) if not quick else (1, 2)):
+            for tile in ((64,) if not quick else (16,)):
                 for warps in ((2, 4) if not quick else (1,)):
                     config = dict(TILE_N=tile, num_warps=warps, num_stages=2 if quick else 3)
 
@@ -172,41 +143,45 @@ def bench_decode(device, dtype, time_of, rows, quick):
                                      default=splits == default and tile == 64 and warps == 4, us=time_of(fn)))
 
 
-def bench_gemv(device, dtype, time_of, rows, quick):
-    shapes = {"qkv": (3072, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
-              "lm_head": (VOCAB, HIDDEN)}
+def bench_matvec(device, dtype, time_of, rows, quick):
+    """Lesson 02's one-row products (as launched by the engine) beside the ops they replace; for the fused
+    norm, a sweep of launch settings too."""
+    hidden, inter = (HIDDEN, INTER) if not quick else (96, 80)
+    shapes = {"qkv": (3072, hidden, "norm"), "o": (hidden, hidden, "plain"), "gate_up": (2 * inter, hidden, "norm"),
+              "down": (hidden, inter, "silu"), "lm_head": (VOCAB, hidden, "plain")}
     if quick:
-        shapes = {"tiny": (40, 96), "tiny down": (24, 80)}
-    configs = [(bn, bk, w, s) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8) for s in (3, 4)]
-    if quick:
-        configs = [(4, 32, 1, 1)]
-    for name, (n, k) in shapes.items():
+        shapes = {k: (40, v[1], v[2]) for k, v in shapes.items()}
+    sweep = [(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)] if not quick else [(4, 32, 1)]
+    for name, (n, k, kind) in shapes.items():
         copies = max(2, -(-(256 << 20) // (n * k * 2))) if not quick else 2
         weights = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
         x = torch.randn(1, k, device=device, dtype=dtype)
+        residual = torch.randn(1, k, device=device, dtype=dtype)
+        norm_w = torch.randn(k, device=device, dtype=dtype)
         gate_up = torch.randn(1, 2 * k, device=device, dtype=dtype)
-        out = torch.empty(1, n, device=device, dtype=dtype)
-        mb = n * k * 2 / 1e6
-        want = F.linear(x, weights[0]).double()
-        rows.append(dict(op="gemv", shape=f"{name} {n}x{k} ({mb:.1f} MB)", impl="cuBLAS F.linear", MB=mb,
-                         us=time_of(lambda i: F.linear(x, weights[i % copies]))))
-        if name in ("down", "tiny down"):
-            rows.append(dict(op="gemv", shape=f"{name} {n}x{k} ({mb:.1f} MB)", impl="silu_and_mul + cuBLAS", MB=mb,
-                             us=time_of(lambda i: F.linear(l02.silu_and_mul(gate_up), weights[i % copies]))))
-        for bn, bk, w, s in configs:
-            gemv(x, weights[0], out, bn, bk, w, s)
-            error = (out.double() - want).abs().max().item()
-            rows.append(dict(op="gemv", shape=f"{name} {n}x{k} ({mb:.1f} MB)", impl=f"triton BN{bn} BK{bk} w{w} s{s}",
-                             MB=mb, max_abs_err_vs_cublas=error,
-                             us=time_of(lambda i, c=(bn, bk, w, s): gemv(x, weights[i % copies], out, *c))))
-            if name in ("down", "tiny down"):
-                gemv(gate_up, weights[0], out, bn, bk, w, s, swiglu=True)
-                ref = F.linear(l02.silu_and_mul(gate_up), weights[0]).double()
-                rows.append(dict(op="gemv", shape=f"{name} {n}x{k} ({mb:.1f} MB)",
-                                 impl=f"triton silu+down BN{bn} BK{bk} w{w} s{s}", MB=mb,
-                                 max_abs_err_vs_cublas=(out.double() - ref).abs().max().item(),
-                                 us=time_of(lambda i, c=(bn, bk, w, s): gemv(gate_up, weights[i % copies], out, *c,
-                                                                               swiglu=True))))
+        shape = f"{name} {n}x{k} ({n * k * 2 / 1e6:.1f} MB)"
+
+        def row(impl, fn, **extra):
+            rows.append(dict(op="matvec", shape=shape, impl=impl, MB=n * k * 2 / 1e6, us=time_of(fn), **extra))
+
+        row("cuBLAS F.linear", lambda i: F.linear(x, weights[i % copies]))
+        if kind == "plain":
+            row("matvec", lambda i: l02.matvec(x, weights[i % copies]))
+        elif kind == "silu":
+            row("silu_and_mul + cuBLAS", lambda i: F.linear(l02.silu_and_mul(gate_up), weights[i % copies]))
+            row("silu_and_mul_matvec", lambda i: l02.silu_and_mul_matvec(gate_up, weights[i % copies]))
+        else:
+            row("fused_add_rms_norm + cuBLAS", lambda i: F.linear(
+                l02.fused_add_rms_norm(x.clone(), residual.clone(), norm_w)[0], weights[i % copies]))
+            row("clone x2 (the row above copies its inputs)", lambda i: (x.clone(), residual.clone()))
+            row("add_rms_norm_matvec", lambda i: l02.add_rms_norm_matvec(x, residual, norm_w, 1e-5, weights[i % copies]))
+            out, res_out = torch.empty(1, n, device=device, dtype=dtype), torch.empty_like(residual)
+            for bn, bk, w in sweep:
+                def launch(i, bn=bn, bk=bk, w=w):
+                    l02._matvec_kernel[((n + bn - 1) // bn,)](
+                        x, residual, norm_w, weights[i % copies], weights[0], out, res_out, n, k, k, 1e-5,
+                        PROLOGUE=2, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3)
+                row(f"add_rms_norm_matvec BN{bn} BK{bk} w{w}", launch)
 
 
 def bench_argmax(device, time_of, rows, quick):
@@ -227,7 +202,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--check", action="store_true", help="tiny shapes, each variant run once (CPU interpreter)")
     p.add_argument("--reps", type=int, default=64)
-    p.add_argument("--only", default="rope,decode,gemv,argmax")
+    p.add_argument("--only", default="rope,decode,matvec,argmax")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -239,14 +214,14 @@ def main(argv=None) -> int:
         bench_rope(device, dtype, time_of, rows)
     if "decode" in only:
         bench_decode(device, dtype, time_of, rows, args.check)
-    if "gemv" in only:
-        bench_gemv(device, dtype, time_of, rows, args.check)
+    if "matvec" in only:
+        bench_matvec(device, dtype, time_of, rows, args.check)
     if "argmax" in only:
         bench_argmax(device, time_of, rows, args.check)
     for r in rows:
         print(f"{r['op']:16} {r['shape']:40} {r['impl']:42} {r['us']:8.2f} us"
               + ("  (default)" if r.get("default") else "")
-              + (f"  err {r['max_abs_err_vs_cublas']:.2e}" if "max_abs_err_vs_cublas" in r else ""), flush=True)
+              , flush=True)
     if args.out:
         from yaie.bench.harness import environment, gpu_slug
         env = environment() if device == "cuda" else {}

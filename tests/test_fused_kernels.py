@@ -16,6 +16,8 @@ from solutions.kernels import kv_cache as ref03
 from yaie import ops
 from yaie.model.testing import fresh_seed
 
+# The CPU runs the kernels in the Triton interpreter; a machine with a GPU runs the same checks there.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-3),
        torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
 
@@ -35,7 +37,7 @@ def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     return x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
 
 
-def case(dtype, device="cpu", tokens=5, heads=4, kv_heads=2, head_dim=8, blocks=6, block_size=4, seed=None):
+def case(dtype, device=DEVICE, tokens=5, heads=4, kv_heads=2, head_dim=8, blocks=6, block_size=4, seed=None):
     gen = torch.Generator().manual_seed(fresh_seed() if seed is None else seed)
     # q, k, v as views of one fused projection output (as the model makes them): strided rows.
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
@@ -98,13 +100,14 @@ def test_rope_store_kv_empty_and_bad_inputs():
     before = [t.clone() for t in (q, k, k_cache, v_cache)]
     bad = {
         "slot_mapping": dict(slot_mapping=slots.float()),
-        "slot_mapping must lie": dict(slot_mapping=torch.full_like(slots, k_cache.shape[0] * k_cache.shape[1])),
         "v ": dict(v=v[:, :1]),
         "k_cache": dict(k_cache=k_cache[:, :, :1]),
         "must match": dict(v_cache=v_cache.half()),
         "layout": dict(k_cache=k_cache.transpose(0, 1)),
-        "position_ids must lie": dict(position_ids=torch.full_like(positions, 64)),
     }
+    if DEVICE == "cpu":     # values are checked on the host only (a GPU would have to sync)
+        bad["slot_mapping must lie"] = dict(slot_mapping=torch.full_like(slots, k_cache.shape[0] * k_cache.shape[1]))
+        bad["position_ids must lie"] = dict(position_ids=torch.full_like(positions, 64))
     args = dict(q=q, k=k, v=v, cos=cos, sin=sin, position_ids=positions, k_cache=k_cache, v_cache=v_cache,
                 slot_mapping=slots)
     for match, change in bad.items():
@@ -133,7 +136,7 @@ def test_out_of_range_slot_on_the_kernel_path_is_skipped():
 
 # ----------------------------------------------------------------------------- the op that picks the kernel
 def _manager(cls, dtype=torch.float32):
-    return cls(num_blocks=6, block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype, device="cpu")
+    return cls(num_blocks=6, block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype, device=DEVICE)
 
 
 class StudentManager(ref03.KVCacheManager):
@@ -192,3 +195,135 @@ def test_rope_store_kv_bf16_on_the_gpu_at_model_shapes():
     torch.testing.assert_close(k_cache.flatten(0, 1)[slots].double(), want_k, **TOL[torch.bfloat16])
     assert torch.equal(v_cache.flatten(0, 1)[slots].double(), want_v)
     assert k_cache.isnan().sum() == k_cache.numel() - 37 * 8 * 64
+
+
+# ----------------------------------------------------------------------------- one-row products (matvec)
+def matvec_case(dtype, n=10, k=48, device=DEVICE, seed=None, bias=True):
+    gen = torch.Generator().manual_seed(fresh_seed() if seed is None else seed)
+    make = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)  # noqa: E731
+    weight = make(n, k, scale=k ** -0.5)
+    return dict(weight=weight, bias=make(n) if bias else None, x=make(1, k), gate_up=make(1, 2 * k),
+                residual=make(1, k), norm_weight=make(k) + 1, eps=1e-5)
+
+
+def linear64(x, weight, bias):
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matvec_kernels_match_float64(dtype, bias):
+    c = matvec_case(dtype, bias=bias)
+    tol = TOL[dtype]
+    torch.testing.assert_close(ref.matvec(c["x"], c["weight"], c["bias"]).double(),
+                               linear64(c["x"], c["weight"], c["bias"]), **tol)
+    g, u = c["gate_up"].double().chunk(2, -1)
+    torch.testing.assert_close(ref.silu_and_mul_matvec(c["gate_up"], c["weight"], c["bias"]).double(),
+                               linear64(torch.nn.functional.silu(g) * u, c["weight"], c["bias"]), **tol)
+    x0, r0 = c["x"].clone(), c["residual"].clone()
+    out, new_residual = ref.add_rms_norm_matvec(c["x"], c["residual"], c["norm_weight"], c["eps"], c["weight"], c["bias"])
+    total = x0.double() + r0.double()
+    normed = total / torch.sqrt(total.pow(2).mean(-1, keepdim=True) + c["eps"]) * c["norm_weight"].double()
+    torch.testing.assert_close(out.double(), linear64(normed, c["weight"], c["bias"]), **tol)
+    torch.testing.assert_close(new_residual.double(), total, **tol)
+    assert torch.equal(c["x"], x0) and torch.equal(c["residual"], r0), "the inputs must be left unchanged"
+    assert new_residual.data_ptr() not in (c["x"].data_ptr(), c["residual"].data_ptr())
+
+
+def test_matvec_kernels_equal_the_unfused_ops_in_float32():
+    """Against the reference's own ops (the rounding points of the fused kernels are theirs)."""
+    c = matvec_case(torch.float32, n=33, k=40)
+    want = ref.add_rms_norm_matvec_reference(c["x"], c["residual"], c["norm_weight"], c["eps"], c["weight"], c["bias"])
+    got = ref.add_rms_norm_matvec(c["x"], c["residual"], c["norm_weight"], c["eps"], c["weight"], c["bias"])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref.silu_and_mul_matvec(c["gate_up"], c["weight"]),
+                               ref.silu_and_mul_matvec_reference(c["gate_up"], c["weight"]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref.matvec(c["x"], c["weight"]), ref.matvec_reference(c["x"], c["weight"]),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_matvec_bad_inputs():
+    c = matvec_case(torch.float32)
+    x, w, b = c["x"], c["weight"], c["bias"]
+    refused = [
+        ("one contiguous row", lambda: ref.matvec(torch.cat([x, x]), w)),
+        ("one contiguous row", lambda: ref.matvec(x[:, :-1], w)),
+        ("dtypes must match", lambda: ref.matvec(x, w.half())),
+        ("bias", lambda: ref.matvec(x, w, b[:-1])),
+        ("weight", lambda: ref.matvec(x, w.t().contiguous().t())),
+        ("one contiguous row", lambda: ref.silu_and_mul_matvec(x, w)),
+        ("residual", lambda: ref.add_rms_norm_matvec(x, c["residual"][:, :-1], c["norm_weight"], 1e-5, w)),
+        ("norm_weight", lambda: ref.add_rms_norm_matvec(x, c["residual"], c["norm_weight"][:-1], 1e-5, w)),
+        ("epsilon", lambda: ref.add_rms_norm_matvec(x, c["residual"], c["norm_weight"], 0.0, w)),
+    ]
+    for match, call in refused:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@pytest.mark.parametrize("student_lesson02", [False, True])
+def test_one_row_ops_use_the_fused_kernels_only_for_the_reference(monkeypatch, student_lesson02):
+    """yaie.ops.linear / silu_and_mul_linear / add_rms_norm_linear: one row -> lesson 02's fused kernels where
+    the module serving lesson 02 has them; a student's lesson 02 (no such kernels) gets cuBLAS and the student's
+    own norm and SwiGLU kernels; more than one row always gets the ops apart. Same values either way."""
+    from yaie.kernels import gpu_elementwise as student02
+    monkeypatch.setenv("YAIE_SOLUTIONS", "1,3-8" if student_lesson02 else "all")
+    monkeypatch.setattr(ops, "_use_gpu_kernels", lambda t: True)
+    ops.reset_auto_fallback()
+    if student_lesson02:      # a student's finished lesson 02 (the reference's math)
+        monkeypatch.setattr(student02, "silu_and_mul", ref.silu_and_mul_reference)
+        monkeypatch.setattr(student02, "fused_add_rms_norm", ref.fused_add_rms_norm_reference)
+    names = ["matvec", "silu_and_mul_matvec", "add_rms_norm_matvec"]
+    calls = {name: _spy(monkeypatch, ref, name) for name in names}
+    c = matvec_case(torch.float32)
+    got = [ops.linear(c["x"], c["weight"], c["bias"]),
+           ops.silu_and_mul_linear(c["gate_up"], c["weight"], c["bias"]),
+           *ops.add_rms_norm_linear(c["x"].clone(), c["residual"].clone(), c["norm_weight"], c["eps"], c["weight"],
+                                    c["bias"])]
+    want = [ref.matvec_reference(c["x"], c["weight"], c["bias"]),
+            ref.silu_and_mul_matvec_reference(c["gate_up"], c["weight"], c["bias"]),
+            *ref.add_rms_norm_matvec_reference(c["x"], c["residual"], c["norm_weight"], c["eps"], c["weight"],
+                                               c["bias"])]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert all(len(calls[n]) == (0 if student_lesson02 else 1) for n in names), calls
+    two_rows = torch.cat([c["x"], c["x"]])
+    torch.testing.assert_close(ops.linear(two_rows, c["weight"]), two_rows @ c["weight"].T)
+    assert all(len(calls[n]) == (0 if student_lesson02 else 1) for n in names), "two rows went to cuBLAS"
+    ops.reset_auto_fallback()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_matvec_kernels_bf16_on_the_gpu_at_model_shapes():
+    for n, k in ((3072, 2048), (2048, 8192), (1000, 520)):
+        c = matvec_case(torch.bfloat16, n=n, k=k, device="cuda")
+        tol = dict(atol=2e-2, rtol=1.6e-2)
+        torch.testing.assert_close(ref.matvec(c["x"], c["weight"], c["bias"]).double(),
+                                   linear64(c["x"], c["weight"], c["bias"]), **tol)
+        want = ref.silu_and_mul_matvec_reference(c["gate_up"], c["weight"], c["bias"]).double()
+        torch.testing.assert_close(ref.silu_and_mul_matvec(c["gate_up"], c["weight"], c["bias"]).double(), want, **tol)
+        got = ref.add_rms_norm_matvec(c["x"], c["residual"], c["norm_weight"], c["eps"], c["weight"], c["bias"])
+        want = ref.add_rms_norm_matvec_reference(c["x"], c["residual"], c["norm_weight"], c["eps"], c["weight"],
+                                                 c["bias"])
+        torch.testing.assert_close(got[0].double(), want[0].double(), **tol)
+        assert torch.equal(got[1], want[1])
+
+
+def test_engine_tokens_with_and_without_the_fused_kernels(monkeypatch):
+    """The bundled model, greedy, batch 1 (one-row products): lesson 02's kernels (in the interpreter, as on a GPU)
+    with the fused decode-step kernels give the ids of the same run with every op apart."""
+    from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    monkeypatch.setattr(ops, "_use_gpu_kernels", lambda t: True)
+    calls = _spy(monkeypatch, ref, "add_rms_norm_matvec")
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    llm = LLM(DEFAULT_MODEL, device=DEVICE, dtype=torch.float32, block_size=8, num_blocks=16)
+    fused = llm.generate("Once", params)[0].token_ids
+    assert calls, "the one-row steps used the fused kernels"
+    monkeypatch.setattr(ops, "_one_row_kernel", lambda x, name: None)
+    monkeypatch.setattr(ops, "_fused_rope_write_kv", lambda manager, q: None)
+    apart = llm.generate("Once", params)[0].token_ids
+    assert fused == apart, (fused, apart)

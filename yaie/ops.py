@@ -626,3 +626,43 @@ def rope_and_write_kv(manager, layer: int, slot_mapping: torch.Tensor, q: torch.
     q, k = rope(q, k, cos, sin, positions)
     write_kv(manager, layer, slot_mapping, k, v)
     return q, k
+
+
+# ----------------------------------------------------------------------------- one-row products (batch-1 decode)
+def _one_row_kernel(x: torch.Tensor, name: str):
+    """Lesson 02's Triton ``name`` for a one-row product on CUDA where the module serving lesson 02 has it (the
+    reference: not an exercise), else None. More rows go to cuBLAS: it is fast there."""
+    if x.dim() != 2 or x.shape[0] != 1 or not _use_gpu_kernels(x):
+        return None
+    return getattr(lesson_module(2), name, None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: PyTorch's (cuBLAS); one row on CUDA: lesson 02's ``matvec`` where it exists."""
+    kernel = _one_row_kernel(x, "matvec")
+    if kernel is not None and x.is_contiguous():
+        return kernel(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(silu_and_mul(x), weight, bias)``; one row on CUDA: lesson 02's fused ``silu_and_mul_matvec``
+    where it exists, else the two ops."""
+    kernel = _one_row_kernel(x, "silu_and_mul_matvec")
+    if kernel is not None and x.is_contiguous():
+        return kernel(x, weight, bias)
+    return F.linear(silu_and_mul(x), weight, bias)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h, residual = add_rms_norm(x, residual, norm_weight, eps)``, then ``(linear(h, weight, bias), residual)``.
+
+    One row on CUDA: lesson 02's fused ``add_rms_norm_matvec`` where it exists (the normalised row is never
+    stored), else the two ops. As :func:`add_rms_norm`, use only the returned tensors afterwards.
+    """
+    kernel = _one_row_kernel(x, "add_rms_norm_matvec")
+    if kernel is not None and x.is_contiguous() and residual.is_contiguous():
+        return kernel(x, residual, norm_weight, eps, weight, bias)
+    h, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(h, weight, bias), residual

@@ -579,6 +579,196 @@ def apply_rope_qk_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     return q, k
 
 
+# yaie: solution-only
+def matvec_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch :func:`matvec`: ``x @ weight.T (+ bias)``."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+# yaie: solution-only
+def silu_and_mul_matvec_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch :func:`silu_and_mul_matvec`: the SwiGLU gate (rounded to x's dtype), then the product."""
+    return torch.nn.functional.linear(silu_and_mul_reference(x), weight, bias)
+
+
+# yaie: solution-only
+def add_rms_norm_matvec_reference(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, epsilon: float,
+                                  weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """Plain PyTorch :func:`add_rms_norm_matvec`, out of place: ``(linear(rms_norm(x + residual)), x + residual)``."""
+    normed, new_residual = fused_add_rms_norm_reference(x, residual, norm_weight, epsilon)
+    return torch.nn.functional.linear(normed, weight, bias), new_residual
+
+
+# yaie: solution-only
+@triton.jit
+def _matvec_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, K, inv_rms, PROLOGUE: tl.constexpr):
+    # The input vector's columns `cols`, as the unfused ops would have stored it (rounded to x's dtype).
+    if PROLOGUE == 1:        # silu(gate) * up of x = [gate | up], as _silu_and_mul_kernel computes it
+        gate = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0).to(tl.float32)
+        e = tl.exp(-tl.abs(gate))
+        sigmoid = tl.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+        value = gate * sigmoid * up
+    elif PROLOGUE == 2:      # rms_norm(x + residual) * norm weight, as _fused_add_rms_norm_kernel computes it
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        h = (x + res).to(res_ptr.dtype.element_ty).to(tl.float32)
+        value = h * inv_rms * tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    else:
+        value = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return value.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+# yaie: solution-only
+@triton.jit
+def _matvec_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, N, K, stride_wn, epsilon,
+                   PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[n] = sum_k in[k] * w[n, k] for ONE input row: one program per BLOCK_N rows of w, over the whole K.
+    # A matrix-vector product reads every weight once and does one multiply-add per weight: its time is
+    # the weight's bytes over the memory bandwidth, and with BLOCK_N of 4 there are enough programs (and
+    # bytes in flight) to keep the memory busy. The input vector (a few KB) comes from the L2 cache.
+    # PROLOGUE builds the input from the previous op's output instead of reading it from memory:
+    # 0 the vector itself, 1 SwiGLU's silu(gate) * up, 2 RMSNorm of x + residual (the sum goes to res_out).
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    inv_rms = 0.0
+    if PROLOGUE == 2:
+        # The norm needs the whole row's sum of squares first: a first pass over x + residual (each
+        # program does it; the row is a few KB in the L2 cache). Program 0 stores the rounded sum.
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            res = tl.load(res_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            h = (x + res).to(res_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + cols, h, mask=cols < tl.where(tl.program_id(0) == 0, K, 0))
+            h = h.to(tl.float32)
+            squares += h * h
+        inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + epsilon)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        vec = _matvec_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, K, inv_rms, PROLOGUE)
+        # Each weight is read once: "evict first" keeps it from pushing the input vector out of the cache.
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * vec[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+# yaie: solution-only
+def _check_matvec_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> None:
+    check_float_tensor("x", x)
+    check_float_tensor("weight", weight, min_dim=2)
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(f"x must be one contiguous row [1, {width}], got {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[0] < 1:
+        raise ValueError(f"weight must be a 2-D [out_features, in_features] tensor with contiguous rows, got "
+                         f"{tuple(weight.shape)}")
+    check_same_dtype(x=x, weight=weight)
+    tensors = dict(x=x, weight=weight)
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        if tuple(bias.shape) != (weight.shape[0],) or bias.stride(0) != 1:
+            raise ValueError(f"bias must be [{weight.shape[0]}] and contiguous, got {tuple(bias.shape)}")
+        tensors["bias"] = bias
+    check_devices(**tensors)
+
+
+# yaie: solution-only
+def _launch_matvec(prologue, x, weight, bias, residual=None, norm_weight=None, epsilon=0.0, res_out=None):
+    n, k = weight.shape
+    out = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
+    # Measured on an H100 at the 1.1B Llama's projections (bench/results/decode_kernels_h100.json): 4 rows of
+    # 1024 columns per program, 8 warps. With the norm, every program re-reads the row: fewer, wider programs.
+    config = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=3)
+    if prologue == 2:
+        config = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+    if triton_interpreted():
+        config = dict(config, BLOCK_K=min(config["BLOCK_K"], triton.next_power_of_2(k)))
+    block_n = config["BLOCK_N"]
+    _matvec_kernel[((n + block_n - 1) // block_n,)](
+        x, x if residual is None else residual, x if norm_weight is None else norm_weight, weight,
+        weight if bias is None else bias, out, out if res_out is None else res_out, n, k, weight.stride(0),
+        epsilon, PROLOGUE=prologue, HAS_BIAS=bias is not None, **config)
+    return out
+
+
+# yaie: solution-only
+def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ONE row ``x [1, in_features]`` (a batch-1 decode step), in Triton.
+
+    Not an exercise: the reference's product for the engine's batch-1 decode (``yaie.ops.linear``), where
+    cuBLAS's kernels for one row reach about half the memory bandwidth on the small projections.
+
+    Args:
+        x: ``[1, in_features]``, contiguous; weight: ``[out_features, in_features]`` with contiguous rows, x's
+            dtype; bias: None or ``[out_features]``.
+
+    Returns:
+        ``[1, out_features]`` in x's dtype (float32 accumulation, rounded once).
+
+    Raises:
+        ValueError: x not one contiguous row of ``in_features``, weight not 2-D with contiguous rows, bias of
+            the wrong size, dtypes or devices that differ.
+    """
+    _check_matvec_inputs(x, weight, bias, weight.shape[1] if isinstance(weight, torch.Tensor) else -1)
+    return _launch_matvec(0, x, weight, bias)
+
+
+# yaie: solution-only
+def silu_and_mul_matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu_and_mul(x) @ weight.T (+ bias)`` for ONE row ``x [1, 2 * in_features]``, in one kernel.
+
+    The SwiGLU MLP's down projection with the gate computed as it loads (as :func:`silu_and_mul` would, rounded
+    to x's dtype): no launch and no round trip through memory for the ``[1, in_features]`` activation.
+    Args, returns and errors as :func:`matvec`, with ``x`` twice ``weight``'s width.
+    """
+    _check_matvec_inputs(x, weight, bias, 2 * weight.shape[1] if isinstance(weight, torch.Tensor) else -1)
+    return _launch_matvec(1, x, weight, bias)
+
+
+# yaie: solution-only
+def add_rms_norm_matvec(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, epsilon: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear(rms_norm(x + residual) * norm_weight, weight, bias)`` for ONE row, in one kernel.
+
+    :func:`fused_add_rms_norm` and the next projection together: every program works out the row's norm
+    itself (the row is a few KB, read from the L2 cache), so no kernel writes the normalised row for the
+    product to read back. The sum ``x + residual`` (rounded to the residual's dtype) comes back as a NEW
+    tensor; ``x`` and ``residual`` are left unchanged.
+
+    Args:
+        x, residual: ``[1, hidden]``, contiguous, one dtype; norm_weight: ``[hidden]``; epsilon: > 0 (as
+            :func:`rms_norm`); weight, bias: as :func:`matvec` with ``in_features = hidden``.
+
+    Returns:
+        ``(out [1, out_features], new_residual [1, hidden])``.
+
+    Raises:
+        ValueError: as :func:`matvec` and :func:`fused_add_rms_norm`.
+    """
+    _check_matvec_inputs(x, weight, bias, weight.shape[1] if isinstance(weight, torch.Tensor) else -1)
+    check_float_tensor("residual", residual)
+    check_float_tensor("norm_weight", norm_weight)
+    if tuple(residual.shape) != tuple(x.shape) or residual.stride(1) != 1:
+        raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if tuple(norm_weight.shape) != (x.shape[1],) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be [{x.shape[1]}] and contiguous, got {tuple(norm_weight.shape)}")
+    check_same_dtype(x=x, residual=residual)
+    if not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        raise ValueError(f"epsilon must be a positive number, got {epsilon!r}")
+    check_devices(x=x, residual=residual, norm_weight=norm_weight, weight=weight)
+    new_residual = torch.empty_like(residual)
+    out = _launch_matvec(2, x, weight, bias, residual, norm_weight, float(epsilon), new_residual)
+    return out, new_residual
+
+
 # ----------------------------------------------------------------------------- SiLU-and-mul
 
 # yaie: solution-only

@@ -1,7 +1,9 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2), written for inference.
 
 Layout: hidden states are token-major ``[num_tokens, hidden]``; queries, keys and values are
-``[num_tokens, heads, head_dim]``. The matrix products are plain PyTorch (``x @ W.T``); every
+``[num_tokens, heads, head_dim]``. The matrix products are PyTorch's (``x @ W.T``, cuBLAS), except for
+one row (a batch-1 decode step) on CUDA, where the reference's lesson 02 Triton kernels do them with the
+norm or the SwiGLU gate before them fused in (:func:`yaie.ops.add_rms_norm_linear` and its siblings); every
 normalisation, rotary embedding and attention goes through :mod:`yaie.ops`, i.e. through the lesson
 kernels, so the student's code is what runs.
 
@@ -96,9 +98,14 @@ class LlamaModel:
 
     def _attention_block(self, layer: LayerWeights, n: int, h: torch.Tensor, positions: torch.Tensor,
                          cache) -> torch.Tensor:
+        """The attention half of layer ``n`` from its normalised input ``h``; returns its output projection."""
+        return self._attention(layer, n, ops.linear(h, layer.qkv, layer.qkv_bias), positions, cache)
+
+    def _attention(self, layer: LayerWeights, n: int, qkv: torch.Tensor, positions: torch.Tensor,
+                   cache) -> torch.Tensor:
+        """The attention half of layer ``n`` from its q, k, v projection ``qkv``."""
         cfg = self.config
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv = _linear(h, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         # Views into the fused output; the lesson 02 RoPE kernel rotates in place through them.
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
@@ -112,7 +119,7 @@ class LlamaModel:
         else:
             q, k = ops.rope(q, k, self.cos, self.sin, positions)
             attn = cache.attend(n, q, k, v, layer.sliding_window)
-        return _linear(attn.reshape(-1, q_size), layer.o, layer.o_bias)
+        return ops.linear(attn.reshape(-1, q_size), layer.o, layer.o_bias)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
@@ -123,18 +130,29 @@ class LlamaModel:
         already reserved) or a :class:`yaie.engine.kv_cache.ContiguousKVCache` of one sequence whose
         ``positions`` continue it. The tokens' keys and values are stored in the cache.
         """
-        cfg = self.config
+        cfg, eps = self.config, self.config.rms_norm_eps
+        # Each norm goes with the product after it (ops.add_rms_norm_linear: one kernel for a batch-1 decode
+        # step on CUDA, the two ops otherwise); a subclass with its own attention block gets the normalised h.
+        fuse_qkv = type(self)._attention_block is LlamaModel._attention_block
         x = self.embed[token_ids]
-        h = ops.rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
+        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         residual = x
         for n, layer in enumerate(self.layers):
-            x = self._attention_block(layer, n, h, positions, cache)
-            h, residual = ops.add_rms_norm(x, residual, layer.post_attention_norm, cfg.rms_norm_eps)
-            x = _linear(ops.silu_and_mul(_linear(h, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
-            next_norm = self.layers[n + 1].input_norm if n + 1 < len(self.layers) else self.final_norm
-            h, residual = ops.add_rms_norm(x, residual, next_norm, cfg.rms_norm_eps)
+            if h is not None:
+                x = self._attention_block(layer, n, h, positions, cache)
+            else:
+                qkv, residual = ops.add_rms_norm_linear(x, residual, layer.input_norm, eps, layer.qkv, layer.qkv_bias)
+                x = self._attention(layer, n, qkv, positions, cache)
+            gate_up, residual = ops.add_rms_norm_linear(x, residual, layer.post_attention_norm, eps, layer.gate_up,
+                                                        layer.gate_up_bias)
+            x = ops.silu_and_mul_linear(gate_up, layer.down, layer.down_bias)
+            if fuse_qkv and n + 1 < len(self.layers):
+                h = None                      # the next layer's qkv product does this add + norm
+            else:
+                next_norm = self.layers[n + 1].input_norm if n + 1 < len(self.layers) else self.final_norm
+                h, residual = ops.add_rms_norm(x, residual, next_norm, eps)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output scores in float32, ``[num_tokens, vocab_size]``."""
-        return F.linear(hidden, self.lm_head).float()
+        return ops.linear(hidden, self.lm_head).float()
