@@ -219,7 +219,8 @@ def test_memory_per_sequence_is_constant_and_as_computed(llm):
     cfg = llm.config
     sizes, lengths = [], []
     for prompt_len in (WINDOW + 1, 6 * WINDOW):
-        llm.generate([[3 + i % 90 for i in range(prompt_len)]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        ids = [3 + i % 90 for i in range(prompt_len)]
+        llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         sizes.append(llm.last_caches[0].nbytes())
         lengths.append(len(llm.last_caches[0]))
     states = len(cfg.based_layers) * cfg.num_heads * 273 * (cfg.head_dim + 1) * 4

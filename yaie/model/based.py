@@ -147,9 +147,8 @@ class BasedSlots:
         """Bytes one sequence holds: its rows of the Based states and its rings, whatever its length."""
         total = sum((s.kv[0].numel() + s.k[0].numel()) * s.kv.element_size() for s in self.states.values())
         if self.manager is not None:
-            pages = self.window // self.block_size
-            per_layer = [c[0].numel() * c.element_size() * pages for c in (*self.manager.k_cache, *self.manager.v_cache)]
-            total += sum(per_layer)
+            pages = self.window // self.block_size           # c[0]: one page of one layer's keys or values
+            total += sum(c[0].numel() * c.element_size() * pages for c in (*self.manager.k_cache, *self.manager.v_cache))
         return total
 
     # ------------------------------------------------------------------ the engine's calls
