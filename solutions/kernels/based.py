@@ -644,7 +644,9 @@ def _based_segment_kernel(
 # yaie: solution-only
 @triton.jit
 def _store_rows(KV, first_row, first_v, value_dim, values):
-    """``KV[first_row:, first_v:] = values`` (cast to KV's dtype) for one state ``KV [273, value_dim]``."""
+    """``KV[first_row:, first_v:] = values`` (cast to KV's dtype) for ``KV [rows, value_dim]``: one state, or the
+    boundary states of a sequence stacked (row ``273 j + r`` is row ``r`` of entry ``j``). Rows that pass the
+    entry's end never occur (the row blocks divide 273 into 1 + 16 + 16 GROUPS), so only columns are masked."""
     rows = first_row + tl.arange(0, values.shape[0])
     cols = first_v + tl.arange(0, values.shape[1])
     tl.store(KV + rows[:, None] * value_dim + cols[None, :], values.to(KV.dtype.element_ty),
@@ -653,16 +655,26 @@ def _store_rows(KV, first_row, first_v, value_dim, values):
 
 # yaie: solution-only
 @triton.jit
-def _store_orders01(KV, KS, s0, s1, z0, z1, z2, first_v, value_dim, WRITE_K):
-    """Rows 0..16 of one numerator state (``s0 [BLOCK_V]``, ``s1 [16, BLOCK_V]``) and, when ``WRITE_K`` (the
-    program of the first value block), the whole normaliser ``KS [273]``: ``z0``, ``z1 [16]``, ``z2 [16, 16]``."""
+def _store_rows_t(KV, first_row, first_v, value_dim, values_t):
+    """:func:`_store_rows` of a transposed block ``values_t [BLOCK_V, rows]``."""
+    cols = first_v + tl.arange(0, values_t.shape[0])
+    rows = first_row + tl.arange(0, values_t.shape[1])
+    tl.store(KV + rows[None, :] * value_dim + cols[:, None], values_t.to(KV.dtype.element_ty),
+             mask=(cols < value_dim)[:, None])
+
+
+# yaie: solution-only
+@triton.jit
+def _store_orders01(KV, KS, first_row, s0, s1, z0, z1, first_v, value_dim, WRITE_K):
+    """Rows 0..16 of one numerator state (``s0 [BLOCK_V]``, ``s1 [16, BLOCK_V]``, from row ``first_row`` of
+    ``KV``) and, when ``WRITE_K`` (the program of the first value block), entries 0..16 of its normaliser
+    ``KS``: ``z0``, ``z1 [16]``."""
     offs_f = tl.arange(0, 16)
-    _store_rows(KV, 0, first_v, value_dim, s0[None, :])
-    _store_rows(KV, 1, first_v, value_dim, s1)
+    _store_rows(KV, first_row, first_v, value_dim, s0[None, :])
+    _store_rows(KV, first_row + 1, first_v, value_dim, s1)
     if WRITE_K:
         tl.store(KS + tl.arange(0, 1), z0)
         tl.store(KS + 1 + offs_f, z1)
-        tl.store(KS + 17 + offs_f[:, None] * 16 + offs_f[None, :], z2)
 
 
 # yaie: solution-only
@@ -672,6 +684,7 @@ def _based_prefix_state_kernel(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     seq_len, value_dim, heads, segment_len,
     GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    FORM: tl.constexpr = 0,
 ):
     """The state at every segment boundary, ``phi(K)^T V`` and ``sum phi(K)`` over the tokens before it.
 
@@ -718,52 +731,85 @@ def _based_prefix_state_kernel(
         s1 = tl.zeros([16, BLOCK_V], dtype=tl.float32)
         z0 = tl.zeros([1], dtype=tl.float32)
         z1 = tl.zeros([16], dtype=tl.float32)
-        z2 = tl.zeros([16, 16], dtype=tl.float32)
-        for segment in range(0, segments):
-            seg_end = tl.minimum((segment + 1) * segment_len, seq_len)
-            for start in range(segment * segment_len, seg_end, BLOCK_T):
-                tokens = start + offs_t
-                t_ok = tokens < seg_end
-                k = tl.load(k_base + tokens[:, None] * stride_ks + offs_f[None, :], mask=t_ok[:, None], other=0.0)
-                v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
-                            mask=t_ok[:, None] & v_ok[None, :], other=0.0)
-                k_t = tl.trans(k)
-                s1 = tl.dot((k_t * 0.5).to(v.dtype), v, s1, input_precision=PRECISION)   # k/2: exact
-                s0 += tl.sum(v.to(tl.float32), 0)
-                z0 += tl.sum(t_ok.to(tl.float32), 0)
-                z1 += tl.sum(k_t.to(tl.float32), 1) * 0.5
-                z2 = tl.dot(k_t, k, z2, input_precision=PRECISION)    # 16-bit products are exact in float32
-            if segment < segments - 1:                 # the state before the next segment
-                _store_orders01(prefix_kv + segment * (273 * value_dim), prefix_k + segment * 273,
-                                s0, s1, z0, z1, z2 * order2_scale, first_v, value_dim, pid_v == 0)
-        _store_orders01(state_kv, state_k, s0, s1, z0, z1, z2 * order2_scale, first_v, value_dim, pid_v == 0)
+        for start in range(0, seq_len, BLOCK_T):
+            tokens = start + offs_t
+            t_ok = tokens < seq_len
+            k = tl.load(k_base + tokens[:, None] * stride_ks + offs_f[None, :], mask=t_ok[:, None], other=0.0)
+            v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
+                        mask=t_ok[:, None] & v_ok[None, :], other=0.0)
+            k_t = tl.trans(k)
+            s1 = tl.dot((k_t * 0.5).to(v.dtype), v, s1, input_precision=PRECISION)   # k/2: exact
+            s0 += tl.sum(v.to(tl.float32), 0)
+            z0 += tl.sum(t_ok.to(tl.float32), 0)
+            z1 += tl.sum(k_t.to(tl.float32), 1) * 0.5
+            boundary = start + BLOCK_T                            # segment_len is a multiple of BLOCK_T
+            if (boundary % segment_len == 0) & (boundary < seq_len):      # the state before the next segment
+                entry = boundary // segment_len - 1
+                _store_orders01(prefix_kv, prefix_k + entry * 273, entry * 273, s0, s1, z0, z1,
+                                first_v, value_dim, pid_v == 0)
+        _store_orders01(state_kv, state_k, 0, s0, s1, z0, z1, first_v, value_dim, pid_v == 0)
     else:
         # Order 2: rows 17 + 16 a + b for a in this block's GROUPS features, b = 0..15.
         first_a = (pid_r - 1) * GROUPS
         offs_a = first_a + tl.arange(0, GROUPS)
         first_row = 17 + first_a * 16
-        kv = tl.zeros([GROUPS * 16, BLOCK_V], dtype=tl.float32)
-        for segment in range(0, segments):
-            seg_end = tl.minimum((segment + 1) * segment_len, seq_len)
-            for start in range(segment * segment_len, seg_end, BLOCK_T):
-                tokens = start + offs_t
-                t_ok = tokens < seg_end
+        offs_r = tl.arange(0, GROUPS * 16)
+        if FORM == 2:
+            kv_t = tl.zeros([BLOCK_V, GROUPS * 16], dtype=tl.float32)
+        else:
+            kv = tl.zeros([GROUPS * 16, BLOCK_V], dtype=tl.float32)
+        ksum = tl.zeros([GROUPS * 16], dtype=tl.float32)
+        for start in range(0, seq_len, BLOCK_T):
+            tokens = start + offs_t
+            t_ok = tokens < seq_len
+            # k_a k_b for every (a, b) of the block; tokens past the end read k = 0: no feature.
+            if FORM == 0:
                 k_t = tl.load(k_base + tokens[None, :] * stride_ks + offs_f[:, None], mask=t_ok[None, :], other=0.0)
                 k_a = tl.load(k_base + tokens[None, :] * stride_ks + offs_a[:, None], mask=t_ok[None, :], other=0.0)
                 v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
                             mask=t_ok[:, None] & v_ok[None, :], other=0.0)
-                # k_a k_b for every (a, b) of the block; tokens past the end read k = 0: no feature.
-                feats_t = tl.reshape(k_a[:, None, :] * k_t[None, :, :], [GROUPS * 16, BLOCK_T])
+                feats_t = tl.reshape(k_a.to(tl.float32)[:, None, :] * k_t.to(tl.float32)[None, :, :],
+                                     [GROUPS * 16, BLOCK_T])
                 kv = tl.dot(feats_t.to(v.dtype), v, kv, input_precision=PRECISION)
-            if segment < segments - 1:                 # the state before the next segment
-                _store_rows(prefix_kv + segment * (273 * value_dim), first_row, first_v, value_dim,
-                            kv * order2_scale)
-        _store_rows(state_kv, first_row, first_v, value_dim, kv * order2_scale)
-
+                ksum += tl.sum(feats_t, 1)
+            elif FORM == 1:
+                k_a = tl.load(k_base + tokens[None, :] * stride_ks + (first_a + offs_r // 16)[:, None],
+                              mask=t_ok[None, :], other=0.0)
+                k_b = tl.load(k_base + tokens[None, :] * stride_ks + (offs_r % 16)[:, None],
+                              mask=t_ok[None, :], other=0.0)
+                v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
+                            mask=t_ok[:, None] & v_ok[None, :], other=0.0)
+                feats_t = k_a.to(tl.float32) * k_b.to(tl.float32)
+                kv = tl.dot(feats_t.to(v.dtype), v, kv, input_precision=PRECISION)
+                ksum += tl.sum(feats_t, 1)
+            else:
+                k = tl.load(k_base + tokens[:, None] * stride_ks + offs_f[None, :], mask=t_ok[:, None], other=0.0)
+                k_a = tl.load(k_base + tokens[:, None] * stride_ks + offs_a[None, :], mask=t_ok[:, None], other=0.0)
+                v_t = tl.load(v_base + tokens[None, :] * stride_vs + offs_v[:, None],
+                              mask=t_ok[None, :] & v_ok[:, None], other=0.0)
+                feats = tl.reshape(k_a.to(tl.float32)[:, :, None] * k.to(tl.float32)[:, None, :],
+                                   [BLOCK_T, GROUPS * 16])
+                kv_t = tl.dot(v_t, feats.to(v_t.dtype), kv_t, input_precision=PRECISION)
+                ksum += tl.sum(feats, 0)
+            boundary = start + BLOCK_T                            # segment_len is a multiple of BLOCK_T
+            if (boundary % segment_len == 0) & (boundary < seq_len):      # the state before the next segment
+                entry = boundary // segment_len - 1
+                if FORM == 2:
+                    _store_rows_t(prefix_kv, entry * 273 + first_row, first_v, value_dim, kv_t * order2_scale)
+                else:
+                    _store_rows(prefix_kv, entry * 273 + first_row, first_v, value_dim, kv * order2_scale)
+                if pid_v == 0:
+                    tl.store(prefix_k + entry * 273 + first_row + offs_r, ksum * order2_scale)
+        if FORM == 2:
+            _store_rows_t(state_kv, first_row, first_v, value_dim, kv_t * order2_scale)
+        else:
+            _store_rows(state_kv, first_row, first_v, value_dim, kv * order2_scale)
+        if pid_v == 0:
+            tl.store(state_k + first_row + offs_r, ksum * order2_scale)
 
 # yaie: solution-only
-def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len: int, groups: int = 8,
-                         block_t: int = 64, num_warps: int = 4) -> None:
+def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len: int, groups: int = 4,
+                         block_t: int = 64, num_warps: int = 4, form: int = 0, block_v: int | None = None) -> None:
     """Launch :func:`_based_prefix_state_kernel`: the state before every segment but the first into
     contiguous ``prefix_kv [b, h, segments - 1, 273, d_v]`` (float32 or bfloat16) and
     ``prefix_k [b, h, segments - 1, 273]`` (float32), the final state into ``state_kv [b, h, 273, d_v]``,
@@ -772,21 +818,24 @@ def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_l
     value_dim = v.shape[-1]
     if groups not in (1, 2, 4, 8, 16):
         raise ValueError(f"groups must divide 16, got {groups}")
-    block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
+    block_t = min(block_t, segment_len)
+    if segment_len % block_t:
+        raise ValueError(f"segment_len must be a multiple of block_t, got {segment_len} and {block_t}")
+    block_v = block_v or min(64, max(16, triton.next_power_of_2(value_dim)))
     grid = (1 + FEATURE_DIM // groups, triton.cdiv(value_dim, block_v), batch * heads)
     _based_prefix_state_kernel[grid](
         k, v, prefix_kv, prefix_k, state_kv, state_k,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         seq, value_dim, heads, segment_len,
-        GROUPS=groups, BLOCK_T=block_t, BLOCK_V=block_v,
+        GROUPS=groups, BLOCK_T=block_t, BLOCK_V=block_v, FORM=form,
         PRECISION="ieee" if k.dtype == torch.float32 else "tf32", num_warps=num_warps)
 
 
 # yaie: solution-only
 def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_state: bool = True,
-                      block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
-                      state_groups: int = 8, state_block_t: int = 64, state_warps: int = 4,
-                      prefix_16bit: bool | None = None) -> BasedState | None:
+                      block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
+                      state_groups: int = 4, state_block_t: int = 64, state_warps: int = 4,
+                      prefix_16bit: bool | None = None, state_form: int = 0) -> BasedState | None:
     """The default route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
 
     1. the state at every segment boundary and the final state (:func:`_based_prefix_state_kernel`,
@@ -816,7 +865,7 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
         state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, **f32),
                            torch.empty(batch, heads, EXPANDED_DIM, **f32))
         _launch_prefix_state(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len, state_groups,
-                             state_block_t, state_warps)
+                             state_block_t, state_warps, state_form)
     block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
     grid = (triton.cdiv(seq, block_m), triton.cdiv(value_dim, block_v), batch * heads)
     extra = {} if num_stages is None else {"num_stages": num_stages}

@@ -49,11 +49,13 @@ DEVICE = "cuda"
 BATCH, HEADS, FEATURES, VALUE_DIM = 16, 16, 16, 64
 DTYPE = torch.bfloat16
 SEGMENT_SWEEP = [  # (segment_len, block_m, block_n, num_warps, num_stages or None)
-    (128, 128, 64, 8, None), (256, 128, 64, 8, None), (256, 64, 64, 4, None), (256, 128, 128, 8, None),
-    (512, 128, 64, 8, None), (1024, 128, 64, 8, None),
+    (128, 64, 64, 4, None), (256, 64, 64, 4, None), (512, 64, 64, 4, None), (256, 64, 32, 4, None),
+    (256, 64, 128, 4, None), (256, 64, 64, 4, 2), (256, 128, 64, 8, None),
 ]
-STATE_SWEEP = [  # (groups of 16 order-2 rows per program, tokens per step, num_warps); segments of 256
-    (4, 64, 4), (4, 64, 8), (8, 64, 8), (4, 32, 4), (8, 128, 8), (2, 64, 4),
+STATE_SWEEP = [  # (form, groups of 16 order-2 rows per program, tokens per step, num_warps, value columns)
+    (0, 4, 64, 4, 64), (1, 4, 64, 4, 64), (2, 4, 64, 4, 64), (2, 2, 64, 4, 64), (2, 1, 64, 4, 64),
+    (0, 2, 64, 4, 64), (1, 2, 64, 4, 64), (2, 4, 32, 4, 64), (1, 4, 32, 4, 64), (2, 2, 32, 4, 64),
+    (0, 4, 64, 4, 32), (2, 4, 64, 4, 32), (2, 8, 64, 8, 64), (2, 4, 128, 4, 64),
 ]
 STATE_SWEEP_SEGMENT = 256
 CHUNKED_SWEEP = [  # (chunk, block_v, num_warps): the chunked kernel (lesson task 2, chunk_size given)
@@ -130,12 +132,12 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
     segments = -(-seq // STATE_SWEEP_SEGMENT)
     prefix_kv = torch.empty(BATCH, HEADS, segments - 1, 273, VALUE_DIM, device=DEVICE, dtype=q.dtype)
     prefix_k = torch.empty(BATCH, HEADS, segments - 1, 273, device=DEVICE, dtype=torch.float32)
-    for groups, block_t, warps in STATE_SWEEP:
+    for form, groups, block_t, warps, block_v in STATE_SWEEP:
         rows += _timed_setting(
-            f"yaie boundary states (segment {STATE_SWEEP_SEGMENT}, groups {groups}, tokens {block_t}, {warps} warps)",
-            "based_state",
+            f"yaie boundary states (segment {STATE_SWEEP_SEGMENT}, form {form}, groups {groups}, tokens {block_t}, "
+            f"{warps} warps, BV {block_v})", "based_state",
             lambda: based._launch_prefix_state(k, v, prefix_kv, prefix_k, kv, ks, STATE_SWEEP_SEGMENT, groups,
-                                               block_t, warps),
+                                               block_t, warps, form, block_v),
             lambda: max(_rel_err(kv, ref_state.kv), _rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
     for chunk, block_v, warps in CHUNKED_SWEEP:
         rows += _timed_setting(
