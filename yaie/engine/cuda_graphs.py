@@ -231,7 +231,7 @@ class DecodeGraphs:
         if self.no_cascade or len(tables) < 2:
             return 0
         first = tables[0]
-        pages = min(len(t) for t in tables) - 1
+        pages = min(map(len, tables)) - 1
         for table in tables[1:]:
             if table[:pages] != first[:pages]:
                 pages = next(i for i, (a, b) in enumerate(zip(table, first)) if a != b)

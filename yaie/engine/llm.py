@@ -472,7 +472,7 @@ class LLM:
         sampled = plan.sampled
         step_texts = [texts[r.request_id] for r in sampled]
         logits = self._launch(manager, plan, graphs, device_tokens)
-        greedy = logits is not None and all(t.greedy for t in step_texts)
+        greedy = logits is not None and all(map(operator.attrgetter("greedy"), step_texts))
         return _Launched(list(sampled), step_texts, logits, logits.argmax(dim=-1) if greedy else None,
                          decode_only=not plan.prefills)
 

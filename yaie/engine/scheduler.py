@@ -246,8 +246,9 @@ class Scheduler:
         request whose chunked prefill is under way (while the step's budget lasts). Returns the budget of
         the step less those chunks (the caller takes the decodes off, once swap-ins are known)."""
         # Whether each request is prefilling, found once: it changes only when its tokens are reserved below.
-        batch = [(request, request.prefilling) for request in self.running]
-        decodes = sum(not prefilling for _, prefilling in batch)
+        flags = [request.prefilling for request in self.running]
+        batch = list(zip(self.running, flags))
+        decodes = flags.count(False)
         budget = self.max_num_batched_tokens - decodes     # decodes always run; chunks get what is left
         append_slots = self.manager.append_slots
         for request, prefilling in batch:         # oldest first; victims are taken from the end
