@@ -11,7 +11,10 @@ with. Each engine runs in its own process (the baseline from the copy), on the s
   ``--prompt-len`` tokens, ``--new-tokens`` greedy tokens each, end-of-sequence ignored; median end-to-end
   time, and decode tokens/s from the time without the prefill), for each of ``--batches``;
   then, at the largest batch, torch.profiler over one ``generate``: GPU kernel time per step beside the
-  wall time per step (the same when the GPU never waits for the host);
+  wall time per step (the same when the GPU never waits for the host), and over its prefill alone (the
+  run with one new token: the eager steps) with operators by host time. ``--max-num-batched-tokens``
+  takes several budgets (e.g. ``2048,8192``): the rows are measured under each (fewer, larger prefill
+  steps with a larger one);
 * **host time per step** (always on the CPU, so it runs anywhere): the same workload on the tiny model with
   the decode step's forward pass replaced by a fixed logits tensor and the CUDA-graph runner's fixed-buffer
   steps run eagerly (as the CPU tests do): what is left is the engine's own host work (scheduler, KV-cache
@@ -51,15 +54,22 @@ def throughput(args) -> dict:
     vocab = CONFIGS[args.size]["vocab_size"]
     prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(max(batches))]
     per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
-    llm = LLM(args.model, device=args.device, dtype=getattr(torch, args.dtype), block_size=BLOCK_SIZE,
-              prefix_caching=False, num_blocks=per_seq * max(batches) + 64)
     rows = []
-    for batch in batches:
-        def engine(n, ids=prompts[:batch]):
-            outs = llm.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            assert all(len(o.token_ids) == n for o in outs)
-        rows.append(measure("yaie engine", engine, batch, args.new_tokens, args.repeats, args.device))
-    batch = max(batches)
+    for budget in [int(b) for b in args.max_num_batched_tokens.split(",")]:
+        llm = LLM(args.model, device=args.device, dtype=getattr(torch, args.dtype), block_size=BLOCK_SIZE,
+                  prefix_caching=False, num_blocks=per_seq * max(batches) + 64, max_num_batched_tokens=budget)
+        for batch in batches:
+            def engine(n, ids=prompts[:batch]):
+                outs = llm.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                assert all(len(o.token_ids) == n for o in outs)
+            rows.append(measure("yaie engine", engine, batch, args.new_tokens, args.repeats, args.device)
+                        | dict(max_num_batched_tokens=budget))
+        if budget != int(args.max_num_batched_tokens.split(",")[-1]):
+            del llm
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    llm.max_num_batched_tokens = int(args.max_num_batched_tokens.split(",")[0])   # profiled: the first budget
+    batch = args.profile_batch or max(batches)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     wall = timed(lambda: llm.generate(prompts[:batch], params), args.device)
     steps = llm.last_scheduler.stats.steps
@@ -69,10 +79,18 @@ def throughput(args) -> dict:
     averages = prof.key_averages()
     kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in averages if e.device_type == DeviceType.CUDA)
     sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    with profile(activities=activities) as prefill:
+        prefill_wall = timed(lambda: llm.generate(prompts[:batch], first), args.device)
+    prefill_steps = llm.last_scheduler.stats.steps
     return dict(rows=rows, token_ids=[o.token_ids for o in outs],
                 profile=dict(batch=batch, steps=steps, wall_ms_per_step=wall * 1e3 / steps,
                              kernel_ms_per_step=kernel_us / 1e3 / steps,
-                             table=averages.table(sort_by=sort, row_limit=20)))
+                             table=averages.table(sort_by=sort, row_limit=20),
+                             host_table=averages.table(sort_by="self_cpu_time_total", row_limit=30),
+                             prefill_steps=prefill_steps, prefill_wall_ms_profiled=prefill_wall * 1e3,
+                             prefill_table=prefill.key_averages().table(sort_by="self_cpu_time_total",
+                                                                        row_limit=30)))
 
 
 def host_cost(args) -> dict:
@@ -132,10 +150,12 @@ def host_cost(args) -> dict:
 def run_worker(tree: Path, mode: str, args, model: str | None) -> dict:
     """Run this script's ``mode`` worker with ``tree`` first on the import path; its JSON result."""
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--result", result.name,
-                   "--device", args.device, "--size", args.size, "--dtype", args.dtype, "--batches", args.batches,
-                   "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-                   "--repeats", str(args.repeats)] + (["--model", model] if model else [])
+        command = ([sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--result", result.name,
+                    "--device", args.device, "--size", args.size, "--dtype", args.dtype, "--batches", args.batches,
+                    "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+                    "--repeats", str(args.repeats), "--max-num-batched-tokens", args.max_num_batched_tokens]
+                   + (["--profile-batch", str(args.profile_batch)] if args.profile_batch else [])
+                   + (["--model", model] if model else []))
         env = dict(os.environ, PYTHONPATH=str(tree), YAIE_SOLUTIONS="all", PYTHONUNBUFFERED="1")
         subprocess.run(command, env=env, check=True, cwd=tree)
         return json.loads(Path(result.name).read_text())
@@ -165,12 +185,13 @@ def markdown(report: dict) -> str:
              f"{env['git_commit']}; {env['date_utc']}.",
              f"Command: `{env['command']}`", ""]
     if any(report["engines"][n].get("throughput") for n in names):
-        lines += ["| engine | batch | total s | prefill + 1 step s | tokens/s (end to end) | decode tokens/s |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += ["| engine | max_num_batched_tokens | batch | total s | prefill + 1 step s | tokens/s (end to end) "
+                  "| decode tokens/s |", "|---|---:|---:|---:|---:|---:|---:|"]
         for name in names:
             for r in report["engines"][name].get("throughput", {}).get("rows", []):
-                lines.append(f"| {name} | {r['batch']} | {r['total_s']:.3f} | {r['first_token_s']:.3f} | "
-                             f"{r['tokens_per_s']:.0f} | {r['decode_tokens_per_s'] or float('nan'):.0f} |")
+                lines.append(f"| {name} | {r.get('max_num_batched_tokens', 2048)} | {r['batch']} | {r['total_s']:.3f} | "
+                             f"{r['first_token_s']:.3f} | {r['tokens_per_s']:.0f} | "
+                             f"{r['decode_tokens_per_s'] or float('nan'):.0f} |")
         lines += ["", "| engine | batch | steps | wall ms per step | GPU kernels ms per step (torch.profiler) |",
                   "|---|---:|---:|---:|---:|"]
         for name in names:
@@ -183,10 +204,12 @@ def markdown(report: dict) -> str:
     if len(runs) == 2 and all(runs):
         lines += [f"Greedy tokens of the profiled batch, {names[0]} vs {names[1]}: "
                   f"{'identical' if runs[0] == runs[1] else 'DIFFERENT'}.", ""]
+    if not any(report["engines"][n].get("host") for n in names):
+        return "\n".join(lines) + "\n"
     lines += ["Host time of one decode-loop iteration, forward pass stubbed (tiny model on the CPU, thread time):", "",
               "| engine | batch | us per step | us per request per step |", "|---|---:|---:|---:|"]
     for name in names:
-        for batch, h in report["engines"][name]["host"].items():
+        for batch, h in (report["engines"][name]["host"] or {}).items():
             lines.append(f"| {name} | {batch} | {h['step_us']:.0f} | {h['per_request_us']:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -202,6 +225,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-num-batched-tokens", default="2048", help="the engine's budget; several: 2048,8192")
+    p.add_argument("--skip-host", action="store_true", help="no host-time rows (they need no GPU)")
+    p.add_argument("--profile-batch", type=int, default=None, help="the batch profiled (default: the largest)")
     p.add_argument("--worker", choices=["throughput", "host"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -229,17 +255,22 @@ def main(argv=None) -> int:
         for name, tree in trees.items():
             print(f"== {name}", flush=True)
             engines[name] = dict(throughput=run_worker(tree, "throughput", args, str(folder / "model")),
-                                 host=run_worker(tree, "host", args, None))
+                                 host=None if args.skip_host else run_worker(tree, "host", args, None))
     env = environment()
     report = dict(environment=env, baseline=args.baseline and sorted(
         str(p.relative_to(args.baseline)) for p in Path(args.baseline).rglob("*.py")),
         workload=dict(size=args.size, dtype=args.dtype, batches=args.batches, prompt_len=args.prompt_len,
-                      new_tokens=args.new_tokens, repeats=args.repeats), engines=engines)
+                      new_tokens=args.new_tokens, repeats=args.repeats,
+                      max_num_batched_tokens=args.max_num_batched_tokens), engines=engines)
     (out / "engine_host.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "engine_host.md").write_text(markdown(report))
     (out / "engine_host_profile.txt").write_text("".join(
         f"== {name}: top operators by device time, one generate at batch {e['throughput']['profile']['batch']}\n"
-        f"{e['throughput']['profile']['table']}\n\n" for name, e in engines.items()))
+        f"{e['throughput']['profile']['table']}\n\n"
+        f"== {name}: the same generate, top operators by host time\n{e['throughput']['profile']['host_table']}\n\n"
+        f"== {name}: top operators by host time, the prefill alone ({e['throughput']['profile']['prefill_steps']} "
+        f"steps, {e['throughput']['profile']['prefill_wall_ms_profiled']:.1f} ms under the profiler)\n"
+        f"{e['throughput']['profile']['prefill_table']}\n\n" for name, e in engines.items()))
     print(markdown(report), flush=True)
     return 0
 
