@@ -253,6 +253,102 @@ def test_step_engine_looks_ahead_with_arrivals_and_aborts(reference_lessons, mon
     assert engine.requests == {} and engine.logprobs == {}
 
 
+def graph_engine_llm() -> LLM:
+    """An engine whose decode-only steps go through the CUDA-graph runner's fixed buffers (run eagerly on
+    the CPU), so the server's engine sees what it sees on a GPU: decode steps apart from prefill steps."""
+    from yaie.engine.cuda_graphs import DecodeGraphs
+    llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=256)
+    llm.cuda_graphs = True
+    llm._graph_runner = lambda manager: DecodeGraphs(llm.model, manager, llm.max_num_seqs, capture=False)
+    return llm
+
+
+def test_admission_window_gives_a_burst_one_prefill_step(reference_lessons):
+    """Requests arriving 20 ms apart at an idle engine are held back until the burst is over and prefilled
+    in one step; one cancelled while held never reaches the scheduler (counted as aborted); the texts are
+    LLM.generate's and every block comes back. (Admitted at the next step instead, the first would run
+    alone: at least two steps with prompts.)"""
+    from yaie.engine.async_engine import AsyncEngine
+    prompts = [f"One day, {name} the {kind} went to the park." for name, kind in zip(NAMES, KINDS)]
+    params = [SamplingParams(max_tokens=5 + i, temperature=0, ignore_eos=True) for i in range(4)]
+    llm = graph_engine_llm()
+    want = llm.generate(prompts, params)
+    ids = [llm._prompt_ids(p)[1] for p in prompts]
+    with pytest.raises(ValueError, match="admission window"):
+        AsyncEngine(llm, window_s=-1.0)
+    engine = AsyncEngine(llm, warm_up=False, window_s=10.0, gap_s=0.3)
+    engine.start()
+    try:
+        async def one(i):
+            await asyncio.sleep(0.02 * i)
+            group = await engine.submit([(ids[i], params[i])])
+            return "".join([event.text async for event in group.events()])
+
+        async def cancelled():
+            task = asyncio.create_task(engine.submit([(ids[0], params[0])]))
+            await asyncio.sleep(0.05)
+            assert not task.done(), "taken in before the burst was over"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        async def burst():
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(4)), cancelled()), 60)
+
+        texts = asyncio.run(burst())[:4]
+        assert texts == [w.text for w in want]
+        core, stats = engine.core, engine.stats
+        assert core.prefill_steps == 1, f"{core.prefill_steps} steps fed prompts"
+        assert stats.requests_finished == 4 and stats.requests_aborted == 1
+        assert stats.prompt_tokens == sum(map(len, ids)) and core.requests == {}
+    finally:
+        engine.shutdown()
+    cached = core.scheduler.prefix_cache.tree.num_evictable_blocks
+    assert core.manager.num_free_blocks + cached == core.scheduler.usable_blocks
+
+
+def test_admission_window_rules(reference_lessons):
+    """When held arrivals go in (``AsyncEngine._admission_wait``): idle, once none has come for gap_s, or
+    as long as a step with prompts takes while clients that just finished have not come back; beside
+    running decodes, that step's cost shared out over running and held requests; at once when the prompts
+    fill the step's budget or the next step launches eagerly anyway."""
+    from yaie.engine.async_engine import AsyncEngine, StepEngine
+    llm = graph_engine_llm()
+    engine = AsyncEngine(llm, warm_up=False, window_s=1.0, gap_s=0.1)
+    engine.core = StepEngine(llm)
+    prompt = llm._prompt_ids("Once upon a time")[1]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+
+    class Group:            # what the window reads of a group: its items
+        def __init__(self, count=1, length=len(prompt)):
+            self.items = [(prompt[:1] * length, params)] * count
+
+    def wait_after(groups, *, owed=0, step_s=None):
+        engine._held, engine._held_tokens, engine._prefill_step_s = [], 0, step_s
+        engine._owed.clear()
+        engine._owed.extend([time.monotonic()] * owed)
+        engine._hold(groups)
+        return engine._admission_wait()
+
+    assert engine._admission_wait() is None                                   # nothing held
+    assert 0.05 < wait_after([Group()]) <= 0.1                                # idle: the gap
+    engine._last_held_at -= 0.2
+    assert engine._admission_wait() == 0
+    assert 0.05 < wait_after([Group()], owed=1) <= 0.1                        # the one awaited came
+    assert 0.9 < wait_after([Group()], owed=2) <= 1.0                         # one more awaited: the window
+    assert 0.25 < wait_after([Group()], owed=2, step_s=0.2) <= 0.3            # ... or 1.5 prefill steps
+    assert wait_after([Group(length=llm.max_num_batched_tokens)]) == 0        # fills the step
+    for _ in range(6):                                                        # 6 running, decoding
+        engine.core.add(prompt, params)
+    engine.core.step()
+    assert not engine.core.next_step_is_eager()
+    assert 0.2 < wait_after([Group(2)], step_s=0.2) <= 0.3 * 6 / 8            # 1.5 steps, times 6 / (6 + 2)
+    assert 0.05 < wait_after([Group(6)], step_s=0.2) <= 0.3 * 6 / 12
+    engine.core.add(prompt, params)                                           # waits: the next step prefills
+    assert engine.core.next_step_is_eager() and wait_after([Group()], step_s=0.2) == 0
+    engine.core.close()
+
+
 # ----------------------------------------------------------------------------- logprobs
 @pytest.fixture(scope="module")
 def hf_model():

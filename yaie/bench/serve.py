@@ -53,20 +53,33 @@ def percentile(values: list[float], q: float) -> float | None:
 # ----------------------------------------------------------------------------- offline
 def run_offline(llm, prompts: list[list[int]], warm: list[list[int]], new_tokens: int, device: str) -> dict:
     """``prompts`` in rounds of ``len(warm)`` (the concurrency), one ``generate`` call each, after a warm-up
-    round on ``warm``."""
+    round on ``warm``. Also counts the measured rounds' steps and those that fed prompt tokens (on CUDA
+    the eager ones: a decode-only step replays a CUDA graph)."""
     from yaie.engine import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     concurrency = len(warm)
     rounds = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
     llm.generate(warm, SamplingParams(max_tokens=min(new_tokens, 8), temperature=0, ignore_eos=True))
     _sync(device)
+    counts = dict(steps=0, prefill_steps=0)
+    launch = llm._start
+
+    def counted(manager, plan, *args, **kwargs):     # every step of a generate call launches through _start
+        counts["steps"] += 1
+        counts["prefill_steps"] += bool(plan.prefills)
+        return launch(manager, plan, *args, **kwargs)
+
+    llm._start = counted
     start = time.perf_counter()
     tokens = 0
-    for batch in rounds:
-        tokens += sum(len(o.token_ids) for o in llm.generate(batch, params))
-    _sync(device)
+    try:
+        for batch in rounds:
+            tokens += sum(len(o.token_ids) for o in llm.generate(batch, params))
+        _sync(device)
+    finally:
+        del llm._start                                # the class's method again
     elapsed = time.perf_counter() - start
-    return dict(tokens=tokens, seconds=elapsed, tokens_per_s=tokens / elapsed)
+    return dict(tokens=tokens, seconds=elapsed, tokens_per_s=tokens / elapsed, **counts)
 
 
 def _sync(device: str) -> None:
@@ -282,6 +295,8 @@ def main(argv=None) -> int:
     p.add_argument("--client-processes", type=int, default=8,
                    help="worker processes the clients are spread over (default 8; one Python process cannot "
                         "parse 64 streams at full speed)")
+    p.add_argument("--admission-window-ms", type=float, default=None, metavar="MS",
+                   help="the server's admission window (yaie serve --admission-window-ms; default the server's)")
     p.add_argument("--engine-in-thread", action="store_true",
                    help="serve with the engine loop in a thread of the server process (yaie serve --engine-in-thread)")
     args = p.parse_args(argv)
@@ -306,6 +321,11 @@ def main(argv=None) -> int:
     num_blocks = max(levels) * -(-(args.prompt_len + args.new_tokens) // 16) + 64
     engine_args = ["--device", args.device, "--num-blocks", str(num_blocks)]
     engine_args += ["--engine-in-thread"] if args.engine_in_thread else []
+    if args.admission_window_ms is not None:
+        engine_args += ["--admission-window-ms", str(args.admission_window_ms)]
+    from yaie.engine.async_engine import ADMISSION_WINDOW_S      # the server's default: on with CUDA graphs
+    window_ms = args.admission_window_ms if args.admission_window_ms is not None else (
+        1000 * ADMISSION_WINDOW_S if args.device == "cuda" else 0.0)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         hf = build_model(args.size, Path(folder), args.device, dtype)
@@ -326,21 +346,28 @@ def main(argv=None) -> int:
         with ServerProcess(folder, engine_args) as server:
             model = Path(folder).name
             for c in levels:
-                cpu_before = server.cpu_seconds()
+                cpu_before, steps_before = server.cpu_seconds(), server.metrics()
                 served = run_clients(server.url, model, prompts[c], warm_prompts[c], args.new_tokens, args.timeout,
                                      args.client_processes)
-                cpu_after = server.cpu_seconds()
+                cpu_after, steps_after = server.cpu_seconds(), server.metrics()
+                for name in ("steps", "prefill_steps"):     # warm-up round included
+                    key = f"yaie_engine_{name}_total"
+                    served[name] = int(steps_after.get(key, 0) - steps_before.get(key, 0))
                 for name in cpu_after:       # warm-up round included: an upper bound of the measured rounds'
                     served[f"{name}_cpu_us_per_token"] = (1e6 * (cpu_after[name] - cpu_before.get(name, 0.0))
                                                           / served["tokens"])
                 row = dict(concurrency=c, offline_tokens_per_s=offline[c]["tokens_per_s"],
-                           offline_seconds=offline[c]["seconds"], **{f"served_{k}": v for k, v in served.items()})
+                           offline_seconds=offline[c]["seconds"], offline_steps=offline[c]["steps"],
+                           offline_prefill_steps=offline[c]["prefill_steps"],
+                           **{f"served_{k}": v for k, v in served.items()})
                 row["overhead"] = 1 - row["served_tokens_per_s"] / row["offline_tokens_per_s"]
                 rows.append(row)
                 print(f"served   C={c:<3d} {served['tokens_per_s']:9.1f} tok/s  "
                       f"overhead {100 * row['overhead']:5.1f}%  "
                       f"TTFT p50 {served['ttft_p50_ms']:.1f} ms p99 {served['ttft_p99_ms']:.1f} ms  "
-                      f"ITL p50 {served['itl_p50_ms'] or 0:.2f} ms p99 {served['itl_p99_ms'] or 0:.2f} ms", flush=True)
+                      f"ITL p50 {served['itl_p50_ms'] or 0:.2f} ms p99 {served['itl_p99_ms'] or 0:.2f} ms  "
+                      f"steps {served['steps']} ({served['prefill_steps']} with prompts; offline "
+                      f"{offline[c]['steps']} ({offline[c]['prefill_steps']}))", flush=True)
             final = server.metrics()
     env = environment()
     for name in ("fastapi", "uvicorn", "httpx", "httptools", "uvloop"):
@@ -353,7 +380,8 @@ def main(argv=None) -> int:
                   workload=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, concurrency=levels,
                                 requests_per_client=args.requests_per_client, sampling="greedy, ignore_eos",
                                 kv_block_size=16, num_blocks=num_blocks, client_processes=args.client_processes,
-                                engine_loop="thread" if args.engine_in_thread else "process"),
+                                engine_loop="thread" if args.engine_in_thread else "process",
+                                admission_window_ms=window_ms),
                   rows=rows, server_metrics_at_end=final)
     out = Path(args.out) if args.out else ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
@@ -388,25 +416,45 @@ def markdown(report: dict) -> str:
         f"`LLM.generate`, C prompts per call. KV cache: {work['num_blocks']} blocks of {work['kv_block_size']} "
         f"for both. The server's engine loop: {LOOP_WORDS[work.get('engine_loop', 'thread')]}. "
         f"The clients: spread over {work.get('client_processes', 1)} worker processes (one per client below "
-        f"that), an HTTP connection each. "
+        f"that), an HTTP connection each. The server's admission window: {window_words(work)}. "
         "Throughput: generated tokens over the wall time of all rounds, after a warm-up round.",
         f"Versions: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, fastapi {env.get('fastapi')}, "
         f"uvicorn {env.get('uvicorn')} (httptools {env.get('httptools')}, uvloop {env.get('uvloop')}), httpx {env.get('httpx')}; "
         f"commit {env['git_commit']}; {env['date_utc']}.",
         f"Command: `{env['command']}`", "",
         "CPU per token: microseconds of CPU time per generated token of the HTTP process, the engine process "
-        "and the load generator's workers (the warm-up round counted in for the server's two).", "",
+        "and the load generator's workers (the warm-up round counted in for the server's two). Steps: forward "
+        "passes, and in brackets those that fed prompt tokens (on CUDA launched eagerly, each costing every "
+        "running stream many decode steps' time): offline over the measured rounds, served with the warm-up "
+        "round (its requests generate 8 tokens).", "",
         "| clients | offline tok/s | served tok/s | overhead | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-        "| CPU us/token: HTTP / engine / clients |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| CPU us/token: HTTP / engine / clients | steps offline | steps served |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         lines.append(f"| {r['concurrency']} | {r['offline_tokens_per_s']:.0f} | {r['served_tokens_per_s']:.0f} | "
                      f"{100 * r['overhead']:.1f}% | {ms(r['served_ttft_p50_ms'])} | {ms(r['served_ttft_p99_ms'])} | "
                      f"{ms(r['served_itl_p50_ms'])} | {ms(r['served_itl_p99_ms'])} | "
                      f"{us(r.get('served_http_cpu_us_per_token'))} / {us(r.get('served_engine_cpu_us_per_token'))} / "
-                     f"{us(r.get('served_client_cpu_us_per_token'))} |")
+                     f"{us(r.get('served_client_cpu_us_per_token'))} | "
+                     f"{steps(r, 'offline_')} | {steps(r, 'served_')} |")
     return "\n".join(lines) + "\n"
+
+
+def steps(row: dict, prefix: str) -> str:
+    total, prefill = row.get(prefix + "steps"), row.get(prefix + "prefill_steps")
+    return "n/a" if total is None else f"{total} ({prefill})"
+
+
+def window_words(work: dict) -> str:
+    window = work.get("admission_window_ms")
+    if window is None:
+        return "none"
+    if window == 0:
+        return "off (a request joins the batch at the next step)"
+    return (f"at most {window:g} ms (`--admission-window-ms`; while decodes run, up to 1.5 times a recent "
+            "step with prompts, shared out over the running and held requests; when idle, until none has "
+            "come for 1 ms unless clients that just finished have not come back yet)")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ from yaie.model.config import load_config
 from yaie.model.tokenizer import Tokenizer
 
 RATE_WINDOW_S = 10.0        # tokens/s in the metrics: generated tokens over the last 10 seconds
+ADMISSION_WINDOW_S = 0.050  # default longest hold of an arrived request (for others to share its prefill step)
+ADMISSION_PREFILL_STEPS = 1.5   # ... while decodes run: this many times what a step with prompts took lately
+ADMISSION_GAP_S = 0.001     # ... while idle: until no request has come for this long
 
 
 class StepEngine:
@@ -61,10 +64,25 @@ class StepEngine:
         self.logprobs: dict[int, tuple[int, list]] = {}  # request id -> (k, entries not taken yet)
         self._pending = None        # a looked-ahead step (LLM._look_ahead), launched, its tokens not read yet
         self._next_id = 0
+        self.prefill_steps = 0      # steps that fed prompt tokens (on CUDA: launched eagerly, no graph)
 
     @property
     def manager(self):
         return self.scheduler.manager
+
+    @property
+    def graphs(self):
+        """The CUDA-graph runner of decode-only steps, or None (no graphs: every step launches eagerly)."""
+        return self._cache.graphs
+
+    def next_step_is_eager(self) -> bool:
+        """Whether the next step launches its kernels from Python whatever is admitted before it: something
+        waits or is swapped out (the step plans a prefill or a swap-in), a running request is still
+        prefilling (its next chunk goes in), there are no CUDA graphs, or the batch is beyond them."""
+        scheduler, graphs = self.scheduler, self._cache.graphs
+        running = scheduler.running
+        return bool(graphs is None or scheduler.waiting or scheduler.swapped
+                    or (running and not graphs.fits(len(running))) or any(r.prefilling for r in running))
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, logprobs: int | None = None) -> Request:
         """Queue a request (it joins the batch at the next step). ValueError if it can never fit in the
@@ -135,6 +153,7 @@ class StepEngine:
                 plan = self.scheduler.schedule()
                 if plan.empty:
                     raise RuntimeError("the scheduler planned an empty step with requests left (a bug)")
+                self.prefill_steps += bool(plan.prefills)
                 pending = self.llm._start(self.manager, plan, graphs, self.texts)    # queued, not waited for
             # Not when a request wants log-probabilities: they are read from this step's logits, which the
             # next step's graph replay would overwrite.
@@ -286,6 +305,7 @@ class EngineStats:
     blocks_total: int = 0
     blocks_used: int = 0
     steps: int = 0
+    prefill_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: int = 0
@@ -305,11 +325,47 @@ class AsyncEngine:
 
     ``start()`` before use (it returns once the CUDA graphs are recorded, ``warm_up``), ``shutdown()``
     after (both from any thread). ``submit`` is a coroutine.
+
+    **Admission window.** With CUDA graphs a decode-only step replays a graph (on an H100, ~2.4 ms for 64
+    requests of the 1B model), while a step that feeds prompt tokens launches every kernel from Python
+    (~18 ms of host time, however few the tokens). Requests from many clients do not arrive together:
+    each one goes through the HTTP server on its own, a fraction of a millisecond apart, and clients whose
+    requests were prefilled in different steps finish, and come back, at different times. Let each
+    arrival into the batch at the next step and the prompts of 64 clients go in over many slow steps of
+    a few prompts each, every one of them costing every running stream a slow step, where
+    ``LLM.generate`` prefills them in the fewest steps the token budget allows. So arrivals are held back
+    (not given to the scheduler yet) until the first of these:
+
+    * the held prompts fill what the next step's token budget leaves, or the next step launches eagerly
+      anyway (a prompt is still being prefilled, something waits in the scheduler, no graphs);
+    * decodes run, and the oldest held request has waited what one more step with prompts would cost
+      the running streams (:data:`ADMISSION_PREFILL_STEPS` times such a step's recent time), shared out
+      over everyone that step would serve (times running / (running + held)): one arrival beside 60
+      running streams waits for the next ones, 15 arrivals beside one running stream go at once. So
+      clients that finished a step or two apart, and come back as far apart, share one prefill step;
+    * the engine is idle and no request has come for ``gap_s`` (the burst is over: a lone client's
+      request waits 1 ms), unless requests finished in the last ``window_s`` and fewer have come since
+      (their clients are likely on their way back, one request after another): then as long as one more
+      step with prompts takes, as above;
+    * the oldest held request has waited ``window_s``.
+
+    ``window_s``: default :data:`ADMISSION_WINDOW_S` when the engine has CUDA graphs, else 0 (every step
+    launches eagerly and costs by its tokens: nothing to save); 0 admits at the next step. (vLLM's
+    scheduler has a delay factor of the same kind, off by default.)
     """
 
-    def __init__(self, llm: LLM, warm_up: bool = True):
+    def __init__(self, llm: LLM, warm_up: bool = True, window_s: float | None = None,
+                 gap_s: float = ADMISSION_GAP_S):
+        if window_s is not None and not window_s >= 0:
+            raise ValueError(f"the admission window must be >= 0 seconds, got {window_s!r}")
         self.llm = llm
         self.warm_up = warm_up          # record every CUDA graph before serving (StepEngine.warm_up)
+        self.window_s, self.gap_s = window_s, min(gap_s, window_s if window_s is not None else gap_s)
+        self._held: list = []           # arrived groups not given to the scheduler yet (the admission window)
+        self._held_tokens = 0
+        self._first_held_at = self._last_held_at = 0.0
+        self._prefill_step_s: float | None = None    # a running mean of how long steps with prompts took
+        self._owed: collections.deque = collections.deque()   # finish times of requests whose clients may be back
         self.stats = EngineStats()
         self.core: StepEngine | None = None     # the engine thread's; read it only for tests and metrics
         self._lock = threading.Lock()
@@ -376,6 +432,8 @@ class AsyncEngine:
             self._on_started()
             return
         self.stats.blocks_total = self.core.scheduler.usable_blocks
+        if self.window_s is None:
+            self.window_s = ADMISSION_WINDOW_S if self.core.graphs is not None else 0.0
         try:
             if self.warm_up:
                 self.core.warm_up()
@@ -388,23 +446,72 @@ class AsyncEngine:
                 inbox, aborts, stopping = self._collect()
                 for group in aborts:
                     self._abort_now(group)
-                for group in inbox:
-                    self._accept(group)
+                self._hold(inbox)
                 if stopping:
                     break
+                wait = self._admission_wait()
+                if wait == 0:
+                    self._admit_held()
                 if not self.core.has_unfinished():
                     self._emit(self.core.flush())      # the last step's text
                     self._update_stats()
-                    self._idle()
+                    self._idle(wait)
                     continue
                 self._step()
         finally:
             for group in self._live_groups():
                 self._fail(group, "the server is shutting down")
-            for group in self._collect()[0]:
+            for group in self._held + self._collect()[0]:
                 self._resolve(group, RuntimeError("the engine is shutting down"))
+            self._held = []
             self.core.close()
             self._update_stats()
+
+    # The admission window (see the class docstring).
+    def _hold(self, groups: list) -> None:
+        if not groups:
+            return
+        now = time.monotonic()
+        if not self._held:
+            self._first_held_at = now
+        self._last_held_at = now
+        self._held += groups
+        self._held_tokens += sum(len(ids) for group in groups for ids, _ in group.items)
+        for _ in range(min(len(self._owed), sum(len(group.items) for group in groups))):
+            self._owed.popleft()         # a client back (or a new one: either way, one fewer awaited)
+
+    def _admission_wait(self) -> float | None:
+        """None when nothing is held; 0 when the held groups go to the scheduler now; else how long they
+        may wait for more arrivals at most."""
+        if not self._held:
+            return None
+        core = self.core
+        room = self.llm.max_num_batched_tokens - len(core.scheduler.running)    # tokens left beside the decodes
+        if self.window_s <= 0 or self._held_tokens >= room or core.next_step_is_eager():
+            return 0.0
+        # What one more step with prompts costs (before any was timed: the whole window).
+        step = self.window_s if self._prefill_step_s is None else ADMISSION_PREFILL_STEPS * self._prefill_step_s
+        running = len(core.scheduler.running)
+        if running:
+            # Shared out over everyone it would serve: a few held beside many running wait longer.
+            held = sum(len(group.items) for group in self._held)
+            due = self._first_held_at + min(self.window_s, step * running / (running + held))
+        else:
+            now = time.monotonic()
+            while self._owed and now - self._owed[0] > self.window_s:
+                self._owed.popleft()
+            if self._owed:
+                # Requests finished just now and fewer have come since: their clients are likely on their
+                # way (one request after another).
+                due = self._first_held_at + min(self.window_s, step)
+            else:                           # go once the burst is over (a lone client waits gap_s)
+                due = min(self._first_held_at + self.window_s, self._last_held_at + self.gap_s)
+        return max(due - time.monotonic(), 0.0)
+
+    def _admit_held(self) -> None:
+        held, self._held, self._held_tokens = self._held, [], 0
+        for group in held:
+            self._accept(group)
 
     # The engine loop's ways in and out: overridden by the child process's loop (_ChildEngine).
     def _on_started(self) -> None:
@@ -419,9 +526,10 @@ class AsyncEngine:
             aborts, self._aborts = self._aborts, []
             return inbox, aborts, self._stopping
 
-    def _idle(self) -> None:
-        """Nothing to run: sleep until a request, an abort or the stop comes."""
-        self._wake.wait(timeout=1.0)
+    def _idle(self, timeout: float | None = None) -> None:
+        """Nothing to run: sleep until a request, an abort or the stop comes (or ``timeout`` seconds pass:
+        held requests are due then)."""
+        self._wake.wait(timeout=1.0 if timeout is None else timeout)
 
     def _deliver(self, events: list[tuple["RequestGroup", Event]]) -> None:
         """Hand one step's events to their groups' asyncio loops: one wake-up per loop per step."""
@@ -455,6 +563,12 @@ class AsyncEngine:
         self._resolve(group, None)
 
     def _abort_now(self, group: RequestGroup) -> None:
+        if any(held is group for held in self._held):     # never reached the scheduler: nothing to free
+            self._held = [held for held in self._held if held is not group]
+            self._held_tokens -= sum(len(ids) for ids, _ in group.items)
+            self.stats.requests_aborted += len(group.items)
+            self._resolve(group, None)
+            return
         for request_id in group.request_ids:
             if request_id in self._owner:
                 del self._owner[request_id]
@@ -462,6 +576,7 @@ class AsyncEngine:
                     self.stats.requests_aborted += 1
 
     def _step(self) -> None:
+        start, prefill_steps = time.monotonic(), self.core.prefill_steps
         try:
             self.core.step(during=self._emit)    # the last step's text goes out while the device runs this one
         except Exception as err:  # noqa: BLE001 (a failed step fails its requests, not the server)
@@ -470,6 +585,9 @@ class AsyncEngine:
             for group in self._live_groups():
                 self._fail(group, message)
             return
+        if self.core.prefill_steps > prefill_steps:     # this call launched a step with prompts and waited for it
+            took = time.monotonic() - start
+            self._prefill_step_s = took if self._prefill_step_s is None else 0.75 * self._prefill_step_s + 0.25 * took
         self._update_stats()
 
     def _emit(self, events: list[tuple[Request, str, _Text]]) -> None:
@@ -484,6 +602,8 @@ class AsyncEngine:
             if text.finish_reason is not None:
                 del self._owner[request.request_id]
                 self.stats.requests_finished += 1
+                if self.window_s:
+                    self._owed.append(time.monotonic())
             deliveries.append((group, Event(index, piece, text.finish_reason, len(request.output_ids), None,
                                             logprobs)))
         if events:
@@ -509,10 +629,11 @@ class AsyncEngine:
 
     def _update_stats(self) -> None:
         s, scheduler = self.stats, self.core.scheduler
-        s.running, s.waiting, s.swapped = len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped)
+        s.running, s.swapped = len(scheduler.running), len(scheduler.swapped)
+        s.waiting = len(scheduler.waiting) + sum(len(group.items) for group in self._held)
         free = self.core.manager.num_free_blocks + self._evictable_blocks()
         s.blocks_used = scheduler.usable_blocks - min(scheduler.usable_blocks, free)
-        s.steps = scheduler.stats.steps
+        s.steps, s.prefill_steps = scheduler.stats.steps, self.core.prefill_steps
         s.preemptions = scheduler.stats.preempted_by_recompute + scheduler.stats.preempted_by_swap
         now = time.monotonic()
         while s.recent and now - s.recent[0][0] > RATE_WINDOW_S:
@@ -571,8 +692,9 @@ def _resolve(group: RequestGroup, error: BaseException | None) -> None:
 
 
 # ----------------------------------------------------------------------------- the engine in a process of its own
-STAT_FIELDS = ("running", "waiting", "swapped", "blocks_total", "blocks_used", "steps", "prompt_tokens",
-               "generation_tokens", "requests_finished", "requests_aborted", "requests_failed", "preemptions")
+STAT_FIELDS = ("running", "waiting", "swapped", "blocks_total", "blocks_used", "steps", "prefill_steps",
+               "prompt_tokens", "generation_tokens", "requests_finished", "requests_aborted", "requests_failed",
+               "preemptions")
 
 
 class ProcessEngine:
@@ -588,9 +710,12 @@ class ProcessEngine:
     events to their groups and speaks HTTP.
     """
 
-    def __init__(self, llm_args: dict, warm_up: bool = True):
+    def __init__(self, llm_args: dict, warm_up: bool = True, window_s: float | None = None):
+        if window_s is not None and not window_s >= 0:
+            raise ValueError(f"the admission window must be >= 0 seconds, got {window_s!r}")
         self.llm_args = llm_args          # LLM(**llm_args) in the child
         self.warm_up = warm_up
+        self.window_s = window_s          # the child's admission window (AsyncEngine)
         self.stats = EngineStats()
         self.core = None                  # in the child process
         self._groups: dict[int, RequestGroup] = {}
@@ -607,8 +732,8 @@ class ProcessEngine:
         """Start the child and wait until its engine is ready (model loaded, CUDA graphs recorded)."""
         context = multiprocessing.get_context("spawn")    # a fresh interpreter: no CUDA state is inherited
         self._conn, child_end = context.Pipe()
-        self._proc = context.Process(target=_child_main, args=(child_end, self.llm_args, self.warm_up),
-                                     name="yaie-engine", daemon=True)
+        self._proc = context.Process(target=_child_main, name="yaie-engine", daemon=True,
+                                     args=(child_end, self.llm_args, self.warm_up, self.window_s))
         self._proc.start()
         child_end.close()
         try:
@@ -737,8 +862,8 @@ class _RemoteGroup:
 class _ChildEngine(AsyncEngine):
     """The engine loop of :class:`ProcessEngine`'s child: requests and aborts from a pipe, events back."""
 
-    def __init__(self, llm: LLM, conn, warm_up: bool):
-        super().__init__(llm, warm_up)
+    def __init__(self, llm: LLM, conn, warm_up: bool, window_s: float | None = None):
+        super().__init__(llm, warm_up, window_s)
         self.conn = conn
         self._remote: dict[int, _RemoteGroup] = {}
         self._last_stats: dict | None = None
@@ -775,12 +900,12 @@ class _ChildEngine(AsyncEngine):
             stopping = True
         return inbox, aborts, stopping
 
-    def _idle(self) -> None:
+    def _idle(self, timeout: float | None = None) -> None:
         if self._stats_due is not None:         # the counters as the engine goes idle
             self._send(("stats", self._stats_due))
             self._stats_due = None
         try:
-            self.conn.poll(1.0)
+            self.conn.poll(1.0 if timeout is None else timeout)
         except (EOFError, OSError):
             pass
 
@@ -808,7 +933,7 @@ class _ChildEngine(AsyncEngine):
             self._last_stats = self._stats_due = snapshot
 
 
-def _child_main(conn, llm_args: dict, warm_up: bool) -> None:
+def _child_main(conn, llm_args: dict, warm_up: bool, window_s: float | None = None) -> None:
     """The engine process: load the model, then run the loop until the server says stop (or is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to the server, which stops the engine
     try:
@@ -816,7 +941,7 @@ def _child_main(conn, llm_args: dict, warm_up: bool) -> None:
     except BaseException as err:  # noqa: BLE001 (reported to the server process, which exits with it)
         conn.send(("failed", f"{type(err).__name__}: {err}"))
         return
-    _ChildEngine(llm, conn, warm_up)._run()
+    _ChildEngine(llm, conn, warm_up, window_s)._run()
 
 
 class Frontend:

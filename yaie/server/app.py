@@ -418,6 +418,8 @@ def prometheus_text(engine: AsyncEngine) -> str:
         ("yaie_requests_failed_total", "counter", "requests failed by an engine error", s.requests_failed),
         ("yaie_preemptions_total", "counter", "preemptions (recompute or swap)", s.preemptions),
         ("yaie_engine_steps_total", "counter", "forward passes", s.steps),
+        ("yaie_engine_prefill_steps_total", "counter", "forward passes that fed prompt tokens (on CUDA: launched "
+         "eagerly, not from a CUDA graph)", s.prefill_steps),
     ]
     lines = []
     for name, kind, help_text, value in rows:

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-in-thread", action="store_true",
                    help="run the engine loop in a thread of the server process (default: a process of its own, "
                         "so HTTP work does not hold the engine's interpreter lock)")
+    p.add_argument("--admission-window-ms", type=float, default=None, metavar="MS",
+                   help="the longest an arrived request is held back so that others arriving share its prefill "
+                        "step (sooner when idle and none has come for 1 ms, or while decodes run after 1.5 times "
+                        "a recent prefill step; default 50 with CUDA graphs, 0 without: 0 admits at the next step)")
     p.add_argument("--solutions", default=None, metavar="SPEC",
                    help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=5.0, metavar="S",
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from yaie.engine.llm import LLM
     from yaie.model.config import ModelLoadError
     from yaie.ops import KernelMissing
-    from yaie.engine.async_engine import Frontend, ProcessEngine
+    from yaie.engine.async_engine import AsyncEngine, Frontend, ProcessEngine
     from yaie.server.app import create_app
 
     llm_args = dict(model=args.model, device=args.device, cpu_threads=args.threads, block_size=args.block_size,
@@ -64,15 +68,16 @@ def main(argv: list[str] | None = None) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens, chunked_prefill=not args.no_chunked_prefill,
                     cuda_graphs=False if args.no_cuda_graphs else None,
                     prefix_caching=not args.no_prefix_caching)
+    window_s = None if args.admission_window_ms is None else args.admission_window_ms / 1000
     try:
         if args.solutions is not None:
             switch.use_solutions(args.solutions)
         if args.engine_in_thread:
             llm = LLM(**llm_args)
-            app = create_app(llm, args.served_model_name)
+            app = create_app(llm, args.served_model_name, AsyncEngine(llm, window_s=window_s))
         else:
             llm = Frontend(args.model, args.block_size)      # checks the folder before the engine loads it
-            engine = ProcessEngine(llm_args)
+            engine = ProcessEngine(llm_args, window_s=window_s)
             engine.start()
             app = create_app(llm, args.served_model_name, engine)
     except (KernelMissing, switch.LessonUnavailable, ModelLoadError, ValueError, RuntimeError) as err:
