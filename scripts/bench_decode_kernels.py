@@ -143,7 +143,7 @@ def bench_decode(device, dtype, time_of, rows, quick):
                                      default=splits == default and tile == 64 and warps == 4, us=time_of(fn)))
 
 
-def bench_matvec(device, dtype, time_of, rows, quick):
+def bench_matvec(device, dtype, time_of, rows, quick, no_sweep=False):
     """Lesson 02's one-row products (as launched by the engine) beside the ops they replace; for the fused
     norm, a sweep of launch settings too."""
     hidden, inter = (HIDDEN, INTER) if not quick else (96, 80)
@@ -152,6 +152,8 @@ def bench_matvec(device, dtype, time_of, rows, quick):
     if quick:
         shapes = {k: (40, v[1], v[2]) for k, v in shapes.items()}
     sweep = [(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)] if not quick else [(4, 32, 1)]
+    if no_sweep:
+        sweep = []
     for name, (n, k, kind) in shapes.items():
         copies = max(2, -(-(256 << 20) // (n * k * 2))) if not quick else 2
         weights = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
@@ -203,6 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="tiny shapes, each variant run once (CPU interpreter)")
     p.add_argument("--reps", type=int, default=64)
     p.add_argument("--only", default="rope,decode,matvec,argmax")
+    p.add_argument("--no-sweep", action="store_true", help="matvec: the launch settings in use only")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -215,7 +218,7 @@ def main(argv=None) -> int:
     if "decode" in only:
         bench_decode(device, dtype, time_of, rows, args.check)
     if "matvec" in only:
-        bench_matvec(device, dtype, time_of, rows, args.check)
+        bench_matvec(device, dtype, time_of, rows, args.check, args.no_sweep)
     if "argmax" in only:
         bench_argmax(device, time_of, rows, args.check)
     for r in rows:
