@@ -7,9 +7,10 @@
 #                                                                                -> $OUT/batching.json (CHECK=0 skips)
 # 3. scripts/bench_decode_kernels.py: each decode-step kernel beside what it replaces, inside CUDA graphs
 #                                                                                -> $OUT/decode_kernels_<gpu>.json (KERNELS=0 skips)
-# 4. python -m yaie.bench.engine at batch 1 (no transformers rows): with every op apart (yaie.ops' fused
-#    decode-step kernels switched off in-process: RoPE + K/V write, the one-row products with their norm or
-#    SwiGLU gate), then as the engine runs, with the torch profile of a decode run
+# 4. python -m yaie.bench.engine at batch 1 (no transformers rows): with every op apart (switched off in-process:
+#    yaie.ops' fused decode-step kernels, RoPE + K/V write and the one-row products with their norm or SwiGLU
+#    gate; and the CUDA graphs' smallest context bound back at 1024), then as the engine runs, with the torch
+#    profile of a decode run
 #                                                                                -> $OUT/apart/, $OUT/engine/
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTIONS=all
@@ -38,6 +39,7 @@ ENGINE_ARGS="--size 1b --batches 1 --prompt-len 128 --new-tokens 128 --repeats 3
   echo "== engine, batch 1, every op apart"; start=$SECONDS
   timeout 150 python3 -c "import sys; from yaie import ops; ops._fused_rope_write_kv = lambda manager, q: None
 ops._one_row_kernel = lambda x, name: None
+import yaie.engine.cuda_graphs as graphs; graphs.MIN_BOUND = 1024
 from yaie.bench.engine import main; sys.exit(main(sys.argv[1:]))" --out "$OUT/apart" $ENGINE_ARGS
   echo "== rc $? ($((SECONDS - start)) s)"
   echo "== engine, batch 1, as it runs (+ profile)"; start=$SECONDS

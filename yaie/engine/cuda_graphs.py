@@ -49,7 +49,10 @@ from yaie import ops
 from yaie.model.paged import StaticDecodeStep
 
 SCRATCH_SEQ = "__yaie_cuda_graph_scratch__"   # the cache "sequence" that owns the padding rows' block
-MIN_BOUND = 1024   # smallest context bound: below 2 * 512 tokens lesson 04 does not split anyway
+# Smallest context bound. Lesson 04 splits no context under 2 * 512 tokens, and a bound of 1024 over shorter
+# contexts would give it a second, empty split to merge: 6.7 us instead of 5.5 us a layer at batch 1, 200
+# tokens (bench/results/decode_kernels_h100.json).
+MIN_BOUND = 512
 CASCADE_MIN_SHARED_TOKENS = ops.CASCADE_MIN_SHARED_TOKENS   # and the granule of a cascade graph's shared length
 MAX_CASCADE_LENGTHS = 8   # distinct shared lengths that get cascade graphs; other steps record plain ones
 
