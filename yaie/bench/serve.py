@@ -17,6 +17,11 @@ end-of-sequence ignored (so every request has the same length and the C clients 
   between text chunks); throughput is generated tokens (the usage counts) over the wall time of all rounds.
 
 Serving overhead = 1 - served tokens/s / offline tokens/s (target <= 10% at C = 64).
+
+``--admission-window-ms default,0`` serves the same requests once per value, each with a server of its own:
+the server's admission window (:class:`yaie.engine.async_engine.AsyncEngine`) as shipped, then off, beside
+the same offline figures (``--compare-concurrency``: the levels of the values after the first). The
+report counts each level's steps, and those that fed prompt tokens (eager on CUDA).
 """
 
 from __future__ import annotations
@@ -295,8 +300,12 @@ def main(argv=None) -> int:
     p.add_argument("--client-processes", type=int, default=8,
                    help="worker processes the clients are spread over (default 8; one Python process cannot "
                         "parse 64 streams at full speed)")
-    p.add_argument("--admission-window-ms", type=float, default=None, metavar="MS",
-                   help="the server's admission window (yaie serve --admission-window-ms; default the server's)")
+    p.add_argument("--admission-window-ms", default="default", metavar="LIST",
+                   help="the server's admission window (yaie serve --admission-window-ms): 'default' (the "
+                        "server's own) or milliseconds; a list ('default,0') serves once per value, the first for "
+                        "the main table, the others for comparison at --compare-concurrency")
+    p.add_argument("--compare-concurrency", default=None, metavar="LIST",
+                   help="the concurrency levels of the comparison windows (default: all of --concurrency)")
     p.add_argument("--engine-in-thread", action="store_true",
                    help="serve with the engine loop in a thread of the server process (yaie serve --engine-in-thread)")
     args = p.parse_args(argv)
@@ -321,12 +330,29 @@ def main(argv=None) -> int:
     num_blocks = max(levels) * -(-(args.prompt_len + args.new_tokens) // 16) + 64
     engine_args = ["--device", args.device, "--num-blocks", str(num_blocks)]
     engine_args += ["--engine-in-thread"] if args.engine_in_thread else []
-    if args.admission_window_ms is not None:
-        engine_args += ["--admission-window-ms", str(args.admission_window_ms)]
     from yaie.engine.async_engine import ADMISSION_WINDOW_S      # the server's default: on with CUDA graphs
-    window_ms = args.admission_window_ms if args.admission_window_ms is not None else (
-        1000 * ADMISSION_WINDOW_S if args.device == "cuda" else 0.0)
-    rows = []
+    default_ms = 1000 * ADMISSION_WINDOW_S if args.device == "cuda" else 0.0
+    windows = [None if w.strip() == "default" else float(w) for w in args.admission_window_ms.split(",")]
+    compared = [int(c) for c in args.compare_concurrency.split(",")] if args.compare_concurrency else levels
+    runs = [(w, levels if i == 0 else [c for c in compared if c in levels]) for i, w in enumerate(windows)]
+    env = environment()
+    for name in ("fastapi", "uvicorn", "httpx", "httptools", "uvloop"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            env[name] = None
+    report = dict(environment=env, model=dict(size=args.size, dtype=dtype_name, config=CONFIGS[args.size] | COMMON,
+                                              init="random (seed 0)"),
+                  workload=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, concurrency=levels,
+                                requests_per_client=args.requests_per_client, sampling="greedy, ignore_eos",
+                                kv_block_size=16, num_blocks=num_blocks, client_processes=args.client_processes,
+                                engine_loop="thread" if args.engine_in_thread else "process",
+                                admission_window_ms=[default_ms if w is None else w for w in windows],
+                                compare_concurrency=compared if len(windows) > 1 else None),
+                  rows=[], server_metrics_at_end=None)
+    out = Path(args.out) if args.out else ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    slug = gpu_slug() if args.device == "cuda" else "cpu"
     with tempfile.TemporaryDirectory() as folder:
         hf = build_model(args.size, Path(folder), args.device, dtype)
         del hf
@@ -334,7 +360,7 @@ def main(argv=None) -> int:
         if args.device == "cuda":
             torch.cuda.empty_cache()
         llm = LLM(folder, device=args.device, dtype=dtype, num_blocks=num_blocks)
-        parameters = llm.num_parameters()
+        report["model"]["parameters"] = llm.num_parameters()
         offline = {}
         for c in levels:
             offline[c] = run_offline(llm, prompts[c], warm_prompts[c], args.new_tokens, args.device)
@@ -343,53 +369,48 @@ def main(argv=None) -> int:
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        with ServerProcess(folder, engine_args) as server:
-            model = Path(folder).name
-            for c in levels:
-                cpu_before, steps_before = server.cpu_seconds(), server.metrics()
-                served = run_clients(server.url, model, prompts[c], warm_prompts[c], args.new_tokens, args.timeout,
-                                     args.client_processes)
-                cpu_after, steps_after = server.cpu_seconds(), server.metrics()
-                for name in ("steps", "prefill_steps"):     # warm-up round included
-                    key = f"yaie_engine_{name}_total"
-                    served[name] = int(steps_after.get(key, 0) - steps_before.get(key, 0))
-                for name in cpu_after:       # warm-up round included: an upper bound of the measured rounds'
-                    served[f"{name}_cpu_us_per_token"] = (1e6 * (cpu_after[name] - cpu_before.get(name, 0.0))
-                                                          / served["tokens"])
-                row = dict(concurrency=c, offline_tokens_per_s=offline[c]["tokens_per_s"],
-                           offline_seconds=offline[c]["seconds"], offline_steps=offline[c]["steps"],
-                           offline_prefill_steps=offline[c]["prefill_steps"],
-                           **{f"served_{k}": v for k, v in served.items()})
-                row["overhead"] = 1 - row["served_tokens_per_s"] / row["offline_tokens_per_s"]
-                rows.append(row)
-                print(f"served   C={c:<3d} {served['tokens_per_s']:9.1f} tok/s  "
-                      f"overhead {100 * row['overhead']:5.1f}%  "
-                      f"TTFT p50 {served['ttft_p50_ms']:.1f} ms p99 {served['ttft_p99_ms']:.1f} ms  "
-                      f"ITL p50 {served['itl_p50_ms'] or 0:.2f} ms p99 {served['itl_p99_ms'] or 0:.2f} ms  "
-                      f"steps {served['steps']} ({served['prefill_steps']} with prompts; offline "
-                      f"{offline[c]['steps']} ({offline[c]['prefill_steps']}))", flush=True)
-            final = server.metrics()
-    env = environment()
-    for name in ("fastapi", "uvicorn", "httpx", "httptools", "uvloop"):
-        try:
-            env[name] = __import__(name).__version__
-        except ImportError:
-            env[name] = None
-    report = dict(environment=env, model=dict(size=args.size, parameters=parameters, dtype=dtype_name,
-                                              config=CONFIGS[args.size] | COMMON, init="random (seed 0)"),
-                  workload=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, concurrency=levels,
-                                requests_per_client=args.requests_per_client, sampling="greedy, ignore_eos",
-                                kv_block_size=16, num_blocks=num_blocks, client_processes=args.client_processes,
-                                engine_loop="thread" if args.engine_in_thread else "process",
-                                admission_window_ms=window_ms),
-                  rows=rows, server_metrics_at_end=final)
-    out = Path(args.out) if args.out else ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    slug = gpu_slug() if args.device == "cuda" else "cpu"
-    (out / f"serve_{slug}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"serve_{slug}.md").write_text(markdown(report))
+        for server_index, (window, run_levels) in enumerate(runs):
+            window_args = [] if window is None else ["--admission-window-ms", str(window)]
+            with ServerProcess(folder, engine_args + window_args) as server:
+                rows = serve_levels(server, Path(folder).name, run_levels, prompts, warm_prompts, offline, args,
+                                    default_ms if window is None else window)
+                report["rows"] += [dict(row, server=server_index) for row in rows]
+                # The first server's counters, after all its levels.
+                report["server_metrics_at_end"] = report["server_metrics_at_end"] or server.metrics()
+            # Written after each server: what was measured stays when a later comparison runs out of time.
+            (out / f"serve_{slug}.json").write_text(json.dumps(report, indent=2) + "\n")
+            (out / f"serve_{slug}.md").write_text(markdown(report))
     print(markdown(report))
     return 0
+
+
+def serve_levels(server: "ServerProcess", model: str, levels: list[int], prompts: dict, warm_prompts: dict,
+                 offline: dict, args, window_ms: float) -> list[dict]:
+    """One table's rows: each concurrency level's clients against ``server``, beside its offline figures."""
+    print(f"yaie serve: admission window {window_ms:g} ms", flush=True)
+    rows = []
+    for c in levels:
+        cpu_before, steps_before = server.cpu_seconds(), server.metrics()
+        served = run_clients(server.url, model, prompts[c], warm_prompts[c], args.new_tokens, args.timeout,
+                             args.client_processes)
+        cpu_after, steps_after = server.cpu_seconds(), server.metrics()
+        for name in ("steps", "prefill_steps"):     # warm-up round included
+            key = f"yaie_engine_{name}_total"
+            served[name] = int(steps_after.get(key, 0) - steps_before.get(key, 0))
+        for name in cpu_after:       # warm-up round included: an upper bound of the measured rounds'
+            served[f"{name}_cpu_us_per_token"] = (1e6 * (cpu_after[name] - cpu_before.get(name, 0.0))
+                                                  / served["tokens"])
+        row = dict(concurrency=c, admission_window_ms=window_ms, offline_tokens_per_s=offline[c]["tokens_per_s"],
+                   offline_seconds=offline[c]["seconds"], offline_steps=offline[c]["steps"],
+                   offline_prefill_steps=offline[c]["prefill_steps"], **{f"served_{k}": v for k, v in served.items()})
+        row["overhead"] = 1 - row["served_tokens_per_s"] / row["offline_tokens_per_s"]
+        rows.append(row)
+        print(f"served   C={c:<3d} {served['tokens_per_s']:9.1f} tok/s  overhead {100 * row['overhead']:5.1f}%  "
+              f"TTFT p50 {served['ttft_p50_ms']:.1f} ms p99 {served['ttft_p99_ms']:.1f} ms  "
+              f"ITL p50 {served['itl_p50_ms'] or 0:.2f} ms p99 {served['itl_p99_ms'] or 0:.2f} ms  "
+              f"steps {served['steps']} ({served['prefill_steps']} with prompts; offline "
+              f"{offline[c]['steps']} ({offline[c]['prefill_steps']}))", flush=True)
+    return rows
 
 
 LOOP_WORDS = {"thread": "in a thread of the server process", "process": "in a process of its own"}
@@ -398,13 +419,6 @@ LOOP_WORDS = {"thread": "in a thread of the server process", "process": "in a pr
 def markdown(report: dict) -> str:
     env, model, work = report["environment"], report["model"], report["workload"]
     cfg = model["config"]
-
-    def ms(v):
-        return f"{v:.1f}" if v is not None else "n/a"
-
-    def us(v):
-        return f"{v:.0f}" if v is not None else "n/a"
-
     lines = [
         f"# The OpenAI server under load vs offline LLM.generate ({env['gpu'] or 'CPU'})", "",
         f"Model: random Llama, hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
@@ -416,29 +430,40 @@ def markdown(report: dict) -> str:
         f"`LLM.generate`, C prompts per call. KV cache: {work['num_blocks']} blocks of {work['kv_block_size']} "
         f"for both. The server's engine loop: {LOOP_WORDS[work.get('engine_loop', 'thread')]}. "
         f"The clients: spread over {work.get('client_processes', 1)} worker processes (one per client below "
-        f"that), an HTTP connection each. The server's admission window: {window_words(work)}. "
+        f"that), an HTTP connection each. "
         "Throughput: generated tokens over the wall time of all rounds, after a warm-up round.",
         f"Versions: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, fastapi {env.get('fastapi')}, "
-        f"uvicorn {env.get('uvicorn')} (httptools {env.get('httptools')}, uvloop {env.get('uvloop')}), httpx {env.get('httpx')}; "
-        f"commit {env['git_commit']}; {env['date_utc']}.",
+        f"uvicorn {env.get('uvicorn')} (httptools {env.get('httptools')}, uvloop {env.get('uvloop')}), "
+        f"httpx {env.get('httpx')}; commit {env['git_commit']}; {env['date_utc']}.",
         f"Command: `{env['command']}`", "",
         "CPU per token: microseconds of CPU time per generated token of the HTTP process, the engine process "
         "and the load generator's workers (the warm-up round counted in for the server's two). Steps: forward "
         "passes, and in brackets those that fed prompt tokens (on CUDA launched eagerly, each costing every "
         "running stream many decode steps' time): offline over the measured rounds, served with the warm-up "
-        "round (its requests generate 8 tokens).", "",
-        "| clients | offline tok/s | served tok/s | overhead | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-        "| CPU us/token: HTTP / engine / clients | steps offline | steps served |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "round (its requests generate 8 tokens).",
     ]
-    for r in report["rows"]:
-        lines.append(f"| {r['concurrency']} | {r['offline_tokens_per_s']:.0f} | {r['served_tokens_per_s']:.0f} | "
-                     f"{100 * r['overhead']:.1f}% | {ms(r['served_ttft_p50_ms'])} | {ms(r['served_ttft_p99_ms'])} | "
-                     f"{ms(r['served_itl_p50_ms'])} | {ms(r['served_itl_p99_ms'])} | "
-                     f"{us(r.get('served_http_cpu_us_per_token'))} / {us(r.get('served_engine_cpu_us_per_token'))} / "
-                     f"{us(r.get('served_client_cpu_us_per_token'))} | "
-                     f"{steps(r, 'offline_')} | {steps(r, 'served_')} |")
+    windows = work.get("admission_window_ms")
+    for server, window in enumerate(windows if isinstance(windows, list) else [windows]):
+        lines += ["", f"Admission window: {window_words(window)}.", "",
+                  "| clients | offline tok/s | served tok/s | overhead | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
+                  "| ITL p99 ms | CPU us/token: HTTP / engine / clients | steps offline | steps served |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [table_row(r) for r in report["rows"] if r.get("server", 0) == server]
     return "\n".join(lines) + "\n"
+
+
+def table_row(r: dict) -> str:
+    def ms(v):
+        return f"{v:.1f}" if v is not None else "n/a"
+
+    def us(v):
+        return f"{v:.0f}" if v is not None else "n/a"
+
+    return (f"| {r['concurrency']} | {r['offline_tokens_per_s']:.0f} | {r['served_tokens_per_s']:.0f} | "
+            f"{100 * r['overhead']:.1f}% | {ms(r['served_ttft_p50_ms'])} | {ms(r['served_ttft_p99_ms'])} | "
+            f"{ms(r['served_itl_p50_ms'])} | {ms(r['served_itl_p99_ms'])} | "
+            f"{us(r.get('served_http_cpu_us_per_token'))} / {us(r.get('served_engine_cpu_us_per_token'))} / "
+            f"{us(r.get('served_client_cpu_us_per_token'))} | {steps(r, 'offline_')} | {steps(r, 'served_')} |")
 
 
 def steps(row: dict, prefix: str) -> str:
@@ -446,16 +471,12 @@ def steps(row: dict, prefix: str) -> str:
     return "n/a" if total is None else f"{total} ({prefill})"
 
 
-def window_words(work: dict) -> str:
-    window = work.get("admission_window_ms")
-    if window is None:
-        return "none"
-    if window == 0:
+def window_words(window: float | None) -> str:
+    if not window:
         return "off (a request joins the batch at the next step)"
-    return (f"at most {window:g} ms (`--admission-window-ms`; while decodes run, up to 1.5 times a recent "
-            "step with prompts, shared out over the running and held requests; when idle, until none has "
-            "come for 1 ms unless clients that just finished have not come back yet)")
-
+    return (f"at most {window:g} ms (`yaie serve --admission-window-ms`; while decodes run, up to 1.5 times a "
+            "recent step with prompts, shared out over the running and the held requests; when idle, until "
+            "none has come for 1 ms, unless clients that just finished have not come back yet)")
 
 if __name__ == "__main__":
     raise SystemExit(main())
