@@ -31,7 +31,7 @@ timeout ${DECODE_TIMEOUT:-120} python3 scripts/gpu_lesson08_memory.py yaie/asset
     --full yaie/assets/tiny-stories --lengths ${DECODE_LENGTHS:-1024,16384} --out "$OUT/lesson08_engine.json" 2>&1
 
 echo "== grader (reference solutions) =="
-timeout ${GRADER_TIMEOUT:-150} python3 -m pytest grader/lesson08 --solutions -q -p no:cacheprovider 2>&1
+timeout ${GRADER_TIMEOUT:-240} python3 -m pytest grader/lesson08 --solutions -q -p no:cacheprovider 2>&1
 
 if [ -z "${SKIP_TRAIN:-}" ]; then
     echo "== tiny Based model beside the full-attention one =="

@@ -83,15 +83,15 @@ def test_segmented_route_equals_the_quadratic_form(seq, value_dim, segment, bloc
     torch.testing.assert_close(again, out, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("groups,block_t,form", [(8, 32, 0), (4, 64, 1), (16, 16, 2), (1, 32, 2)])
-def test_boundary_state_kernel_writes_every_prefix(groups, block_t, form):
+@pytest.mark.parametrize("groups,block_t", [(8, 32), (4, 64), (16, 16), (1, 32)])
+def test_boundary_state_kernel_writes_every_prefix(groups, block_t):
     """Step 1 of the default route: the state after each segment but the last (phi(K)^T V and sum phi(K)
     over all tokens before the boundary) and the final state, after a partial last segment."""
     q, k, v = _qkv(150, value_dim=40, seed=5)
     prefix_kv = torch.full((1, 2, 2, 273, 40), float("nan"))
     prefix_k = torch.full((1, 2, 2, 273), float("nan"))
     final = ref.BasedState(torch.full((1, 2, 273, 40), float("nan")), torch.full((1, 2, 273), float("nan")))
-    ref._launch_prefix_state(k, v, prefix_kv, prefix_k, final.kv, final.k, 64, groups, block_t, form=form)
+    ref._launch_prefix_state(k, v, prefix_kv, prefix_k, final.kv, final.k, 64, groups, block_t)
     phi_k = ref.taylor_feature_map(k.double())
     for j, end in enumerate([64, 128, 150]):
         exact_kv = phi_k[:, :, :end].transpose(-1, -2) @ v[:, :, :end].double()
@@ -123,15 +123,15 @@ def test_default_route_is_the_segmented_one(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seq,segment,value_dim,groups,form", [(1000, 256, 64, 8, 0), (777, 128, 128, 4, 1),
-                                                               (2049, 512, 64, 16, 2), (300, 128, 96, 2, 2)])
-def test_segmented_route_bfloat16_gpu(seq, segment, value_dim, groups, form):
+@pytest.mark.parametrize("seq,segment,value_dim,groups", [(1000, 256, 64, 8), (777, 128, 128, 4), (2049, 512, 64, 16),
+                                                          (300, 128, 96, 2), (200, 256, 64, 4)])
+def test_segmented_route_bfloat16_gpu(seq, segment, value_dim, groups):
     """bfloat16 on the GPU: the boundary states kept in bfloat16 and read by one long product."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     q, k, v = (t.cuda().to(torch.bfloat16) for t in _qkv(seq, value_dim=value_dim, heads=3, seed=seq))
     out = torch.full_like(v, float("nan"))
-    state = ref._launch_segmented(q, k, v, out, segment, True, state_groups=groups, state_form=form)
+    state = ref._launch_segmented(q, k, v, out, segment, True, state_groups=groups)
     exact = _exact(q.cpu(), k.cpu(), v.cpu())
     torch.testing.assert_close(out.double().cpu(), exact, atol=2e-2, rtol=1.6e-2)
     phi_k = ref.taylor_feature_map(k.double().cpu())

@@ -36,25 +36,30 @@ blocks of ``phi``: the state holds ``sum v`` (order 0), ``sum k v^T`` (order 1) 
 normaliser, all in float32. The kernel never builds ``phi(k)`` in memory: it forms the 256
 second-order features of a chunk in registers, ``k_a k_b``, and multiplies them straight away.
 
-**Short sequences** (the reference's default route up to ``QUADRATIC_MAX_SEQ`` tokens). The chunked
-kernel walks the chunks of a sequence in order, one program per (sequence, head): at a few thousand
-tokens that is little parallel work for a large GPU, and each program carries a 273-row state. The
-quadratic form has plenty: every block of queries against its keys, as flash attention tiles softmax
-attention but without the running maximum (the weights are never below 1/2: nothing can overflow the
-sums). Its work grows with ``seq^2``. The state for decoding comes from a second kernel, ``phi(K)^T V``
-as a plain matrix product split over programs by feature rows. The same two kernels can also cut a
-long sequence into segments, the quadratic form inside a segment and the state between segments::
+**The reference's default route** (``chunk_size=None``). The chunked kernel walks the chunks of a
+sequence in order, one program per (sequence, head): 256 programs for 16 sequences of 16 heads, little
+parallel work for a large GPU, and each program carries a 273-row state (it spills registers on the
+H100). The route cuts the sequence into segments of ``DEFAULT_SEGMENT`` tokens instead::
 
-    1. the state of each segment,  phi(K_seg)^T V_seg   (a matrix product, all segments at once)
-    2. running sums over segments   (cumsum: the state before each segment)
-    3. every query block at once:   phi(q) @ state before its segment  +  the tile form over its segment
+    1. the state at every segment boundary   (one kernel: each program owns some feature rows of one
+                                              head's state and walks the sequence, storing its rows of
+                                              the running sums at each boundary, and at the end the
+                                              final state)
+    2. every query block at once:            the quadratic form over the keys of its own segment
+                                              + phi(q) @ (the state before its segment)
 
-Measured on the H100 (bench/results/lesson08_h100.md; batch 16, 16 heads, d_v 64, bf16): one segment
-with the state beats the chunked kernel at 1k tokens (1.23x) and 2k (1.07x); segments of 256-4096
-tokens lose to it from 4k on (1.08-1.47x slower). The state kernel is the weak part: it gathers k one
-element at a time and takes 0.16 ms at 1k tokens with 64 feature rows per program (the setting of those
-route figures), 0.13 ms with 32 (the default), where the tiles take 0.10 ms. Hence the route: one
-segment up to 2048 tokens, chunks beyond.
+Inside a segment the quadratic form tiles like flash attention but without the running maximum (the
+weights are never below 1/2: nothing can overflow the sums); its work per token grows with the segment,
+not the sequence. Step 1 is a plain matrix product per tile, ``S^T += V^T phi(K)``, with the features
+``k_a k_b`` of a block of rows built in registers. bfloat16 inputs keep the boundary states in bfloat16
+(the chunked kernel rounds its state to bfloat16 for its products too) so that step 2 reads them with
+one ``[BLOCK_M, 256] x [256, d_v]`` tensor-core product; float16 and float32 inputs keep float32 states.
+
+Measured on the H100 (bench/results/lesson08_h100.md; batch 16, 16 heads, d_v 64, bf16): the route
+takes 1.3x (1k tokens) to 1.9x (16k) less time than the chunked kernel; step 1 is the larger part below
+4k tokens. Of three ways to build the order-2 features in step 1 (``[rows, tokens]`` tiles from a 3-D
+product or from two gathers of k, or the transposed ``[tokens, rows]`` tile used here) the transposed
+one was 1.3-1.5x faster than the others (bench/results/lesson08_h100_state_forms.md).
 
 **Recurrent decode** (task 3): one token updates the state and reads its output from it.
 
@@ -81,7 +86,7 @@ EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_VALUE_DIM = 256
 DEFAULT_CHUNK = 32                                     # on the H100 chunks of 16 and 32 time alike, 64 and 128 are slower
-DEFAULT_SEGMENT = 256                                  # based_prefill's default route: the quadratic form inside segments this long
+DEFAULT_SEGMENT = 256                                  # the default route: the quadratic form inside segments this long
 
 
 class BasedState(NamedTuple):
@@ -684,7 +689,6 @@ def _based_prefix_state_kernel(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     seq_len, value_dim, heads, segment_len,
     GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
-    FORM: tl.constexpr = 0,
 ):
     """The state at every segment boundary, ``phi(K)^T V`` and ``sum phi(K)`` over the tokens before it.
 
@@ -696,14 +700,16 @@ def _based_prefix_state_kernel(
     tensor) and ``PREFIX_K [batch * heads, segments - 1, 273]`` (float32); at the end of the sequence
     into the final ``STATE_KV [batch * heads, 273, value_dim]``, ``STATE_K [batch * heads, 273]`` (float32).
 
-    Row block 0: the order-0 and order-1 rows 0..16 (``sum v``, ``sum k/2 v^T``) and the whole normaliser
-    (the count, ``sum k/2`` and ``sum k_a k_b / (4 sqrt 2)``, 273 numbers: cheap, one program does it).
+    Row block 0: the order-0 and order-1 rows 0..16 (``sum v``, ``sum k/2 v^T``) and the same entries of
+    the normaliser (the count, ``sum k/2``).
     Row block ``r >= 1``: the order-2 rows of features ``a = (r - 1) GROUPS .. r GROUPS - 1``, i.e. state
-    rows ``17 + 16 a + b`` for every ``b``: ``GROUPS * 16`` consecutive rows. Their features for a tile of
-    tokens, ``k_a k_b`` as ``[GROUPS * 16, BLOCK_T]``, are built from two loads of k (the columns ``a`` and
-    all 16 columns) as ``[GROUPS, 16, BLOCK_T]`` products in the inputs' dtype (the product of two 16-bit
-    numbers rounded once, as a float32 product cast down would be), then one tensor-core product with
-    ``v``; the constant ``1 / (4 sqrt 2)`` is applied once, when the sums are stored.
+    rows ``17 + 16 a + b`` for every ``b``: ``GROUPS * 16`` consecutive rows, and the same entries of the
+    normaliser. Their features for a tile of tokens, ``k_a k_b`` as ``[BLOCK_T, GROUPS * 16]``, are built
+    from two loads of k (the columns ``a`` and all 16 columns) as ``[BLOCK_T, GROUPS, 16]`` products, then
+    one tensor-core product ``v^T @ feats``: the program keeps its rows transposed, ``[BLOCK_V, rows]``.
+    The constant ``1 / (4 sqrt 2)`` is applied once, when the sums are stored. The segments' edges fall on
+    tile edges (``segment_len`` is a multiple of ``BLOCK_T``), so one loop over the tiles serves every
+    segment and Triton can pipeline its loads.
     """
     pid_r = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -725,8 +731,7 @@ def _based_prefix_state_kernel(
     offs_v = first_v + tl.arange(0, BLOCK_V)
     v_ok = offs_v < value_dim
     if pid_r == 0:
-        # Orders 0 and 1 of the numerator: sum v (row 0), sum (k/2) v^T (rows 1..16); the normaliser:
-        # the count, sum k/2, and sum k k^T (its 256 order-2 entries, a [16, 16] product per tile).
+        # Orders 0 and 1: sum v (row 0), sum (k/2) v^T (rows 1..16); the normaliser's count and sum k/2.
         s0 = tl.zeros([BLOCK_V], dtype=tl.float32)
         s1 = tl.zeros([16, BLOCK_V], dtype=tl.float32)
         z0 = tl.zeros([1], dtype=tl.float32)
@@ -749,69 +754,42 @@ def _based_prefix_state_kernel(
                                 first_v, value_dim, pid_v == 0)
         _store_orders01(state_kv, state_k, 0, s0, s1, z0, z1, first_v, value_dim, pid_v == 0)
     else:
-        # Order 2: rows 17 + 16 a + b for a in this block's GROUPS features, b = 0..15.
+        # Order 2: rows 17 + 16 a + b for the GROUPS features a of this block, b = 0..15, kept transposed
+        # ([BLOCK_V, rows]): the features of a tile then enter the product as its second operand,
+        # [BLOCK_T, GROUPS * 16], whose reshape from [BLOCK_T, GROUPS, 16] only merges the last two dims.
         first_a = (pid_r - 1) * GROUPS
         offs_a = first_a + tl.arange(0, GROUPS)
         first_row = 17 + first_a * 16
         offs_r = tl.arange(0, GROUPS * 16)
-        if FORM == 2:
-            kv_t = tl.zeros([BLOCK_V, GROUPS * 16], dtype=tl.float32)
-        else:
-            kv = tl.zeros([GROUPS * 16, BLOCK_V], dtype=tl.float32)
+        kv_t = tl.zeros([BLOCK_V, GROUPS * 16], dtype=tl.float32)
         ksum = tl.zeros([GROUPS * 16], dtype=tl.float32)
         for start in range(0, seq_len, BLOCK_T):
             tokens = start + offs_t
             t_ok = tokens < seq_len
-            # k_a k_b for every (a, b) of the block; tokens past the end read k = 0: no feature.
-            if FORM == 0:
-                k_t = tl.load(k_base + tokens[None, :] * stride_ks + offs_f[:, None], mask=t_ok[None, :], other=0.0)
-                k_a = tl.load(k_base + tokens[None, :] * stride_ks + offs_a[:, None], mask=t_ok[None, :], other=0.0)
-                v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
-                            mask=t_ok[:, None] & v_ok[None, :], other=0.0)
-                feats_t = tl.reshape(k_a.to(tl.float32)[:, None, :] * k_t.to(tl.float32)[None, :, :],
-                                     [GROUPS * 16, BLOCK_T])
-                kv = tl.dot(feats_t.to(v.dtype), v, kv, input_precision=PRECISION)
-                ksum += tl.sum(feats_t, 1)
-            elif FORM == 1:
-                k_a = tl.load(k_base + tokens[None, :] * stride_ks + (first_a + offs_r // 16)[:, None],
-                              mask=t_ok[None, :], other=0.0)
-                k_b = tl.load(k_base + tokens[None, :] * stride_ks + (offs_r % 16)[:, None],
-                              mask=t_ok[None, :], other=0.0)
-                v = tl.load(v_base + tokens[:, None] * stride_vs + offs_v[None, :],
-                            mask=t_ok[:, None] & v_ok[None, :], other=0.0)
-                feats_t = k_a.to(tl.float32) * k_b.to(tl.float32)
-                kv = tl.dot(feats_t.to(v.dtype), v, kv, input_precision=PRECISION)
-                ksum += tl.sum(feats_t, 1)
-            else:
-                k = tl.load(k_base + tokens[:, None] * stride_ks + offs_f[None, :], mask=t_ok[:, None], other=0.0)
-                k_a = tl.load(k_base + tokens[:, None] * stride_ks + offs_a[None, :], mask=t_ok[:, None], other=0.0)
-                v_t = tl.load(v_base + tokens[None, :] * stride_vs + offs_v[:, None],
-                              mask=t_ok[None, :] & v_ok[:, None], other=0.0)
-                feats = tl.reshape(k_a.to(tl.float32)[:, :, None] * k.to(tl.float32)[:, None, :],
-                                   [BLOCK_T, GROUPS * 16])
-                kv_t = tl.dot(v_t, feats.to(v_t.dtype), kv_t, input_precision=PRECISION)
-                ksum += tl.sum(feats, 0)
+            # Tokens past the end read k = 0 and v = 0: they add nothing.
+            k = tl.load(k_base + tokens[:, None] * stride_ks + offs_f[None, :], mask=t_ok[:, None], other=0.0)
+            k_a = tl.load(k_base + tokens[:, None] * stride_ks + offs_a[None, :], mask=t_ok[:, None], other=0.0)
+            v_t = tl.load(v_base + tokens[None, :] * stride_vs + offs_v[:, None],
+                          mask=t_ok[None, :] & v_ok[:, None], other=0.0)
+            # k_a k_b for every (a, b) of the block, in float32 (exact for 16-bit k); cast for the product.
+            feats = tl.reshape(k_a.to(tl.float32)[:, :, None] * k.to(tl.float32)[:, None, :], [BLOCK_T, GROUPS * 16])
+            kv_t = tl.dot(v_t, feats.to(v_t.dtype), kv_t, input_precision=PRECISION)
+            ksum += tl.sum(feats, 0)
             boundary = start + BLOCK_T                            # segment_len is a multiple of BLOCK_T
             if (boundary % segment_len == 0) & (boundary < seq_len):      # the state before the next segment
                 entry = boundary // segment_len - 1
-                if FORM == 2:
-                    _store_rows_t(prefix_kv, entry * 273 + first_row, first_v, value_dim, kv_t * order2_scale)
-                else:
-                    _store_rows(prefix_kv, entry * 273 + first_row, first_v, value_dim, kv * order2_scale)
+                _store_rows_t(prefix_kv, entry * 273 + first_row, first_v, value_dim, kv_t * order2_scale)
                 if pid_v == 0:
                     tl.store(prefix_k + entry * 273 + first_row + offs_r, ksum * order2_scale)
-        if FORM == 2:
-            _store_rows_t(state_kv, first_row, first_v, value_dim, kv_t * order2_scale)
-        else:
-            _store_rows(state_kv, first_row, first_v, value_dim, kv * order2_scale)
+        _store_rows_t(state_kv, first_row, first_v, value_dim, kv_t * order2_scale)
         if pid_v == 0:
             tl.store(state_k + first_row + offs_r, ksum * order2_scale)
 
 # yaie: solution-only
 def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len: int, groups: int = 4,
-                         block_t: int = 64, num_warps: int = 4, form: int = 0, block_v: int | None = None) -> None:
+                         block_t: int = 128, num_warps: int = 4, block_v: int | None = None) -> None:
     """Launch :func:`_based_prefix_state_kernel`: the state before every segment but the first into
-    contiguous ``prefix_kv [b, h, segments - 1, 273, d_v]`` (float32 or bfloat16) and
+    contiguous ``prefix_kv [b, h, segments - 1, 273, d_v]`` (float32, or the inputs' 16-bit dtype) and
     ``prefix_k [b, h, segments - 1, 273]`` (float32), the final state into ``state_kv [b, h, 273, d_v]``,
     ``state_k [b, h, 273]`` (float32; the tensors of a :class:`BasedState` will do)."""
     batch, heads, seq, _ = k.shape
@@ -827,15 +805,15 @@ def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_l
         k, v, prefix_kv, prefix_k, state_kv, state_k,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         seq, value_dim, heads, segment_len,
-        GROUPS=groups, BLOCK_T=block_t, BLOCK_V=block_v, FORM=form,
+        GROUPS=groups, BLOCK_T=block_t, BLOCK_V=block_v,
         PRECISION="ieee" if k.dtype == torch.float32 else "tf32", num_warps=num_warps)
 
 
 # yaie: solution-only
 def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_state: bool = True,
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
-                      state_groups: int = 4, state_block_t: int = 64, state_warps: int = 4,
-                      prefix_16bit: bool | None = None, state_form: int = 0) -> BasedState | None:
+                      state_groups: int = 4, state_block_t: int = 128, state_warps: int = 4,
+                      prefix_16bit: bool | None = None) -> BasedState | None:
     """The default route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
 
     1. the state at every segment boundary and the final state (:func:`_based_prefix_state_kernel`,
@@ -847,15 +825,20 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
     """
     batch, heads, seq, _ = q.shape
     value_dim = v.shape[-1]
-    if segment_len % block_m:
-        raise ValueError(f"segment_len must be a multiple of block_m, got {segment_len} and {block_m}")
+    if segment_len % block_m or block_m % block_n:
+        # Query blocks never straddle a segment edge; key blocks never straddle a query block's edge
+        # (the unmasked loop would count keys of the diagonal block, which the masked loop counts again).
+        raise ValueError(f"segment_len must be a multiple of block_m and block_m of block_n, got "
+                         f"{segment_len}, {block_m}, {block_n}")
     segments = triton.cdiv(seq, segment_len)
     if prefix_16bit is None:
         prefix_16bit = q.dtype == torch.bfloat16
     if prefix_16bit and q.dtype == torch.float32:
         raise ValueError("prefix_16bit needs float16 or bfloat16 inputs")
     f32 = dict(dtype=torch.float32, device=v.device)
-    prefix_kv = prefix_k = torch.zeros(1, **f32)           # not read: one segment has no state before it
+    # Not read (one segment has no state before it), but typed as the kernel expects.
+    prefix_kv = torch.zeros(1, dtype=q.dtype if prefix_16bit else torch.float32, device=v.device)
+    prefix_k = torch.zeros(1, **f32)
     state = None
     if segments > 1 or return_state:
         if segments > 1:
@@ -865,7 +848,7 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
         state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, **f32),
                            torch.empty(batch, heads, EXPANDED_DIM, **f32))
         _launch_prefix_state(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len, state_groups,
-                             state_block_t, state_warps, state_form)
+                             state_block_t, state_warps)
     block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
     grid = (triton.cdiv(seq, block_m), triton.cdiv(value_dim, block_v), batch * heads)
     extra = {} if num_stages is None else {"num_stages": num_stages}
@@ -889,16 +872,15 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     all earlier chunks (sums of ``v``, ``k v^T`` and ``(k x k) v^T`` for the numerator, of ``1``, ``k`` and
     ``k x k`` for the normaliser, in float32). Any length (the last chunk may be partial).
     With ``chunk_size=None`` an implementation may take another route where it is faster; the results
-    are the same (the reference computes sequences of up to ``QUADRATIC_MAX_SEQ`` tokens in the quadratic
-    form, tile by tile, and the state apart; see the module docstring).
+    are the same (the reference cuts the sequence into segments of ``DEFAULT_SEGMENT`` tokens: the
+    quadratic form inside a segment, tile by tile, the state between segments; see the module docstring).
 
     Args:
         q, k: ``[batch, heads, seq, 16]``; v: ``[batch, heads, seq, d_v]`` (d_v up to 256; 64 and 128 are
             the usual ones); one dtype: float16, bfloat16 or float32; any strides; CUDA, or CPU under the
             Triton interpreter.
         chunk_size: tokens per chunk, 16, 32, 64 or 128 (the chunked kernel); ``None``: the implementation's
-            choice (the chunked kernel at a chunk size of your choosing will do; the reference: the
-            quadratic form up to ``QUADRATIC_MAX_SEQ`` tokens, else chunks of 32).
+            choice (the chunked kernel at a chunk size of your choosing will do; the reference: segments).
         return_state: also return the state after the last token (for decoding on).
     Returns:
         ``(out, state)``: ``out [batch, heads, seq, d_v]`` in the inputs' dtype (``out_i`` as in
@@ -922,7 +904,7 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     # The kernel writes the final state (the "rows" variant also uses it as working memory).
     state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, dtype=torch.float32, device=v.device),
                        torch.empty(batch, heads, EXPANDED_DIM, dtype=torch.float32, device=v.device))
-    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size or DEFAULT_CHUNK, _block_v(value_dim))
+    _launch_prefill(q, k, v, out, state.kv, state.k, chunk_size, _block_v(value_dim))
     return out, (state if return_state else None)
 
 

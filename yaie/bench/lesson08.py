@@ -5,15 +5,13 @@ Shapes: batch 16, 16 heads, feature dim 16 (q, k), value dim 64, bf16, 1k to 16k
 Rows (``based_prefill``):
 
 * ``yaie triton``: :func:`based_prefill` as the engine calls it (``chunk_size=None``, the final state
-  returned): the reference's default route (up to ``QUADRATIC_MAX_SEQ`` tokens the quadratic form in one
-  segment plus the state kernel, beyond it the chunked kernel at chunk 32);
+  returned): the reference's default route (segments of ``DEFAULT_SEGMENT`` tokens: the boundary-state
+  kernel, then the quadratic form inside each segment plus the state before it);
 * ``yaie triton (output only)``: the same without the state (what the fla kernels return);
-* ``yaie segmented (segment L, BM m, BN n, w warps[, s stages])``: the segmented route with other
-  settings (the final state returned); a segment of at least the sequence is the plain quadratic form;
+* ``yaie segmented (segment L, BM m, BN n, w warps[, s stages])``: the same route with other settings of
+  its second kernel (the final state returned);
 * ``yaie chunked (registers, chunk C, BV b, w warps)``: the chunked kernel (output and state: the
-  lesson's task 2, ``chunk_size`` given) with other settings; chunk 32, BV 64 at every length, the
-  others from ``CHUNKED_SWEEP_MIN`` tokens (the ``rows`` design, order-2 state in memory, was
-  1.15-1.2x slower than ``registers`` at every length and is no longer timed);
+  lesson's task 2, ``chunk_size`` given);
 * ``fla fused_chunk_based`` and ``fla parallel_based``: flash-linear-attention's Triton kernels
   (``fla-core``, a benchmark-only extra: ``pip install -e .[bench]``). Without fla these rows are
   skipped with a note. fla takes ``[batch, seq, heads, dim]``; it is given views of the same
@@ -21,8 +19,9 @@ Rows (``based_prefill``):
 * ``torch SDPA causal (head_dim 64)``: softmax attention of the same batch with q, k, v of head dim 64
   (what a full-attention layer of the same width costs).
 
-Rows (``based_state``): the segmented route's first step alone (the state of every segment of 1024
-tokens) with other settings (feature rows per program, tokens per step, warps).
+Rows (``based_state``): the route's first kernel alone (the state at every boundary of segments of
+``STATE_SWEEP_SEGMENT`` tokens, bfloat16, and the final state) with other settings (groups of 16
+order-2 feature rows per program, tokens per step, warps).
 
 FLOPs: all ``based_prefill`` rows count the same work, the linear form's ``4 * 273 * d_v`` per token and
 head (the state read ``phi(q) @ S`` and the state update ``phi(k)^T v``), whatever route they take;
@@ -49,13 +48,11 @@ DEVICE = "cuda"
 BATCH, HEADS, FEATURES, VALUE_DIM = 16, 16, 16, 64
 DTYPE = torch.bfloat16
 SEGMENT_SWEEP = [  # (segment_len, block_m, block_n, num_warps, num_stages or None)
-    (128, 64, 64, 4, None), (256, 64, 64, 4, None), (512, 64, 64, 4, None), (256, 64, 32, 4, None),
-    (256, 64, 128, 4, None), (256, 64, 64, 4, 2), (256, 128, 64, 8, None),
+    (128, 64, 64, 4, None), (512, 64, 64, 4, None), (1024, 64, 64, 4, None), (256, 64, 32, 4, None),
+    (256, 128, 64, 8, None),
 ]
-STATE_SWEEP = [  # (form, groups of 16 order-2 rows per program, tokens per step, num_warps, value columns)
-    (0, 4, 64, 4, 64), (1, 4, 64, 4, 64), (2, 4, 64, 4, 64), (2, 2, 64, 4, 64), (2, 1, 64, 4, 64),
-    (0, 2, 64, 4, 64), (1, 2, 64, 4, 64), (2, 4, 32, 4, 64), (1, 4, 32, 4, 64), (2, 2, 32, 4, 64),
-    (0, 4, 64, 4, 32), (2, 4, 64, 4, 32), (2, 8, 64, 8, 64), (2, 4, 128, 4, 64),
+STATE_SWEEP = [  # (groups of 16 order-2 rows per program, tokens per step, num_warps)
+    (4, 128, 4), (4, 256, 8), (4, 128, 8), (2, 128, 4), (8, 128, 8), (4, 64, 4),
 ]
 STATE_SWEEP_SEGMENT = 256
 CHUNKED_SWEEP = [  # (chunk, block_v, num_warps): the chunked kernel (lesson task 2, chunk_size given)
@@ -132,12 +129,12 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
     segments = -(-seq // STATE_SWEEP_SEGMENT)
     prefix_kv = torch.empty(BATCH, HEADS, segments - 1, 273, VALUE_DIM, device=DEVICE, dtype=q.dtype)
     prefix_k = torch.empty(BATCH, HEADS, segments - 1, 273, device=DEVICE, dtype=torch.float32)
-    for form, groups, block_t, warps, block_v in STATE_SWEEP:
+    for groups, block_t, warps in STATE_SWEEP:
         rows += _timed_setting(
-            f"yaie boundary states (segment {STATE_SWEEP_SEGMENT}, form {form}, groups {groups}, tokens {block_t}, "
-            f"{warps} warps, BV {block_v})", "based_state",
+            f"yaie boundary states (segment {STATE_SWEEP_SEGMENT}, groups {groups}, tokens {block_t}, {warps} warps)",
+            "based_state",
             lambda: based._launch_prefix_state(k, v, prefix_kv, prefix_k, kv, ks, STATE_SWEEP_SEGMENT, groups,
-                                               block_t, warps, form, block_v),
+                                               block_t, warps),
             lambda: max(_rel_err(kv, ref_state.kv), _rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
     for chunk, block_v, warps in CHUNKED_SWEEP:
         rows += _timed_setting(

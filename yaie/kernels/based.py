@@ -39,25 +39,30 @@ blocks of ``phi``: the state holds ``sum v`` (order 0), ``sum k v^T`` (order 1) 
 normaliser, all in float32. The kernel never builds ``phi(k)`` in memory: it forms the 256
 second-order features of a chunk in registers, ``k_a k_b``, and multiplies them straight away.
 
-**Short sequences** (the reference's default route up to ``QUADRATIC_MAX_SEQ`` tokens). The chunked
-kernel walks the chunks of a sequence in order, one program per (sequence, head): at a few thousand
-tokens that is little parallel work for a large GPU, and each program carries a 273-row state. The
-quadratic form has plenty: every block of queries against its keys, as flash attention tiles softmax
-attention but without the running maximum (the weights are never below 1/2: nothing can overflow the
-sums). Its work grows with ``seq^2``. The state for decoding comes from a second kernel, ``phi(K)^T V``
-as a plain matrix product split over programs by feature rows. The same two kernels can also cut a
-long sequence into segments, the quadratic form inside a segment and the state between segments::
+**The reference's default route** (``chunk_size=None``). The chunked kernel walks the chunks of a
+sequence in order, one program per (sequence, head): 256 programs for 16 sequences of 16 heads, little
+parallel work for a large GPU, and each program carries a 273-row state (it spills registers on the
+H100). The route cuts the sequence into segments of ``DEFAULT_SEGMENT`` tokens instead::
 
-    1. the state of each segment,  phi(K_seg)^T V_seg   (a matrix product, all segments at once)
-    2. running sums over segments   (cumsum: the state before each segment)
-    3. every query block at once:   phi(q) @ state before its segment  +  the tile form over its segment
+    1. the state at every segment boundary   (one kernel: each program owns some feature rows of one
+                                              head's state and walks the sequence, storing its rows of
+                                              the running sums at each boundary, and at the end the
+                                              final state)
+    2. every query block at once:            the quadratic form over the keys of its own segment
+                                              + phi(q) @ (the state before its segment)
 
-Measured on the H100 (bench/results/lesson08_h100.md; batch 16, 16 heads, d_v 64, bf16): one segment
-with the state beats the chunked kernel at 1k tokens (1.23x) and 2k (1.07x); segments of 256-4096
-tokens lose to it from 4k on (1.08-1.47x slower). The state kernel is the weak part: it gathers k one
-element at a time and takes 0.16 ms at 1k tokens with 64 feature rows per program (the setting of those
-route figures), 0.13 ms with 32 (the default), where the tiles take 0.10 ms. Hence the route: one
-segment up to 2048 tokens, chunks beyond.
+Inside a segment the quadratic form tiles like flash attention but without the running maximum (the
+weights are never below 1/2: nothing can overflow the sums); its work per token grows with the segment,
+not the sequence. Step 1 is a plain matrix product per tile, ``S^T += V^T phi(K)``, with the features
+``k_a k_b`` of a block of rows built in registers. bfloat16 inputs keep the boundary states in bfloat16
+(the chunked kernel rounds its state to bfloat16 for its products too) so that step 2 reads them with
+one ``[BLOCK_M, 256] x [256, d_v]`` tensor-core product; float16 and float32 inputs keep float32 states.
+
+Measured on the H100 (bench/results/lesson08_h100.md; batch 16, 16 heads, d_v 64, bf16): the route
+takes 1.3x (1k tokens) to 1.9x (16k) less time than the chunked kernel; step 1 is the larger part below
+4k tokens. Of three ways to build the order-2 features in step 1 (``[rows, tokens]`` tiles from a 3-D
+product or from two gathers of k, or the transposed ``[tokens, rows]`` tile used here) the transposed
+one was 1.3-1.5x faster than the others (bench/results/lesson08_h100_state_forms.md).
 
 **Recurrent decode** (task 3): one token updates the state and reads its output from it.
 
@@ -84,7 +89,7 @@ EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_VALUE_DIM = 256
 DEFAULT_CHUNK = 32                                     # on the H100 chunks of 16 and 32 time alike, 64 and 128 are slower
-DEFAULT_SEGMENT = 256                                  # based_prefill's default route: the quadratic form inside segments this long
+DEFAULT_SEGMENT = 256                                  # the default route: the quadratic form inside segments this long
 
 
 class BasedState(NamedTuple):
@@ -199,16 +204,15 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     all earlier chunks (sums of ``v``, ``k v^T`` and ``(k x k) v^T`` for the numerator, of ``1``, ``k`` and
     ``k x k`` for the normaliser, in float32). Any length (the last chunk may be partial).
     With ``chunk_size=None`` an implementation may take another route where it is faster; the results
-    are the same (the reference computes sequences of up to ``QUADRATIC_MAX_SEQ`` tokens in the quadratic
-    form, tile by tile, and the state apart; see the module docstring).
+    are the same (the reference cuts the sequence into segments of ``DEFAULT_SEGMENT`` tokens: the
+    quadratic form inside a segment, tile by tile, the state between segments; see the module docstring).
 
     Args:
         q, k: ``[batch, heads, seq, 16]``; v: ``[batch, heads, seq, d_v]`` (d_v up to 256; 64 and 128 are
             the usual ones); one dtype: float16, bfloat16 or float32; any strides; CUDA, or CPU under the
             Triton interpreter.
         chunk_size: tokens per chunk, 16, 32, 64 or 128 (the chunked kernel); ``None``: the implementation's
-            choice (the chunked kernel at a chunk size of your choosing will do; the reference: the
-            quadratic form up to ``QUADRATIC_MAX_SEQ`` tokens, else chunks of 32).
+            choice (the chunked kernel at a chunk size of your choosing will do; the reference: segments).
         return_state: also return the state after the last token (for decoding on).
     Returns:
         ``(out, state)``: ``out [batch, heads, seq, d_v]`` in the inputs' dtype (``out_i`` as in
