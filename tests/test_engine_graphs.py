@@ -326,3 +326,83 @@ def test_generate_decodes_the_text_once_and_gets_the_streamed_text():
             at_once.accept(a, token)
             pieces.append(streamed.push(b, token))
         assert at_once.final_text == streamed.final_text == "".join(pieces), f"seed {seed}, ids {ids}"
+
+
+def test_schedule_decodes_plans_what_schedule_plans():
+    """The look-ahead's planning shortcut (only the running decodes again) gives the plan and the books that
+    the general ``schedule`` gives: the same requests, slots, computed tokens and block tables; with a request
+    waiting it is the general planning."""
+    llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=64)
+    runs = []
+    for _ in range(2):
+        scheduler = Scheduler(llm.new_kv_cache(), chunked_prefill=True)
+        requests = [Request(i, list(range(1, 4 + 3 * i)), 20) for i in range(3)]
+        for request in requests:
+            scheduler.add(request)
+        scheduler.schedule()                          # the prefills
+        runs.append((scheduler, requests))
+    for step in range(9):
+        if step == 6:                                 # a newcomer: both plan it the general way
+            for scheduler, _ in runs:
+                scheduler.add(Request(3, [5, 6, 7], 20))
+        plans = []
+        for k, (scheduler, requests) in enumerate(runs):
+            for request in requests:
+                request.output_ids.append(10 + step)
+            plans.append(scheduler.schedule() if k == 0 else scheduler.schedule_decodes())
+            if step == 6:
+                requests.append(scheduler.running[-1])
+        (a, reqs_a), (b, reqs_b) = runs
+        pa, pb = plans
+        assert [r.request_id for r in pa.decodes] == [r.request_id for r in pb.decodes], step
+        assert [r.request_id for r in pa.prefills] == [r.request_id for r in pb.prefills], step
+        assert [s.tolist() for s in pa.decode_slots] == [s.tolist() for s in pb.decode_slots], step
+        assert [r.num_computed_tokens for r in reqs_a] == [r.num_computed_tokens for r in reqs_b], step
+        assert [a.manager.block_ids(r.request_id) for r in reqs_a] == \
+            [b.manager.block_ids(r.request_id) for r in reqs_b], step
+        assert a.stats == b.stats, step
+
+
+def test_run_next_advances_the_buffers_as_run_writes_them(monkeypatch):
+    """A looked-ahead step advances the fixed buffers on the device (positions and lengths + 1, the new
+    token ids from the device, a table row only where a new block opened): the buffers the step runs on equal
+    those that ``run`` writes from the host for the same step, across block boundaries and a new context
+    bound."""
+    llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=64)
+    managers = [llm.new_kv_cache(extra_blocks=1) for _ in range(2)]      # the same books, one per runner
+    ahead, plain = (DecodeGraphs(llm.model, manager, 8, capture=False) for manager in managers)
+    monkeypatch.setattr(cuda_graphs_module(), "MIN_BOUND", 8)           # bounds 8, 16, 32: crossed below
+    seen = {}
+
+    def snapshot(self, buf, bound, cascade=None):
+        seen[id(self)] = (buf.ids.clone(), buf.tables.clone(), bound)
+        return torch.zeros(buf.ids.shape[1], 3)
+
+    monkeypatch.setattr(DecodeGraphs, "_forward", snapshot)
+    seqs = [0, 1, 2]
+    for manager in managers:
+        for seq, length in zip(seqs, (5, 8, 2)):
+            manager.allocate(seq, length + 1)                           # + the slot of the first step's token
+    positions = [managers[0].num_tokens(seq) - 1 for seq in seqs]
+    ahead.run(seqs, [7, 8, 9], positions)
+    for step in range(12):
+        for manager in managers:
+            for seq in seqs:
+                manager.append_slots(seq, 1)
+        positions = [p + 1 for p in positions]
+        tokens = [20 + step, 30 + step, 40 + step]
+        assert ahead.continues(seqs)
+        ahead.run_next(seqs, torch.tensor(tokens))
+        plain.run(seqs, tokens, positions)
+        (ids_a, tables_a, bound_a), (ids_b, tables_b, bound_b) = seen[id(ahead)], seen[id(plain)]
+        assert torch.equal(ids_a, ids_b) and bound_a == bound_b, step
+        assert torch.equal(tables_a[:, 0], tables_b[:, 0]), step                 # padding rows: the scratch block
+        for row, seq in enumerate(seqs):
+            width = len(managers[0].block_ids(seq))
+            assert torch.equal(tables_a[row, :width], tables_b[row, :width]), (step, row)
+    assert not ahead.continues([0, 1])
+
+
+def cuda_graphs_module():
+    from yaie.engine import cuda_graphs
+    return cuda_graphs

@@ -69,7 +69,9 @@ def buckets(max_batch: int) -> list[int]:
 class _Buffers:
     """The fixed inputs of one batch bucket's graphs (each context bound of that bucket reads the same ones).
 
-    ``ids`` rows: token ids, positions, context lengths, filled from the host with one copy per step. The
+    ``ids`` rows: token ids, positions, context lengths, filled from the host with one copy per step (a
+    looked-ahead step, the same sequences one token further, adds one to them on the device instead:
+    :meth:`DecodeGraphs.run_next`). The
     slot each new token's K/V goes to is computed inside the graph from the block table and the position
     (``table[pos // block_size] * block_size + pos % block_size``, lesson 03's slot rule), so no slot
     tensor travels per sequence. A padding row has context length 0 and its table's first block is the
@@ -163,6 +165,8 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int, int], tuple] = {}   # (bucket, bound, shared pages) -> (graph, logits)
         self.cascades: dict[tuple[int, int], _Cascade] = {}     # (bucket, shared pages) -> its prefix buffers
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # The last step run from the buffers: (bucket, bound, shared pages, sequence ids, positions), for run_next.
+        self._last: tuple | None = None
         self.failed: str | None = None       # why recording failed (or "closed"); then steps run eagerly
         # Cascade decode needs lesson 05 and layers without a sliding window; a failed cascade recording
         # turns it off (with a note) and the plain graphs go on.
@@ -189,6 +193,7 @@ class DecodeGraphs:
         """Drop the graphs, give the scratch block back, and refuse further steps."""
         self.graphs.clear()
         self.buffers.clear()
+        self._last = None
         self.failed = "closed"
         if self.manager.has_seq(SCRATCH_SEQ):
             self.manager.free(SCRATCH_SEQ)
@@ -200,6 +205,7 @@ class DecodeGraphs:
         sequence's slot for its new token must be reserved already (``append_slots``). ``device_tokens``:
         the input token ids on the device instead of ``token_ids`` (the last step's greedy picks)."""
         n = len(seq_ids)
+        self._last = None
         bucket = next(b for b in self.buckets if b >= n)
         bound = self.bound(max(positions) + 1)         # a decode's context ends at its new token
         tables = [self.manager.block_ids(s) for s in seq_ids]
@@ -221,12 +227,48 @@ class DecodeGraphs:
         buf.load_tables(tables)
         if shared:
             self.cascades[(bucket, shared)].load(tables[0][:shared])
+        self._last = (bucket, bound, shared, list(seq_ids), positions)
+        return self._replay(entry, buf, bound, self.cascades.get((bucket, shared)))[:n]
+
+    def _replay(self, entry: tuple, buf: _Buffers, bound: int, cascade: _Cascade | None) -> torch.Tensor:
         graph, logits = entry
         if graph is None:                                  # capture=False: the same step, eagerly
-            logits = self._forward(buf, bound, self.cascades.get((bucket, shared)))
-        else:
-            graph.replay()
-        return logits[:n]
+            return self._forward(buf, bound, cascade)
+        graph.replay()
+        return logits
+
+    def continues(self, seq_ids: list) -> bool:
+        """Whether the last step run from the buffers decoded ``seq_ids``, in this order (see :meth:`run_next`)."""
+        return self._last is not None and self._last[3] == seq_ids
+
+    def run_next(self, seq_ids: list, device_tokens: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`run` for the step right after the last one, when it decodes the same sequences in the same
+        order (:meth:`continues`), each one token further, its input ids on the device, and no block table
+        changed but by a new block where a sequence's new token opens one (the engine's looked-ahead steps:
+        nothing is admitted, preempted, swapped or forked in between). The buffers hold the last step's
+        positions and lengths: they are advanced on the device (one kernel) instead of copied from the host,
+        and only the tables of sequences whose new token opens a block are read from the manager. A step
+        that needs a graph recorded first, a cascade, or whose tables changed otherwise goes through
+        :meth:`run`."""
+        bucket, bound, shared, _, previous = self._last
+        positions = [p + 1 for p in previous]
+        size, buf = self.manager.block_size, self.buffers[bucket]
+        tables = buf.rows[:len(seq_ids)]
+        for i in [i for i, p in enumerate(positions) if p % size == 0]:    # a new block for this token
+            table = self.manager.block_ids(seq_ids[i])
+            if table[:-1] != tables[i]:
+                tables = None                                # changed otherwise: the general path
+                break
+            tables[i] = table
+        bound = self.bound(max(positions) + 1)
+        entry = self.graphs.get((bucket, bound, 0))
+        if shared or tables is None or entry is None or isinstance(entry[0], str):
+            return self.run(seq_ids, [0] * len(seq_ids), positions, device_tokens)
+        buf.ids[1:, :len(seq_ids)] += 1                      # positions and context lengths, one token further
+        buf.ids[0, :len(seq_ids)].copy_(device_tokens)
+        buf.load_tables(tables)
+        self._last = (bucket, bound, 0, self._last[3], positions)
+        return self._replay(entry, buf, bound, None)[:len(seq_ids)]
 
     def shared_pages(self, tables: list[list[int]]) -> int:
         """Leading blocks that every sequence's table holds alike (never a sequence's last block, which its

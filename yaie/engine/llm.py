@@ -499,7 +499,7 @@ class LLM:
         for request in requests:
             request.output_ids.append(LOOK_AHEAD_TOKEN)
         try:
-            plan = scheduler.schedule()
+            plan = scheduler.schedule_decodes()
             if plan.prefills or len(plan.decodes) != len(requests) or not all(
                     map(operator.is_, plan.decodes, requests)):
                 raise RuntimeError("a looked-ahead step planned other work than the same decodes (a bug)")
@@ -513,6 +513,12 @@ class LLM:
         """Queue one forward pass over a step's decodes and prefill chunks on the device, without waiting for
         it: the logits ``[len(plan.sampled), vocab]``, or None when no request of the step samples a token.
         ``device_tokens``: the decodes' input token ids, already on the device (a looked-ahead step)."""
+        if graphs is not None and not plan.prefills and device_tokens is not None:
+            seq_ids = [r.request_id for r in plan.decodes]
+            if graphs.continues(seq_ids):    # a looked-ahead step: the last one's sequences, one token further
+                logits = graphs.run_next(seq_ids, device_tokens)
+                if logits is not None:
+                    return logits
         # A prefill feeds its chunk: the tokens after its cached prefix (a prefix-cache hit, or the chunks
         # of earlier steps), up to the end of its tokens or of the step's budget.
         # (A decode reads its last token and length, not ``token_ids``: that would copy its whole context.)
