@@ -3,13 +3,13 @@
 #   OUT=out bash scripts/gpu_serve.sh
 #   SMOKE=0 OUT=out bash scripts/gpu_serve.sh          # the benchmark only
 #   THREAD_TOO=1 OUT=out bash scripts/gpu_serve.sh     # then the engine loop in a thread, C=16,64 -> out/thread
-#   OUT=/tmp/x BENCH_ARGS="--size tiny --device cpu --concurrency 1,4 --new-tokens 16 --admission-window-ms 50,0" \
+#   OUT=/tmp/x BENCH_ARGS="--size tiny --device cpu --concurrency 1,4 --new-tokens 16 --admission-window-ms default,50" \
 #     bash scripts/gpu_serve.sh                       # CPU dry run
 # 1. `yaie serve` on the bundled model (CUDA): the docs' curl commands (models, completion, streamed chat,
 #    a bad request, metrics);
 # 2. yaie bench serve: the random ~1.1B Llama, bf16; C = 1, 4, 16, 64 streaming clients (4 requests each)
-#    beside offline LLM.generate on the same requests, the server's admission window as shipped; then a
-#    second server with the window off at C = 16, 64 (the comparison) -> $OUT/serve_<gpu>.{json,md}
+#    beside offline LLM.generate on the same requests, the server as shipped (admission window off); then
+#    a second server with a 50 ms window at C = 4, 16, 64 (the comparison) -> $OUT/serve_<gpu>.{json,md}
 #    (written after each server: a comparison cut short by the time limit leaves the main table).
 # fastapi, uvicorn, pydantic and httptools are not on the GPU image: they travel as wheels in .whl/ (ignored
 # by git; fetch them with `pip download` as /work/.library/device/README.md explains) and are installed
@@ -50,7 +50,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   fi
   echo "== yaie bench serve"
   YAIE_SOLUTIONS=all timeout "${BENCH_TIMEOUT:-330}" python3 -m yaie.cli bench serve --out "$OUT" \
-    ${BENCH_ARGS:---size 1b --requests-per-client 4 --admission-window-ms default,0 --compare-concurrency 16,64}
+    ${BENCH_ARGS:---size 1b --requests-per-client 4 --admission-window-ms default,50 --compare-concurrency 4,16,64}
   echo "== done (rc $?)"
   if [ "${THREAD_TOO:-0}" = "1" ]; then
   echo "== yaie bench serve --engine-in-thread (C = ${THREAD_LEVELS:-16,64}) -> $OUT/thread"

@@ -18,9 +18,9 @@ end-of-sequence ignored (so every request has the same length and the C clients 
 
 Serving overhead = 1 - served tokens/s / offline tokens/s (target <= 10% at C = 64).
 
-``--admission-window-ms default,0`` serves the same requests once per value, each with a server of its own:
-the server's admission window (:class:`yaie.engine.async_engine.AsyncEngine`) as shipped, then off, beside
-the same offline figures (``--compare-concurrency``: the levels of the values after the first). The
+``--admission-window-ms default,50`` serves the same requests once per value, each with a server of its own:
+the server's admission window (:class:`yaie.engine.async_engine.AsyncEngine`) as shipped (off), then at
+most 50 ms, beside the same offline figures (``--compare-concurrency``: the levels of the values after the first). The
 report counts each level's steps, and those that fed prompt tokens (eager on CUDA).
 """
 
@@ -302,8 +302,8 @@ def main(argv=None) -> int:
                         "parse 64 streams at full speed)")
     p.add_argument("--admission-window-ms", default="default", metavar="LIST",
                    help="the server's admission window (yaie serve --admission-window-ms): 'default' (the "
-                        "server's own) or milliseconds; a list ('default,0') serves once per value, the first for "
-                        "the main table, the others for comparison at --compare-concurrency")
+                        "server's own: off) or milliseconds; a list ('default,50') serves once per value, the first "
+                        "for the main table, the others for comparison at --compare-concurrency")
     p.add_argument("--compare-concurrency", default=None, metavar="LIST",
                    help="the concurrency levels of the comparison windows (default: all of --concurrency)")
     p.add_argument("--engine-in-thread", action="store_true",
@@ -330,8 +330,7 @@ def main(argv=None) -> int:
     num_blocks = max(levels) * -(-(args.prompt_len + args.new_tokens) // 16) + 64
     engine_args = ["--device", args.device, "--num-blocks", str(num_blocks)]
     engine_args += ["--engine-in-thread"] if args.engine_in_thread else []
-    from yaie.engine.async_engine import ADMISSION_WINDOW_S      # the server's default: on with CUDA graphs
-    default_ms = 1000 * ADMISSION_WINDOW_S if args.device == "cuda" else 0.0
+    default_ms = 0.0                                          # the server's default: off
     windows = [None if w.strip() == "default" else float(w) for w in args.admission_window_ms.split(",")]
     compared = [int(c) for c in args.compare_concurrency.split(",")] if args.compare_concurrency else levels
     runs = [(w, levels if i == 0 else [c for c in compared if c in levels]) for i, w in enumerate(windows)]

@@ -42,7 +42,6 @@ from yaie.model.config import load_config
 from yaie.model.tokenizer import Tokenizer
 
 RATE_WINDOW_S = 10.0        # tokens/s in the metrics: generated tokens over the last 10 seconds
-ADMISSION_WINDOW_S = 0.050  # default longest hold of an arrived request (for others to share its prefill step)
 ADMISSION_PREFILL_STEPS = 1.5   # ... while decodes run: this many times what a step with prompts took lately
 ADMISSION_GAP_S = 0.001     # ... while idle: until no request has come for this long
 
@@ -326,9 +325,10 @@ class AsyncEngine:
     ``start()`` before use (it returns once the CUDA graphs are recorded, ``warm_up``), ``shutdown()``
     after (both from any thread). ``submit`` is a coroutine.
 
-    **Admission window.** With CUDA graphs a decode-only step replays a graph (on an H100, ~2.4 ms for 64
-    requests of the 1B model), while a step that feeds prompt tokens launches every kernel from Python
-    (~18 ms of host time, however few the tokens). Requests from many clients do not arrive together:
+    **Admission window** (off unless ``window_s`` > 0: see the measurement below). With CUDA graphs a
+    decode-only step replays a graph (on an H100, ~2 ms for 64 requests of the 1B model), while a step
+    that feeds prompt tokens launches every kernel from Python (~10-15 ms of host time, however few the
+    tokens). Requests from many clients do not arrive together:
     each one goes through the HTTP server on its own, a fraction of a millisecond apart, and clients whose
     requests were prefilled in different steps finish, and come back, at different times. Let each
     arrival into the batch at the next step and the prompts of 64 clients go in over many slow steps of
@@ -349,18 +349,20 @@ class AsyncEngine:
       step with prompts takes, as above;
     * the oldest held request has waited ``window_s``.
 
-    ``window_s``: default :data:`ADMISSION_WINDOW_S` when the engine has CUDA graphs, else 0 (every step
-    launches eagerly and costs by its tokens: nothing to save); 0 admits at the next step. (vLLM's
-    scheduler has a delay factor of the same kind, off by default.)
+    ``window_s`` 0 (the default) admits every request at the next step. Without CUDA graphs every step
+    launches eagerly and costs by its tokens: nothing is held whatever ``window_s`` says. Measured on an
+    H100 (``bench/results/serve_h100.md``: closed-loop clients, 128-token prompts), the window halves the
+    steps with prompts but serves fewer tokens per second than admitting at once: a held request's client
+    waits, and groups of clients that come back apart by more than the hold stay apart, each round
+    waiting again. Hence off by default; vLLM's scheduler has a delay of the same kind, off by default too.
     """
 
-    def __init__(self, llm: LLM, warm_up: bool = True, window_s: float | None = None,
-                 gap_s: float = ADMISSION_GAP_S):
-        if window_s is not None and not window_s >= 0:
+    def __init__(self, llm: LLM, warm_up: bool = True, window_s: float = 0.0, gap_s: float = ADMISSION_GAP_S):
+        if not window_s >= 0:
             raise ValueError(f"the admission window must be >= 0 seconds, got {window_s!r}")
         self.llm = llm
         self.warm_up = warm_up          # record every CUDA graph before serving (StepEngine.warm_up)
-        self.window_s, self.gap_s = window_s, min(gap_s, window_s if window_s is not None else gap_s)
+        self.window_s, self.gap_s = window_s, min(gap_s, window_s)
         self._held: list = []           # arrived groups not given to the scheduler yet (the admission window)
         self._held_tokens = 0
         self._first_held_at = self._last_held_at = 0.0
@@ -432,8 +434,6 @@ class AsyncEngine:
             self._on_started()
             return
         self.stats.blocks_total = self.core.scheduler.usable_blocks
-        if self.window_s is None:
-            self.window_s = ADMISSION_WINDOW_S if self.core.graphs is not None else 0.0
         try:
             if self.warm_up:
                 self.core.warm_up()
@@ -710,8 +710,8 @@ class ProcessEngine:
     events to their groups and speaks HTTP.
     """
 
-    def __init__(self, llm_args: dict, warm_up: bool = True, window_s: float | None = None):
-        if window_s is not None and not window_s >= 0:
+    def __init__(self, llm_args: dict, warm_up: bool = True, window_s: float = 0.0):
+        if not window_s >= 0:
             raise ValueError(f"the admission window must be >= 0 seconds, got {window_s!r}")
         self.llm_args = llm_args          # LLM(**llm_args) in the child
         self.warm_up = warm_up
@@ -862,7 +862,7 @@ class _RemoteGroup:
 class _ChildEngine(AsyncEngine):
     """The engine loop of :class:`ProcessEngine`'s child: requests and aborts from a pipe, events back."""
 
-    def __init__(self, llm: LLM, conn, warm_up: bool, window_s: float | None = None):
+    def __init__(self, llm: LLM, conn, warm_up: bool, window_s: float = 0.0):
         super().__init__(llm, warm_up, window_s)
         self.conn = conn
         self._remote: dict[int, _RemoteGroup] = {}
@@ -933,7 +933,7 @@ class _ChildEngine(AsyncEngine):
             self._last_stats = self._stats_due = snapshot
 
 
-def _child_main(conn, llm_args: dict, warm_up: bool, window_s: float | None = None) -> None:
+def _child_main(conn, llm_args: dict, warm_up: bool, window_s: float = 0.0) -> None:
     """The engine process: load the model, then run the loop until the server says stop (or is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to the server, which stops the engine
     try:

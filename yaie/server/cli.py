@@ -36,10 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-in-thread", action="store_true",
                    help="run the engine loop in a thread of the server process (default: a process of its own, "
                         "so HTTP work does not hold the engine's interpreter lock)")
-    p.add_argument("--admission-window-ms", type=float, default=None, metavar="MS",
-                   help="the longest an arrived request is held back so that others arriving share its prefill "
-                        "step (sooner when idle and none has come for 1 ms, or while decodes run after 1.5 times "
-                        "a recent prefill step; default 50 with CUDA graphs, 0 without: 0 admits at the next step)")
+    p.add_argument("--admission-window-ms", type=float, default=0.0, metavar="MS",
+                   help="with CUDA graphs, hold an arrived request back up to MS so that others arriving share its "
+                        "prefill step (sooner when idle and none has come for 1 ms, or while decodes run after 1.5 "
+                        "times a recent prefill step, shared out over running and held requests); default 0: "
+                        "every request joins at the next step (measured faster on an H100: "
+                        "bench/results/serve_h100.md)")
     p.add_argument("--solutions", default=None, metavar="SPEC",
                    help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=5.0, metavar="S",
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens, chunked_prefill=not args.no_chunked_prefill,
                     cuda_graphs=False if args.no_cuda_graphs else None,
                     prefix_caching=not args.no_prefix_caching)
-    window_s = None if args.admission_window_ms is None else args.admission_window_ms / 1000
+    window_s = args.admission_window_ms / 1000
     try:
         if args.solutions is not None:
             switch.use_solutions(args.solutions)
