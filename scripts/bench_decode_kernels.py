@@ -176,7 +176,8 @@ def bench_matvec(device, dtype, time_of, rows, quick, no_sweep=False):
             row("fused_add_rms_norm + cuBLAS", lambda i: F.linear(
                 l02.fused_add_rms_norm(x.clone(), residual.clone(), norm_w)[0], weights[i % copies]))
             row("clone x2 (the row above copies its inputs)", lambda i: (x.clone(), residual.clone()))
-            row("add_rms_norm_matvec", lambda i: l02.add_rms_norm_matvec(x, residual, norm_w, 1e-5, weights[i % copies]))
+            row("add_rms_norm_matvec",
+                lambda i: l02.add_rms_norm_matvec(x, residual, norm_w, 1e-5, weights[i % copies]))
             out, res_out = torch.empty(1, n, device=device, dtype=dtype), torch.empty_like(residual)
             for bn, bk, w in sweep:
                 def launch(i, bn=bn, bk=bk, w=w):
@@ -192,7 +193,8 @@ def bench_argmax(device, time_of, rows, quick):
     out = torch.empty(1, dtype=torch.int32, device=device)
     _argmax_kernel[(1,)](logits, out, vocab, BLOCK=1024 if not quick else 64)
     assert int(out) == int(logits.argmax()), (int(out), int(logits.argmax()))
-    rows.append(dict(op="argmax", shape=f"1x{vocab} fp32", impl="torch.argmax", us=time_of(lambda i: logits.argmax(-1))))
+    rows.append(dict(op="argmax", shape=f"1x{vocab} fp32", impl="torch.argmax",
+                     us=time_of(lambda i: logits.argmax(-1))))
     for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16)) if not quick else ((64, 1),):
         rows.append(dict(op="argmax", shape=f"1x{vocab} fp32", impl=f"triton 1 program BLOCK{block} w{warps}",
                          us=time_of(lambda i, b=block, w=warps: _argmax_kernel[(1,)](logits, out, vocab, BLOCK=b,
@@ -228,7 +230,8 @@ def main(argv=None) -> int:
     if args.out:
         from yaie.bench.harness import environment, gpu_slug
         env = environment() if device == "cuda" else {}
-        report = dict(environment=env, command="python scripts/bench_decode_kernels.py " + " ".join(argv or sys.argv[1:]),
+        command = "python scripts/bench_decode_kernels.py " + " ".join(argv or sys.argv[1:])
+        report = dict(environment=env, command=command,
                       reps_per_graph=args.reps, seconds=time.perf_counter() - began, rows=rows)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

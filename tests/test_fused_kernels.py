@@ -222,7 +222,8 @@ def test_matvec_kernels_match_float64(dtype, bias):
     torch.testing.assert_close(ref.silu_and_mul_matvec(c["gate_up"], c["weight"], c["bias"]).double(),
                                linear64(torch.nn.functional.silu(g) * u, c["weight"], c["bias"]), **tol)
     x0, r0 = c["x"].clone(), c["residual"].clone()
-    out, new_residual = ref.add_rms_norm_matvec(c["x"], c["residual"], c["norm_weight"], c["eps"], c["weight"], c["bias"])
+    out, new_residual = ref.add_rms_norm_matvec(c["x"], c["residual"], c["norm_weight"], c["eps"], c["weight"],
+                                                c["bias"])
     total = x0.double() + r0.double()
     normed = total / torch.sqrt(total.pow(2).mean(-1, keepdim=True) + c["eps"]) * c["norm_weight"].double()
     torch.testing.assert_close(out.double(), linear64(normed, c["weight"], c["bias"]), **tol)

@@ -586,7 +586,8 @@ def matvec_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 # yaie: solution-only
-def silu_and_mul_matvec_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul_matvec_reference(x: torch.Tensor, weight: torch.Tensor,
+                                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """Plain PyTorch :func:`silu_and_mul_matvec`: the SwiGLU gate (rounded to x's dtype), then the product."""
     return torch.nn.functional.linear(silu_and_mul_reference(x), weight, bias)
 
