@@ -177,7 +177,8 @@ def baseline_tree(overlay: Path, folder: Path) -> Path:
 def markdown(report: dict) -> str:
     env, work = report["environment"], report["workload"]
     names = list(report["engines"])
-    lines = [f"# Engine decode: host cost per step, this tree vs a baseline ({env['gpu'] or 'CPU'})", "",
+    title = "this tree vs a baseline" if report["baseline"] else "this tree"
+    lines = [f"# Engine decode throughput and host cost per step, {title} ({env['gpu'] or 'CPU'})", "",
              f"Model `{work['size']}` ({work['dtype']}), B prompts of {work['prompt_len']} random tokens, "
              f"{work['new_tokens']} greedy new tokens each (end-of-sequence ignored), prefix caching off; median of "
              f"{work['repeats']} runs after a warm-up. Baseline: {report['baseline']}.",
