@@ -190,8 +190,8 @@ def markdown(report: dict) -> str:
                   "| decode tokens/s |", "|---|---:|---:|---:|---:|---:|---:|"]
         for name in names:
             for r in report["engines"][name].get("throughput", {}).get("rows", []):
-                lines.append(f"| {name} | {r.get('max_num_batched_tokens', 2048)} | {r['batch']} | {r['total_s']:.3f} | "
-                             f"{r['first_token_s']:.3f} | {r['tokens_per_s']:.0f} | "
+                lines.append(f"| {name} | {r.get('max_num_batched_tokens', 2048)} | {r['batch']} | "
+                             f"{r['total_s']:.3f} | {r['first_token_s']:.3f} | {r['tokens_per_s']:.0f} | "
                              f"{r['decode_tokens_per_s'] or float('nan'):.0f} |")
         lines += ["", "| engine | batch | steps | wall ms per step | GPU kernels ms per step (torch.profiler) |",
                   "|---|---:|---:|---:|---:|"]

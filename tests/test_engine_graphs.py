@@ -368,10 +368,11 @@ def test_run_next_advances_the_buffers_as_run_writes_them(monkeypatch):
     token ids from the device, a table row only where a new block opened): the buffers the step runs on equal
     those that ``run`` writes from the host for the same step, across block boundaries and a new context
     bound."""
+    from yaie.engine import cuda_graphs
     llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=64)
     managers = [llm.new_kv_cache(extra_blocks=1) for _ in range(2)]      # the same books, one per runner
     ahead, plain = (DecodeGraphs(llm.model, manager, 8, capture=False) for manager in managers)
-    monkeypatch.setattr(cuda_graphs_module(), "MIN_BOUND", 8)           # bounds 8, 16, 32: crossed below
+    monkeypatch.setattr(cuda_graphs, "MIN_BOUND", 8)                    # bounds 8, 16, 32: crossed below
     seen = {}
 
     def snapshot(self, buf, bound, cascade=None):
@@ -385,15 +386,32 @@ def test_run_next_advances_the_buffers_as_run_writes_them(monkeypatch):
             manager.allocate(seq, length + 1)                           # + the slot of the first step's token
     positions = [managers[0].num_tokens(seq) - 1 for seq in seqs]
     ahead.run(seqs, [7, 8, 9], positions)
+    general = []            # steps of ``ahead`` that went through the general path
+    real_run = DecodeGraphs.run
+
+    def spy(self, *args):
+        if self is ahead:
+            general.append(True)
+        return real_run(self, *args)
+
+    monkeypatch.setattr(DecodeGraphs, "run", spy)
     for step in range(12):
         for manager in managers:
             for seq in seqs:
                 manager.append_slots(seq, 1)
+            if step == 7:       # seq 2 opens a block, and its other blocks moved too: not a plain growth
+                held = manager.num_tokens(2)
+                manager.free(2)
+                manager.allocate("other", 8)
+                manager.allocate(2, held)
         positions = [p + 1 for p in positions]
         tokens = [20 + step, 30 + step, 40 + step]
         assert ahead.continues(seqs)
+        new_graph = (4, ahead.bound(max(positions) + 1), 0) not in ahead.graphs       # recorded first: via run
+        general.clear()
         ahead.run_next(seqs, torch.tensor(tokens))
         plain.run(seqs, tokens, positions)
+        assert general == ([True] if new_graph or step == 7 else []), (step, general)
         (ids_a, tables_a, bound_a), (ids_b, tables_b, bound_b) = seen[id(ahead)], seen[id(plain)]
         assert torch.equal(ids_a, ids_b) and bound_a == bound_b, step
         assert torch.equal(tables_a[:, 0], tables_b[:, 0]), step                 # padding rows: the scratch block
@@ -401,8 +419,3 @@ def test_run_next_advances_the_buffers_as_run_writes_them(monkeypatch):
             width = len(managers[0].block_ids(seq))
             assert torch.equal(tables_a[row, :width], tables_b[row, :width]), (step, row)
     assert not ahead.continues([0, 1])
-
-
-def cuda_graphs_module():
-    from yaie.engine import cuda_graphs
-    return cuda_graphs

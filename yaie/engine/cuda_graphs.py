@@ -250,8 +250,10 @@ class DecodeGraphs:
         and only the tables of sequences whose new token opens a block are read from the manager. A step
         that needs a graph recorded first, a cascade, or whose tables changed otherwise goes through
         :meth:`run`."""
-        bucket, bound, shared, _, previous = self._last
+        bucket, _, shared, _, previous = self._last
         positions = [p + 1 for p in previous]
+        if shared:                                           # the shared blocks may change: the general path
+            return self.run(seq_ids, [0] * len(seq_ids), positions, device_tokens)
         size, buf = self.manager.block_size, self.buffers[bucket]
         tables = buf.rows[:len(seq_ids)]
         for i in [i for i, p in enumerate(positions) if p % size == 0]:    # a new block for this token
@@ -262,7 +264,7 @@ class DecodeGraphs:
             tables[i] = table
         bound = self.bound(max(positions) + 1)
         entry = self.graphs.get((bucket, bound, 0))
-        if shared or tables is None or entry is None or isinstance(entry[0], str):
+        if tables is None or entry is None or isinstance(entry[0], str):
             return self.run(seq_ids, [0] * len(seq_ids), positions, device_tokens)
         buf.ids[1:, :len(seq_ids)] += 1                      # positions and context lengths, one token further
         buf.ids[0, :len(seq_ids)].copy_(device_tokens)
