@@ -568,7 +568,7 @@ class _Launched:
             self._host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
             self._host_tokens.copy_(device_tokens, non_blocking=True)
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(device_tokens.device))
 
     def tokens(self) -> list[int]:
         """The sampled tokens on the host (waits for the step)."""
