@@ -326,6 +326,7 @@ def main(argv=None) -> int:
     # Each level its own prompts, and its warm-up round others again: no prompt is ever in the prefix cache.
     prompts = {c: random_prompts(c * args.requests_per_client) for c in levels}
     warm_prompts = {c: random_prompts(c) for c in levels}
+    again = {c: (random_prompts(c * args.requests_per_client), random_prompts(c)) for c in levels}  # offline, after
     # One cache size for both: every request of the largest level at once, with room to spare.
     num_blocks = max(levels) * -(-(args.prompt_len + args.new_tokens) // 16) + 64
     engine_args = ["--device", args.device, "--num-blocks", str(num_blocks)]
@@ -364,10 +365,6 @@ def main(argv=None) -> int:
         for c in levels:
             offline[c] = run_offline(llm, prompts[c], warm_prompts[c], args.new_tokens, args.device)
             print(f"offline  C={c:<3d} {offline[c]['tokens_per_s']:9.1f} tok/s", flush=True)
-        del llm
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
         for server_index, (window, run_levels) in enumerate(runs):
             window_args = [] if window is None else ["--admission-window-ms", str(window)]
             with ServerProcess(folder, engine_args + window_args) as server:
@@ -376,6 +373,25 @@ def main(argv=None) -> int:
                 report["rows"] += [dict(row, server=server_index) for row in rows]
                 # The first server's counters, after all its levels.
                 report["server_metrics_at_end"] = report["server_metrics_at_end"] or server.metrics()
+            if server_index == 0:
+                # Offline again (fresh prompts) after the served levels: the offline figure is the mean of the
+                # measurements before and after, so a drift of the machine over the run shows and cancels.
+                for c in levels:
+                    after = run_offline(llm, *again[c], args.new_tokens, args.device)
+                    print(f"offline  C={c:<3d} {after['tokens_per_s']:9.1f} tok/s (again)", flush=True)
+                    offline[c]["tokens_per_s_before"] = offline[c]["tokens_per_s"]
+                    offline[c]["tokens_per_s_after"] = after["tokens_per_s"]
+                    offline[c]["tokens_per_s"] = (offline[c]["tokens_per_s"] + after["tokens_per_s"]) / 2
+                del llm
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+            for row in report["rows"]:
+                c = row["concurrency"]
+                row["offline_tokens_per_s"] = offline[c]["tokens_per_s"]
+                row["offline_tokens_per_s_before"] = offline[c].get("tokens_per_s_before")
+                row["offline_tokens_per_s_after"] = offline[c].get("tokens_per_s_after")
+                row["overhead"] = 1 - row["served_tokens_per_s"] / row["offline_tokens_per_s"]
             # Written after each server: what was measured stays when a later comparison runs out of time.
             (out / f"serve_{slug}.json").write_text(json.dumps(report, indent=2) + "\n")
             (out / f"serve_{slug}.md").write_text(markdown(report))
@@ -439,7 +455,8 @@ def markdown(report: dict) -> str:
         "and the load generator's workers (the warm-up round counted in for the server's two). Steps: forward "
         "passes, and in brackets those that fed prompt tokens (on CUDA launched eagerly, each costing every "
         "running stream many decode steps' time): offline over the measured rounds, served with the warm-up "
-        "round (its requests generate 8 tokens).",
+        "round (its requests generate 8 tokens). Offline tok/s: the mean of a measurement before the served "
+        "levels and one after them (fresh prompts), in brackets.",
     ]
     windows = work.get("admission_window_ms")
     for server, window in enumerate(windows if isinstance(windows, list) else [windows]):
@@ -458,7 +475,9 @@ def table_row(r: dict) -> str:
     def us(v):
         return f"{v:.0f}" if v is not None else "n/a"
 
-    return (f"| {r['concurrency']} | {r['offline_tokens_per_s']:.0f} | {r['served_tokens_per_s']:.0f} | "
+    before, after = r.get("offline_tokens_per_s_before"), r.get("offline_tokens_per_s_after")
+    offline = f"{r['offline_tokens_per_s']:.0f}" + (f" ({before:.0f} / {after:.0f})" if after else "")
+    return (f"| {r['concurrency']} | {offline} | {r['served_tokens_per_s']:.0f} | "
             f"{100 * r['overhead']:.1f}% | {ms(r['served_ttft_p50_ms'])} | {ms(r['served_ttft_p99_ms'])} | "
             f"{ms(r['served_itl_p50_ms'])} | {ms(r['served_itl_p99_ms'])} | "
             f"{us(r.get('served_http_cpu_us_per_token'))} / {us(r.get('served_engine_cpu_us_per_token'))} / "
