@@ -416,8 +416,11 @@ def _varlen_prefill(q, k, v, step, layer, scale, sliding_window=None) -> torch.T
         keys = step.manager.k_cache[layer].flatten(0, 1)[slots]
         values = step.manager.v_cache[layer].flatten(0, 1)[slots]
     window = {} if sliding_window is None else {"sliding_window": sliding_window}
+    # On CUDA the offsets' values are not read back (validate=False): that copy would wait for the GPU twice
+    # per layer, and the scheduler built them.
     out, _ = call(6, "flash_attention_varlen_forward", q, keys, values, step.cu_seqlens_q, step.cu_seqlens_k,
-                  step.max_prefill_query, step.max_prefill_context, causal=True, scale=scale, **window)
+                  step.max_prefill_query, step.max_prefill_context, causal=True, scale=scale,
+                  validate=not q.is_cuda, **window)
     return out
 
 

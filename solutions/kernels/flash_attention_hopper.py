@@ -648,16 +648,16 @@ def forward_with_config(q, k, v, causal: bool, scale: float | None, config: tupl
 def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                                    max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
-                                   scale: float | None = None,
-                                   sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                   scale: float | None = None, sliding_window: int | None = None,
+                                   validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`solutions.kernels.flash_attention.flash_attention_varlen_forward` (the
     engine's prefill); a sliding window goes to the reference."""
     reference._check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                   sliding_window)
+                                   sliding_window, validate)
     if sliding_window is not None or fast_path_reason(q, k, v, "varlen") is not None:
         return reference.flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                         max_seqlen_k, causal=causal, scale=scale,
-                                                        sliding_window=sliding_window)
+                                                        sliding_window=sliding_window, validate=validate)
     num_heads, head_dim = q.shape[1], q.shape[2]
     scale = reference._default_scale(head_dim, scale)
     out = _new_output(q)

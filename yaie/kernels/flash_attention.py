@@ -208,8 +208,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                                    max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
-                                   scale: float | None = None,
-                                   sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                   scale: float | None = None, sliding_window: int | None = None,
+                                   validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention over a batch of sequences of different lengths, packed token by token.
 
     This is the engine's batched prefill: the prompts of a batch are concatenated, no padding.
@@ -227,6 +227,9 @@ def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             query at position ``p`` sees only keys ``p - w < j <= p`` (Mistral's rule, as Hugging Face
             applies it), and key blocks wholly before a query block's window are not visited. Until you do
             task 5, raise ``NotImplementedError("lesson 06, task 5: sliding window")`` when it is not None.
+        validate: also check the offsets' *values* (start, end, order, ``max_seqlen_*``): they are read on
+            the host, which waits for the GPU to finish everything queued before. The engine, whose offsets
+            come from its scheduler, passes False on CUDA; shapes, dtypes and devices are always checked.
 
     Returns:
         ``(out, lse)``: ``out`` like q; ``lse`` float32 ``[num_heads, total_q]`` (heads first, like
@@ -234,8 +237,8 @@ def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     Raises:
         ValueError: bad q, k, v (as the dense form, 3-D); offsets that are not int32 1-D on q's device,
-            do not start at 0, end at the token counts, decrease, exceed ``max_seqlen_*``, or give a
-            sequence queries without keys (or more queries than keys under ``causal``); a
-            ``sliding_window`` that is not an int >= 1, or one without ``causal``.
+            or (with ``validate``) do not start at 0, end at the token counts, decrease, exceed
+            ``max_seqlen_*``, or give a sequence queries without keys (or more queries than keys under
+            ``causal``); a ``sliding_window`` that is not an int >= 1, or one without ``causal``.
     """
     raise NotImplementedError('lesson 06, task 4: implement flash_attention_varlen_forward in yaie/kernels/flash_attention.py')
