@@ -189,7 +189,11 @@ def main(argv=None) -> int:
     p.add_argument("--skip-compiled", action="store_true", help="no transformers static-cache + torch.compile rows")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds: transformers rows that would start later are skipped (with a note)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the engine's token budget per step while the long prompt arrives (the latency rows)")
+    p.add_argument("--throughput-batched-tokens", type=int, default=8192,
+                   help="the engine's token budget per step in the throughput rows (transformers prefills a "
+                        "whole batch in one forward; 8192 lets the engine do the same for 64 x 128 tokens)")
     p.add_argument("--long-prompt", type=int, default=16000, help="tokens of the late prompt (0: no latency rows)")
     p.add_argument("--itl-batch", type=int, default=16, help="requests decoding when the long prompt arrives")
     p.add_argument("--profile", action="store_true", help="profile a batch-1 generate (engine_profile_<gpu>.txt)")
@@ -236,7 +240,8 @@ def main(argv=None) -> int:
                                  config=config | COMMON, init="random (seed 0)"),
                       workload=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, batches=batches,
                                     repeats=args.repeats, sampling="greedy, ignore_eos", kv_block_size=BLOCK_SIZE,
-                                    prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens),
+                                    prefix_caching=False, max_num_batched_tokens=args.throughput_batched_tokens,
+                                    max_num_batched_tokens_latency_rows=args.max_num_batched_tokens),
                       decode_step_bytes_batch1=step_bytes, rows=rows, notes=notes, chunked_prefill_latency=latency,
                       profile_batch1=profiled)
         (out / f"engine_{slug}.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -259,6 +264,7 @@ def main(argv=None) -> int:
                 inter_token_latency(llm, prompts[:args.itl_batch], long_prompt, chunked, args.device)
                 latency.append(inter_token_latency(llm, prompts[:args.itl_batch], long_prompt, chunked, args.device))
             llm.chunked_prefill = True
+        llm.max_num_batched_tokens = args.throughput_batched_tokens    # read when each generate starts
         if args.profile:
             try:
                 profiled = profile_decode(llm, prompts[0], 64, out / f"engine_profile_{slug}.txt", args.device)
@@ -329,7 +335,7 @@ def markdown(report: dict) -> str:
         f"{model['dtype']}.",
         f"Workload: B prompts of {work['prompt_len']} random tokens, {work['new_tokens']} new tokens each, "
         f"greedy, end-of-sequence ignored; median of {work['repeats']} timed runs after a warm-up; engine prefix "
-        "caching off.",
+        f"caching off, at most {work['max_num_batched_tokens']} tokens per engine step.",
         f"Versions: torch {env['torch']}, triton {env['triton']}, transformers {env.get('transformers')}, "
         f"CUDA {env['cuda']}; commit {env['git_commit']}; {env['date_utc']}.",
         f"Command: `{env['command']}`", "",
