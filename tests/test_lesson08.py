@@ -111,7 +111,8 @@ def test_default_route_is_the_segmented_one(monkeypatch):
     calls = []
     for name in ("_launch_segmented", "_launch_prefill"):
         real = getattr(ref, name)
-        monkeypatch.setattr(ref, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
+        monkeypatch.setattr(ref, name,
+                            lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
     monkeypatch.setattr(ref, "DEFAULT_SEGMENT", 128)      # two segments
     out_s, state_s = ref.based_prefill(q, k, v)
     out_c, state_c = ref.based_prefill(q, k, v, chunk_size=16)

@@ -544,8 +544,9 @@ def _read_prefix_state_16bit(q, num, den, P_KV, P_K, offs_v, v_ok, value_dim):
     halved ``q``, built as ``[BLOCK_M, 16, 16]`` products), then one ``[BLOCK_M, 256] x [256, BLOCK_V]``
     tensor-core product against the state's order-2 rows. One long product keeps the tensor cores
     busy where sixteen products of depth 16 mostly wait; 16-bit operands are what the chunked kernel
-    already uses for its state (the route takes this for bfloat16, whose range is float32's). The normaliser stays float32 (its order-2 part is ``q^T Z2 q / sqrt 2``
-    with ``Z2`` the ``[16, 16]`` sums of ``k_a k_b``: a small exact product).
+    already uses for its state (the route takes this for bfloat16, whose range is float32's). The
+    normaliser stays float32: its order-2 part is ``q^T Z2 q / sqrt 2`` with ``Z2`` its ``[16, 16]``
+    order-2 entries, a small exact product.
     """
     inv_sqrt2 = 0.7071067811865476
     offs_f = tl.arange(0, 16)
@@ -775,7 +776,8 @@ def _based_prefix_state_kernel(
             v_t = tl.load(v_base + tokens[None, :] * stride_vs + offs_v[:, None],
                           mask=t_ok[None, :] & v_ok[:, None], other=0.0)
             # k_a k_b for every (a, b) of the block, in float32 (exact for 16-bit k); cast for the product.
-            feats = tl.reshape(k_a.to(tl.float32)[:, :, None] * k.to(tl.float32)[:, None, :], [BLOCK_T, GROUPS * 16])
+            feats = tl.reshape(k_a.to(tl.float32)[:, :, None] * k.to(tl.float32)[:, None, :],
+                               [BLOCK_T, GROUPS * 16])
             kv_t = tl.dot(v_t, feats.to(v_t.dtype), kv_t, input_precision=PRECISION)
             ksum += tl.sum(feats, 0)
             boundary = start + BLOCK_T                            # segment_len is a multiple of BLOCK_T
@@ -787,6 +789,7 @@ def _based_prefix_state_kernel(
         _store_rows_t(state_kv, first_row, first_v, value_dim, kv_t * order2_scale)
         if pid_v == 0:
             tl.store(state_k + first_row + offs_r, ksum * order2_scale)
+
 
 # yaie: solution-only
 def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len: int, groups: int = 4,
