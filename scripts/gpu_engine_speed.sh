@@ -8,7 +8,9 @@
 #    generate and transformers with its static cache + torch.compile; batch 1 against the bandwidth roofline
 #                                                                                   -> $OUT/engine_<gpu>.{json,md}
 # SKIP_CHECK=1: the benchmark only. BENCH_BUDGET: seconds after which the benchmark starts no more transformers rows (default 260).
-# WITH_8B=1: then the Llama-3-8B-shaped config (hidden 4096, 32 layers, 32/8 heads, vocab 128256), batch 1 and 64.
+# WITH_8B=1: then the Llama-3-8B-shaped config (hidden 4096, 32 layers, 32/8 heads, vocab 128256), batch 1 and 64
+#   (BENCH_8B_EXTRA=--skip-hf: the engine rows only, e.g. the batch-1 roofline fraction when time is short).
+# BATCHES: the 1.1B's batch sizes, in the order they run (default 64,1,16,256).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTIONS=all
 : "${OUT:?set OUT to the output folder}"
@@ -21,14 +23,15 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTI
     timeout 80 python3 scripts/gpu_engine_chunked_check.py --out "$OUT"
   fi
   echo "== engine throughput and chunked-prefill latency (rc of the check above: $?)"
-  timeout "${BENCH_TIMEOUT:-400}" python3 -m yaie.bench.engine --out "$OUT" --size 1b --batches 64,1,16,256 \
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m yaie.bench.engine --out "$OUT" --size 1b --batches "${BATCHES:-64,1,16,256}" \
       --prompt-len 128 --new-tokens 128 --repeats 2 --long-prompt 16000 --itl-batch 16 \
       --max-num-batched-tokens 2048 --time-budget "${BENCH_BUDGET:-260}" --profile
   echo "== rc $?"
   if [ "${WITH_8B:-0}" = "1" ]; then
     echo "== the Llama-3-8B-shaped random config: batch 1 and 64 beside transformers (-> \$OUT/8b/engine_<gpu>.*)"
     timeout "${BENCH_8B_TIMEOUT:-330}" python3 -m yaie.bench.engine --out "$OUT/8b" --size 8b --batches 1,64 \
-        --prompt-len 128 --new-tokens 128 --repeats 2 --long-prompt 0 --time-budget "${BENCH_8B_BUDGET:-200}"
+        --prompt-len 128 --new-tokens 128 --repeats 2 --long-prompt 0 --time-budget "${BENCH_8B_BUDGET:-200}" \
+        ${BENCH_8B_EXTRA:-}
     echo "== rc $?"
   fi
   echo "== done"
