@@ -395,11 +395,12 @@ def test_run_next_advances_the_buffers_as_run_writes_them(monkeypatch):
         return real_run(self, *args)
 
     monkeypatch.setattr(DecodeGraphs, "run", spy)
+    moved = 5               # seq 2's new token opens a block (position 8) within the bound of the last step
     for step in range(12):
         for manager in managers:
             for seq in seqs:
                 manager.append_slots(seq, 1)
-            if step == 7:       # seq 2 opens a block, and its other blocks moved too: not a plain growth
+            if step == moved:   # seq 2 opens a block, and its other blocks moved too: not a plain growth
                 held = manager.num_tokens(2)
                 manager.free(2)
                 manager.allocate("other", 8)
@@ -411,7 +412,9 @@ def test_run_next_advances_the_buffers_as_run_writes_them(monkeypatch):
         general.clear()
         ahead.run_next(seqs, torch.tensor(tokens))
         plain.run(seqs, tokens, positions)
-        assert general == ([True] if new_graph or step == 7 else []), (step, general)
+        if step == moved:   # the moved table, not a new block alone or a new graph, sends it to the general path
+            assert positions[2] % managers[0].block_size == 0 and not new_graph, positions
+        assert general == ([True] if new_graph or step == moved else []), (step, general)
         (ids_a, tables_a, bound_a), (ids_b, tables_b, bound_b) = seen[id(ahead)], seen[id(plain)]
         assert torch.equal(ids_a, ids_b) and bound_a == bound_b, step
         assert torch.equal(tables_a[:, 0], tables_b[:, 0]), step                 # padding rows: the scratch block
