@@ -420,7 +420,8 @@ def serve_levels(server: "ServerProcess", model: str, levels: list[int], prompts
                    offline_prefill_steps=offline[c]["prefill_steps"], **{f"served_{k}": v for k, v in served.items()})
         row["overhead"] = 1 - row["served_tokens_per_s"] / row["offline_tokens_per_s"]
         rows.append(row)
-        print(f"served   C={c:<3d} {served['tokens_per_s']:9.1f} tok/s  overhead {100 * row['overhead']:5.1f}%  "
+        print(f"served   C={c:<3d} {served['tokens_per_s']:9.1f} tok/s  overhead {100 * row['overhead']:5.1f}% "
+              f"(vs {row['offline_tokens_per_s']:.0f})  "
               f"TTFT p50 {served['ttft_p50_ms']:.1f} ms p99 {served['ttft_p99_ms']:.1f} ms  "
               f"ITL p50 {served['itl_p50_ms'] or 0:.2f} ms p99 {served['itl_p99_ms'] or 0:.2f} ms  "
               f"steps {served['steps']} ({served['prefill_steps']} with prompts; offline "
