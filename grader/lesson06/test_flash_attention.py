@@ -331,6 +331,8 @@ def test_varlen_rejects_bad_offsets(device, seed):
     check_value_errors(L.flash_attention_varlen_forward, dict(good, validate=False), [
         ("int64 offsets, validate=False", dict(cu_seqlens_q=cu_q.long())),
         ("4-D q, validate=False", dict(q=q[None])),
+        ("max_seqlen_q of 0, validate=False (a launch grid of no program)", dict(max_seqlen_q=0)),
+        ("max_seqlen_k of 0, validate=False", dict(max_seqlen_k=0)),
     ])
 
 

@@ -769,6 +769,11 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
                          f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    # Host values, checked even without read_values: a grid sized by max_seqlen_q < 1 has no program, and
+    # the output would be returned unwritten.
+    if max_seqlen_q < 1 or max_seqlen_k < 1:
+        raise ValueError(f"max_seqlen_q and max_seqlen_k must be >= 1 (q and k hold tokens), got "
+                         f"{max_seqlen_q} and {max_seqlen_k}")
     if not read_values:
         return
     cu_q = cu_seqlens_q.tolist()
@@ -822,10 +827,11 @@ def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         flash-attn's varlen API), natural log.
 
     Raises:
-        ValueError: bad q, k, v (as the dense form, 3-D); offsets that are not int32 1-D on q's device,
-            or (with ``validate``) do not start at 0, end at the token counts, decrease, exceed
-            ``max_seqlen_*``, or give a sequence queries without keys (or more queries than keys under
-            ``causal``); a ``sliding_window`` that is not an int >= 1, or one without ``causal``.
+        ValueError: bad q, k, v (as the dense form, 3-D); offsets that are not int32 1-D on q's device;
+            ``max_seqlen_q`` or ``max_seqlen_k`` below 1; offsets that (with ``validate``) do not start at
+            0, end at the token counts, decrease, exceed ``max_seqlen_*``, or give a sequence queries
+            without keys (or more queries than keys under ``causal``); a ``sliding_window`` that is not an
+            int >= 1, or one without ``causal``.
     """
     _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                          sliding_window, validate)

@@ -236,9 +236,10 @@ def flash_attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         flash-attn's varlen API), natural log.
 
     Raises:
-        ValueError: bad q, k, v (as the dense form, 3-D); offsets that are not int32 1-D on q's device,
-            or (with ``validate``) do not start at 0, end at the token counts, decrease, exceed
-            ``max_seqlen_*``, or give a sequence queries without keys (or more queries than keys under
-            ``causal``); a ``sliding_window`` that is not an int >= 1, or one without ``causal``.
+        ValueError: bad q, k, v (as the dense form, 3-D); offsets that are not int32 1-D on q's device;
+            ``max_seqlen_q`` or ``max_seqlen_k`` below 1; offsets that (with ``validate``) do not start at
+            0, end at the token counts, decrease, exceed ``max_seqlen_*``, or give a sequence queries
+            without keys (or more queries than keys under ``causal``); a ``sliding_window`` that is not an
+            int >= 1, or one without ``causal``.
     """
     raise NotImplementedError('lesson 06, task 4: implement flash_attention_varlen_forward in yaie/kernels/flash_attention.py')
