@@ -6,7 +6,7 @@
 # 2. scripts/gpu_engine_batching.py: greedy ids of the engine (CUDA graphs) equal transformers' (float32), spies
 #                                                                                -> $OUT/batching.json (CHECK=0 skips)
 # 3. scripts/bench_decode_kernels.py: each decode-step kernel beside what it replaces, inside CUDA graphs
-#                                                                                -> $OUT/decode_kernels_<gpu>.json (KERNELS=0 skips)
+#                                                                   -> $OUT/decode_kernels_<gpu>.json (KERNELS=0 skips)
 # 4. python -m yaie.bench.engine at batch 1 (no transformers rows): with every op apart (switched off in-process:
 #    yaie.ops' fused decode-step kernels, RoPE + K/V write and the one-row products with their norm or SwiGLU
 #    gate; and the CUDA graphs' smallest context bound back at 1024), then as the engine runs, with the torch

@@ -213,8 +213,9 @@ def linear64(x, weight, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bias", [True, False])
-def test_matvec_kernels_match_float64(dtype, bias):
-    c = matvec_case(dtype, bias=bias)
+@pytest.mark.parametrize("k", [48, 1100])   # 1100: several column blocks (1024, or 512 with the norm), a partial last
+def test_matvec_kernels_match_float64(dtype, bias, k):
+    c = matvec_case(dtype, k=k, bias=bias)
     tol = TOL[dtype]
     torch.testing.assert_close(ref.matvec(c["x"], c["weight"], c["bias"]).double(),
                                linear64(c["x"], c["weight"], c["bias"]), **tol)

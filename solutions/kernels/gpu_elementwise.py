@@ -608,8 +608,10 @@ def _matvec_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, K, inv_rms, PROLOGUE
         gate = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0).to(tl.float32)
         # tl.sigmoid (1 / (1 + exp(-g)): 0 for a very negative g, never NaN) rather than _silu_and_mul_kernel's
-        # two-sided form: every program computes the gate again for its few rows, and the cheaper form
-        # measured 2 us faster on the down projection (bench/results/decode_kernels_h100.json).
+        # two-sided form: every program computes the gate again for its few rows. On the 1.1B model's down
+        # projection (H100, two runs, not side by side): 14.2 us with tl.sigmoid (the prototype sweep,
+        # bench/results/decode_kernels_prototype_sweep_h100.json, "silu+down BN4 BK1024 w8 s3"), 16.4 us with
+        # the two-sided form (bench/results/decode_kernels_h100.json, "silu_and_mul_matvec").
         value = gate * tl.sigmoid(gate) * up
     elif PROLOGUE == 2:      # rms_norm(x + residual) * norm weight, as _fused_add_rms_norm_kernel computes it
         x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
