@@ -12,9 +12,10 @@ CUDA graphs (:mod:`yaie.engine.cuda_graphs`). The host does what it can while th
 forward pass is queued, then the previous step's new tokens are turned into text, and only then does the
 host wait for this step's tokens (which requests end is decided by token id and length at once, and by
 text only for requests with stop strings; ``generate`` decodes each request's text once, at its end). When
-the next step can only be the same greedy decodes again, it is planned and launched before this step's
-tokens are read, its input ids taken from the device (:meth:`LLM._look_ahead`): the host plans the next
-step while the GPU runs this one. Nothing in a decode step waits for the GPU but reading its tokens: the
+the next step can only be the same decodes again, it is planned and launched before this step's
+tokens are read, its input ids taken from the device (:meth:`LLM._look_ahead`; greedy and sampled rows
+alike pick their tokens there, :mod:`yaie.engine.sampling`): the host plans the next step while the GPU
+runs this one. Nothing in a decode step waits for the GPU but reading its tokens: the
 inputs go to the graph's buffers from pinned memory, queued (:func:`yaie.engine.cuda_graphs.upload`), and
 the tokens come back through pinned memory and an event recorded right after them (:class:`_Launched`), so
 reading one step's tokens does not wait for the looked-ahead step queued behind it. See
@@ -36,7 +37,7 @@ from yaie import ops
 from yaie.device import default_device
 from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
 from yaie.engine.prefix_cache import make_prefix_cache
-from yaie.engine.sampling import SamplingParams, filtered_probs
+from yaie.engine.sampling import SamplingParams, make_generator, sample_batch
 from yaie.engine.scheduler import PREEMPTION_MODES, Request, Scheduler, StepPlan
 from yaie.model.config import ModelLoadError, load_config
 from yaie.model.llama import LlamaModel
@@ -77,7 +78,8 @@ class _Text:
     def __init__(self, llm: "LLM", params: SamplingParams):
         self.params = params
         self.greedy = params.greedy        # read for every request at every step: found once
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        # A seeded request's own generator, on the logits' device (see yaie.engine.sampling).
+        self.generator = None if params.seed is None else make_generator(params.seed, llm.device)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.eos_token_ids))
         self.hold = max((len(s) for s in params.stop), default=1) - 1
         self.decoder = StreamDecoder(llm.tokenizer)
@@ -468,20 +470,21 @@ class LLM:
 
     def _start(self, manager, plan: StepPlan, graphs: DecodeGraphs | None, texts: dict,
                device_tokens: torch.Tensor | None = None) -> "_Launched":
-        """Launch a step; when every request it samples is greedy, its tokens are picked on the device too."""
+        """Launch a step and the pick of its tokens, both on the device (greedy and sampled rows alike)."""
         sampled = plan.sampled
         step_texts = [texts[r.request_id] for r in sampled]
         logits = self._launch(manager, plan, graphs, device_tokens)
-        greedy = logits is not None and all(map(operator.attrgetter("greedy"), step_texts))
-        return _Launched(list(sampled), step_texts, logits, logits.argmax(dim=-1) if greedy else None,
+        return _Launched(list(sampled), step_texts, logits,
+                         _device_tokens(logits, step_texts) if logits is not None else None,
                          decode_only=not plan.prefills)
 
     def _look_ahead(self, scheduler: Scheduler, pending: "_Launched", graphs: DecodeGraphs | None,
                     texts: dict) -> "_Launched | None":
         """Plan and launch the step after ``pending`` before its tokens reach the host, or None.
 
-        Only when that step can only be ``pending``'s decodes again, in the same order: its requests all
-        greedy (their tokens are on the device: they feed the next step directly), nothing waiting or
+        Only when that step can only be ``pending``'s decodes again, in the same order: its tokens picked on
+        the device (greedy or sampled: they feed the next step directly; the caller keeps this off while a
+        request wants log-probabilities, read from logits a replay overwrites), nothing waiting or
         swapped out (no prefill joins), ``pending`` itself decodes only (no prompt waits to enter the prefix
         cache), free blocks for everyone's next slot (nobody is preempted), and some
         request not ending by length now. Each request holds a placeholder token while the step is planned
@@ -554,7 +557,7 @@ LOOK_AHEAD_TOKEN = -1   # what a request holds in place of the token being sampl
 
 class _Launched:
     """A launched step: the requests it samples a token for (in row order), their texts, the logits on the
-    device and, when all of them are greedy, their tokens on the device (``device_tokens``)."""
+    device and their tokens, picked on the device (``device_tokens``; None when no row samples)."""
 
     def __init__(self, requests: list, texts: list, logits: torch.Tensor | None, device_tokens: torch.Tensor | None,
                  decode_only: bool):
@@ -609,18 +612,17 @@ def _ended_cleanly(manager, num_cpu_blocks: int) -> bool:
         return False
 
 
+def _device_tokens(logits: torch.Tensor, texts: list[_Text]) -> torch.Tensor:
+    """One token per row, int64 on the logits' device, not read: greedy rows by argmax, sampled rows by
+    the batched sampler (:func:`yaie.engine.sampling.sample_batch`, each with its own generator)."""
+    if all(map(operator.attrgetter("greedy"), texts)):
+        return logits.argmax(dim=-1)
+    return sample_batch(logits, [text.params for text in texts], [text.generator for text in texts])
+
+
 def _sample_rows(logits: torch.Tensor, texts: list[_Text]) -> list[int]:
-    """One token per row: greedy rows by one argmax; sampled rows draw from their filtered probabilities
-    (computed on the logits' device) with their own generator, on the host, as :func:`sample` does. All
-    rows reach the host together: one device sync per step, not one per sampled row."""
-    sampled = [i for i, text in enumerate(texts) if not text.params.greedy]
-    probs = torch.stack([filtered_probs(logits[i], texts[i].params) for i in sampled]) if sampled else None
-    tokens = logits.argmax(dim=-1).tolist()
-    if sampled:
-        probs = probs.cpu()
-        for row, i in enumerate(sampled):
-            tokens[i] = int(torch.multinomial(probs[row], 1, generator=texts[i].generator))
-    return tokens
+    """One token per row on the host (:func:`_device_tokens`, then one copy)."""
+    return _device_tokens(logits, texts).tolist()
 
 
 def _is_token_id(value) -> bool:

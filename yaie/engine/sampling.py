@@ -2,17 +2,38 @@
 
 The order is the usual one: scale the logits by ``1 / temperature``, keep the ``top_k`` best, keep
 the smallest set of tokens whose probabilities add up to ``top_p``, renormalise, draw.
+
+The engine samples a whole step at once, on the logits' device (:func:`sample_batch`): each row's
+temperature, top-k and top-p are columns of one small table, the filters are one ``topk`` and one sort
+for the batch with a mask per row, and one draw picks every row's token. Only the chosen ids go to the
+host, so a step with sampled requests waits for the device no longer than a greedy one, and the next
+step may be launched before they are read (``LLM._look_ahead``).
+
+The draw is the exponential race: with ``E_i`` independent ``Exp(1)`` variables, ``argmax_i p_i / E_i``
+is token ``i`` with probability ``p_i`` (``E_i / p_i`` is ``Exp(p_i)``, and the smallest of independent
+exponentials is the one of rate ``p_i`` with probability ``p_i / sum(p)``). It needs no cumulative sum
+and no search, only noise the size of the logits. The noise is drawn in float64: float32 uniforms come
+in steps of ``2**-24``, and a token that needs ``E_i`` below that to win (probability under about
+``1e-7``, of which a 128k vocabulary has many) would be drawn far too often.
+
+Seeds: a request with a seed draws its noise from its own generator on the logits' device, one row of
+``vocab`` uniforms per token, so its tokens depend on its seed and its logits alone, not on the
+requests it is batched with; requests without one share the device's default generator. The tokens a
+seed gives belong to this sampler (and to the device: CPU and CUDA generators differ); they are not
+promised to stay the same when the sampler changes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 
 MIN_TEMPERATURE = 1e-5   # temperatures below this sample greedily (see SamplingParams.greedy)
+_NO_TOP_P = 2.0          # a row's top-p threshold when it has none: above any mass the sort can add up
 
 
 def _is_number(x) -> bool:
@@ -25,9 +46,13 @@ class SamplingParams:
 
     temperature: 0 means greedy (argmax), and so does anything below ``MIN_TEMPERATURE``; higher flattens the
     distribution.
-    top_k: keep the k most likely tokens (0 or -1: all). top_p: nucleus mass in (0, 1].
+    top_k: keep the k most likely tokens (0 or -1: all; tokens tied with the k-th stay too).
+    top_p: nucleus mass in (0, 1]: keep the most likely tokens while the mass of those before them is below
+    ``top_p`` (so the most likely token always stays; among tokens of equal probability the lower ids
+    come first).
     max_tokens: tokens to generate at most (the model's context may stop it earlier).
-    seed: a seed makes sampling reproducible for this request; None draws from torch's global RNG.
+    seed: a seed makes sampling reproducible for this request, alone or in any batch, on one kind of device
+    (see :mod:`yaie.engine.sampling`); None draws from torch's default generator of the device.
     stop: strings that end generation (not included in the text); stop_token_ids: extra stop ids
     (the model's end-of-sequence ids stop it too unless ignore_eos).
     """
@@ -63,26 +88,117 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[vocab]`` after temperature, top-k and top-p (float32)."""
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A request's own generator on ``device`` (the logits' device), seeded; None without a seed."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- the batched sampler
+class StepTable:
+    """The sampling parameters of one step's rows, as tensors on the logits' device.
+
+    ``greedy`` ``[B]`` bool; ``temperature`` ``[B]`` float32 (1 for greedy rows); ``top_k`` ``[B]`` int64
+    (0: no limit, also for a k of at least the vocabulary); ``top_p`` ``[B]`` float32 (``_NO_TOP_P``: no
+    limit). ``max_top_k`` and ``any_top_p`` are known on the host, so filtering never reads the device.
+    The table goes up in one copy, queued from pinned memory on CUDA (a copy from pageable memory would
+    wait for the step's forward pass).
+    """
+
+    def __init__(self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device):
+        rows = [_row(p, vocab_size) for p in params]
+        self.all_greedy = all(row[3] for row in rows)
+        self.max_top_k = int(max(row[1] for row in rows))
+        self.any_top_p = any(row[2] < 1 for row in rows)
+        host = torch.tensor(rows, dtype=torch.float64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+        self.temperature = table[:, 0].float()
+        self.top_k = table[:, 1].long()
+        self.top_p = table[:, 2].float()
+        self.greedy = table[:, 3].bool()
+
+
+def _row(p: SamplingParams, vocab_size: int) -> tuple[float, float, float, float]:
+    """(temperature, top_k, top_p, greedy) of one row; a greedy row filters nothing (its token is the argmax)."""
+    if p.greedy:
+        return (1.0, 0.0, _NO_TOP_P, 1.0)
+    top_k = p.top_k if 0 < p.top_k < vocab_size else 0
+    return (float(p.temperature), float(top_k), float(p.top_p) if p.top_p < 1 else _NO_TOP_P, 0.0)
+
+
+def filter_logits(logits: torch.Tensor, table: StepTable) -> torch.Tensor:
+    """Scaled, filtered logits ``[B, vocab]`` (float32): ``logits / temperature`` per row, ``-inf`` where
+    top-k or top-p drops a token. ``logits``: ``[B, vocab]``, any float dtype, on ``table``'s device."""
+    scaled = logits.float() / table.temperature[:, None]
+    if table.max_top_k:
+        # The k-th largest value of each row (one topk for the batch, as deep as the deepest row needs);
+        # rows without a limit compare with -inf. Ties with the k-th value stay.
+        best = torch.topk(scaled, table.max_top_k, dim=-1).values
+        kth = best.gather(1, (table.top_k - 1).clamp(min=0)[:, None])
+        kth = kth.masked_fill((table.top_k == 0)[:, None], float("-inf"))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if table.any_top_p:
+        probs = torch.softmax(scaled, dim=-1)
+        # Stable: among equal probabilities the lower ids come first, so the cut does not depend on the sort.
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
         # A token stays if the mass of the tokens before it is below top_p (so the best always stays).
-        before = sorted_probs.cumsum(0) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        probs = probs / probs.sum()
-    return probs
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = before >= table.top_p[:, None]
+        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None], shared: bool = True) -> torch.Tensor:
+    """One token id per row of ``probs`` ``[B, vocab]`` (float32, rows summing to 1), int64 on its device,
+    by the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)`` drawn in float64. Row ``i`` draws its
+    noise from ``generators[i]`` when it has one (one launch per such row), the others together from the
+    device's default generator (one launch for the whole batch, skipped when ``shared`` is False: then
+    the rows without a generator get no noise and their ids mean nothing; the caller ignores them)."""
+    noise = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
+    seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+    if shared and len(seeded) < len(generators):
+        noise.uniform_()
+    for i, generator in seeded:
+        noise[i].uniform_(generator=generator)
+    # uniform_ gives [0, 1): E = -log(U) is in (0, inf]; E = inf only makes a token lose.
+    exponential = noise.log_().neg_()
+    return (probs / exponential).argmax(dim=-1)
+
+
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None], table: StepTable | None = None) -> torch.Tensor:
+    """One token id per row of ``logits`` ``[B, vocab]``: int64 ``[B]`` on the logits' device, not read by
+    the host. Greedy rows (temperature below ``MIN_TEMPERATURE``) take the argmax of their logits; the
+    others draw from their filtered probabilities (:func:`filter_logits`, :func:`draw`). ``generators``:
+    each row's own generator (on the logits' device) or None. ``table``: the rows' :class:`StepTable`, when
+    the caller has it already."""
+    if logits.dim() != 2 or len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
+        raise ValueError(f"sample_batch needs logits [B, vocab] and B params and generators; got logits "
+                         f"{tuple(logits.shape)}, {len(params)} params, {len(generators)} generators")
+    greedy_tokens = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy_tokens
+    table = table or StepTable(params, logits.shape[-1], logits.device)
+    probs = torch.softmax(filter_logits(logits, table), dim=-1)
+    generators = [None if p.greedy else g for p, g in zip(params, generators)]
+    shared = any(g is None and not p.greedy for p, g in zip(params, generators))   # unseeded sampled rows
+    return torch.where(table.greedy, greedy_tokens, draw(probs, generators, shared))
+
+
+# ----------------------------------------------------------------------------- one row
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities ``[vocab]`` after temperature, top-k and top-p (float32), as the batched sampler
+    computes them for a sampled row (a greedy one puts all the mass on its argmax): ``logits`` ``[vocab]``."""
+    if params.greedy:
+        return torch.zeros(logits.shape, device=logits.device).index_fill_(0, logits.argmax().view(1), 1.0)
+    table = StepTable([params], logits.shape[-1], logits.device)
+    return torch.softmax(filter_logits(logits[None], table), dim=-1)[0]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from ``logits [vocab]``."""
-    if params.greedy:
-        return int(logits.argmax())
-    probs = filtered_probs(logits, params).cpu()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token id from ``logits [vocab]`` (the batched sampler on one row; reads it on the host)."""
+    return int(sample_batch(logits[None], [params], [generator])[0])
