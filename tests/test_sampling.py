@@ -266,3 +266,53 @@ def test_engine_samples_on_the_device_and_looks_ahead_over_sampled_steps(monkeyp
         assert looked[i].text == alone[i].text
     assert sum(a is not None for a in ahead) >= 10, "sampled decode steps were looked ahead"
     assert len({tuple(o.token_ids) for o in alone[1:]}) == 3
+
+
+# ----------------------------------------------------------------------------- on the GPU
+def _cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+def test_on_cuda_rows_follow_their_distributions_without_a_host_sync():
+    """The batched sampler on CUDA: each case's draws follow the float64 reference, greedy rows are the
+    argmax, a seeded row gives the same tokens alone and in the batch, and nothing in it waits for the
+    device (torch's sync debug mode turns a synchronizing call into an error)."""
+    _cuda_or_skip()
+    seed = fresh_seed()
+    draws = 24000
+    kinds = [(c[1], c[2]) for c in CASES] + [(LOGITS.flip(0), SamplingParams(temperature=0))]
+    logits = torch.stack([logits for logits, _ in kinds] * draws).cuda()
+    params = [p for _, p in kinds] * draws
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        torch.cuda.manual_seed(seed)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tokens = sample_batch(logits, params, [None] * len(params))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    tokens = tokens.cpu()
+    for k, (name, case_logits, case_params, wrong) in enumerate(CASES):
+        counts = torch.bincount(tokens[k::len(kinds)], minlength=len(case_logits)).double()
+        check_counts(counts, reference_probs(case_logits, case_params), reference_probs(case_logits, wrong),
+                     f"cuda, seed={seed} {name}")
+    assert (tokens[len(CASES)::len(kinds)] == int(LOGITS.flip(0).argmax())).all(), "greedy rows are the argmax"
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_seeded_row_gives_the_same_tokens_alone_or_batched():
+    _cuda_or_skip()
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    steps = [(torch.randn(5, 32000, generator=gen) * 2).cuda() for _ in range(8)]
+    params = SamplingParams(temperature=1.1, top_p=0.95, seed=seed)
+    others = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=40),
+              SamplingParams(temperature=0.9, top_p=0.5, seed=seed + 1), SamplingParams(temperature=1.3)]
+    alone_gen = make_generator(seed, "cuda")
+    alone = [int(sample_batch(step[:1], [params], [alone_gen])[0]) for step in steps]
+    generators = [make_generator(p.seed, "cuda") for p in others[:2] + [params] + others[2:]]
+    batched = [int(sample_batch(torch.cat([step[1:3], step[:1], step[3:]]), others[:2] + [params] + others[2:],
+                                generators)[2]) for step in steps]
+    assert batched == alone, f"seed={seed}: {batched} vs alone {alone}"

@@ -9,16 +9,14 @@ for the batch with a mask per row, and one draw picks every row's token. Only th
 host, so a step with sampled requests waits for the device no longer than a greedy one, and the next
 step may be launched before they are read (``LLM._look_ahead``).
 
-The draw is the exponential race: with ``E_i`` independent ``Exp(1)`` variables, ``argmax_i p_i / E_i``
-is token ``i`` with probability ``p_i`` (``E_i / p_i`` is ``Exp(p_i)``, and the smallest of independent
-exponentials is the one of rate ``p_i`` with probability ``p_i / sum(p)``). It needs no cumulative sum
-and no search, only noise the size of the logits. The noise is drawn in float64: float32 uniforms come
-in steps of ``2**-24``, and a token that needs ``E_i`` below that to win (probability under about
-``1e-7``, of which a 128k vocabulary has many) would be drawn far too often.
+The draw is inverse transform sampling (:func:`draw`): one uniform number per row, and the token where the
+row's cumulative probabilities (in vocabulary order, summed in float64) pass it. It needs one random
+number per row, not noise the size of the logits (as the exponential race ``argmax(p / E)`` would,
+``E ~ Exp(1)``, in float64 to be exact for rare tokens), and one pass over the probabilities.
 
-Seeds: a request with a seed draws its noise from its own generator on the logits' device, one row of
-``vocab`` uniforms per token, so its tokens depend on its seed and its logits alone, not on the
-requests it is batched with; requests without one share the device's default generator. The tokens a
+Seeds: a request with a seed draws its uniform number from its own generator on the logits' device, one
+per token, so its tokens depend on its seed and its logits alone, not on the requests it is batched
+with; requests without one share the device's default generator. The tokens a
 seed gives belong to this sampler (and to the device: CPU and CUDA generators differ); they are not
 promised to stay the same when the sampler changes.
 """
@@ -153,20 +151,27 @@ def filter_logits(logits: torch.Tensor, table: StepTable) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None], shared: bool = True) -> torch.Tensor:
-    """One token id per row of ``probs`` ``[B, vocab]`` (float32, rows summing to 1), int64 on its device,
-    by the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)`` drawn in float64. Row ``i`` draws its
-    noise from ``generators[i]`` when it has one (one launch per such row), the others together from the
-    device's default generator (one launch for the whole batch, skipped when ``shared`` is False: then
-    the rows without a generator get no noise and their ids mean nothing; the caller ignores them)."""
-    noise = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
+    """One token id per row of ``probs`` ``[B, vocab]`` (float32, >= 0, some mass in every row), int64 on
+    its device, by inverse transform sampling: ``u`` uniform in [0, 1), the first token whose cumulative
+    probability exceeds ``u`` times the row's total. Row ``i`` draws its ``u`` from ``generators[i]`` when it
+    has one (one launch per such row), the others together from the device's default generator (one launch
+    for the whole batch, skipped when ``shared`` is False: then rows without a generator get no ``u`` and
+    their ids mean nothing; the caller ignores them)."""
+    uniform = torch.empty(probs.shape[0], dtype=torch.float64, device=probs.device)
     seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
     if shared and len(seeded) < len(generators):
-        noise.uniform_()
+        uniform.uniform_()
     for i, generator in seeded:
-        noise[i].uniform_(generator=generator)
-    # uniform_ gives [0, 1): E = -log(U) is in (0, inf]; E = inf only makes a token lose.
-    exponential = noise.log_().neg_()
-    return (probs / exponential).argmax(dim=-1)
+        uniform[i].uniform_(generator=generator)
+    # Float64 sums: in float32 a token of probability under ~1e-7 of the mass before it would add nothing
+    # to the sum and never be drawn (a 128k vocabulary has many such tokens).
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, uniform[:, None] * total, right=True)[:, 0]
+    # u * total rounds up to total about once in 2**53 draws (searchsorted then says vocab): the last token
+    # with mass is the farthest a draw may go. (A token of zero probability never starts a new sum.)
+    last = (cdf < total).sum(dim=-1)
+    return torch.minimum(tokens, last)
 
 
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
