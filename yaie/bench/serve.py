@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -306,6 +307,13 @@ def main(argv=None) -> int:
                         "for the main table, the others for comparison at --compare-concurrency")
     p.add_argument("--compare-concurrency", default=None, metavar="LIST",
                    help="the concurrency levels of the comparison windows (default: all of --concurrency)")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="then, with the first server still up (idle while offline runs), N more served and offline "
+                        "measurements in turn at --interleave-concurrency, fresh prompts each: each served figure "
+                        "is compared with the offline ones just before and after it, so a drift of the machine "
+                        "cancels")
+    p.add_argument("--interleave-concurrency", default=None, metavar="LIST",
+                   help="levels of the interleaved measurements (default: the largest of --concurrency)")
     p.add_argument("--engine-in-thread", action="store_true",
                    help="serve with the engine loop in a thread of the server process (yaie serve --engine-in-thread)")
     args = p.parse_args(argv)
@@ -334,6 +342,8 @@ def main(argv=None) -> int:
     default_ms = 0.0                                          # the server's default: off
     windows = [None if w.strip() == "default" else float(w) for w in args.admission_window_ms.split(",")]
     compared = [int(c) for c in args.compare_concurrency.split(",")] if args.compare_concurrency else levels
+    interleave_levels = ([int(c) for c in args.interleave_concurrency.split(",")] if args.interleave_concurrency
+                         else [max(levels)])
     runs = [(w, levels if i == 0 else [c for c in compared if c in levels]) for i, w in enumerate(windows)]
     env = environment()
     for name in ("fastapi", "uvicorn", "httpx", "httptools", "uvloop"):
@@ -373,6 +383,9 @@ def main(argv=None) -> int:
                 report["rows"] += [dict(row, server=server_index) for row in rows]
                 # The first server's counters, after all its levels.
                 report["server_metrics_at_end"] = report["server_metrics_at_end"] or server.metrics()
+                if server_index == 0 and args.interleave:
+                    report["interleaved"] = interleave(server, Path(folder).name, llm, interleave_levels,
+                                                       random_prompts, args)
             if server_index == 0:
                 # Offline again (fresh prompts) after the served levels: the offline figure is the mean of the
                 # measurements before and after, so a drift of the machine over the run shows and cancels.
@@ -429,6 +442,33 @@ def serve_levels(server: "ServerProcess", model: str, levels: list[int], prompts
     return rows
 
 
+def interleave(server: "ServerProcess", model: str, llm, levels: list[int], random_prompts, args) -> list[dict]:
+    """Offline, served, offline, served, ... offline at each level (fresh prompts every time, the server up
+    throughout): served run i is compared with the mean of the offline runs just before and after it, so a
+    machine whose speed drifts over the run (seen on the lent GPU: up to 22% between the start and the end)
+    does not decide the overhead. Returns one row per level with every figure and the median overhead."""
+    rows = []
+    for c in levels:
+        def fresh():
+            return random_prompts(c * args.requests_per_client), random_prompts(c)
+
+        offline = [run_offline(llm, *fresh(), args.new_tokens, args.device)["tokens_per_s"]]
+        served = []
+        for _ in range(args.interleave):
+            prompts, warm = fresh()
+            served.append(run_clients(server.url, model, prompts, warm, args.new_tokens, args.timeout,
+                                      args.client_processes)["tokens_per_s"])
+            offline.append(run_offline(llm, *fresh(), args.new_tokens, args.device)["tokens_per_s"])
+        overheads = [1 - s / ((a + b) / 2) for s, a, b in zip(served, offline, offline[1:])]
+        row = dict(concurrency=c, offline_tokens_per_s=offline, served_tokens_per_s=served, overheads=overheads,
+                   median_overhead=statistics.median(overheads))
+        rows.append(row)
+        print(f"interleaved C={c}: offline {[round(x) for x in offline]}, served {[round(x) for x in served]}, "
+              f"overheads {[f'{100 * o:.1f}%' for o in overheads]}, median {100 * row['median_overhead']:.1f}%",
+              flush=True)
+    return rows
+
+
 LOOP_WORDS = {"thread": "in a thread of the server process", "process": "in a process of its own"}
 
 
@@ -466,6 +506,17 @@ def markdown(report: dict) -> str:
                   "| ITL p99 ms | CPU us/token: HTTP / engine / clients | steps offline | steps served |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [table_row(r) for r in report["rows"] if r.get("server", 0) == server]
+    if report.get("interleaved"):
+        lines += ["", "Interleaved, after the table above, with the first server up throughout: offline, served, "
+                  "offline, ... (fresh prompts each time); each served figure against the mean of the offline ones "
+                  "just before and after it.", "",
+                  "| clients | offline tok/s, in order | served tok/s, in order | overheads | median overhead |",
+                  "|---:|---|---|---|---:|"]
+        for r in report["interleaved"]:
+            lines.append(f"| {r['concurrency']} | {' / '.join(f'{x:.0f}' for x in r['offline_tokens_per_s'])} | "
+                         f"{' / '.join(f'{x:.0f}' for x in r['served_tokens_per_s'])} | "
+                         f"{' / '.join(f'{100 * x:.1f}%' for x in r['overheads'])} | "
+                         f"{100 * r['median_overhead']:.1f}% |")
     return "\n".join(lines) + "\n"
 
 
