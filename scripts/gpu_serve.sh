@@ -9,9 +9,11 @@
 #    a bad request, metrics);
 # 2. yaie bench serve: the random ~1.1B Llama, bf16; C = 1, 4, 16, 64 streaming clients (4 requests each)
 #    beside offline LLM.generate on the same requests (measured before and after the served levels), the
-#    server as shipped (admission window off); then
-#    a second server with a 50 ms window at C = 64 (the comparison) -> $OUT/serve_<gpu>.{json,md}
-#    (written after each server: a comparison cut short by the time limit leaves the main table).
+#    server as shipped (admission window off); then at C = 64 three more served and offline measurements in
+#    turn (--interleave 3: each served figure against the offline ones around it) -> $OUT/serve_<gpu>.{json,md}.
+#    BENCH_ARGS="--size 1b --requests-per-client 4 --admission-window-ms default,50 --compare-concurrency 64":
+#    a second server with a 50 ms admission window at C = 64 (the report is written after each server: a
+#    comparison cut short by the time limit leaves the main table).
 # fastapi, uvicorn, pydantic and httptools are not on the GPU image: they travel as wheels in .whl/ (ignored
 # by git; fetch them with `pip download` as /work/.library/device/README.md explains) and are installed
 # here. httptools is uvicorn's fast HTTP parser (without it uvicorn parses in pure Python with h11: more
@@ -51,7 +53,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   fi
   echo "== yaie bench serve"
   YAIE_SOLUTIONS=all timeout "${BENCH_TIMEOUT:-330}" python3 -m yaie.cli bench serve --out "$OUT" \
-    ${BENCH_ARGS:---size 1b --requests-per-client 4 --admission-window-ms default,50 --compare-concurrency 64}
+    ${BENCH_ARGS:---size 1b --requests-per-client 4 --interleave 3}
   echo "== done (rc $?)"
   if [ "${THREAD_TOO:-0}" = "1" ]; then
   echo "== yaie bench serve --engine-in-thread (C = ${THREAD_LEVELS:-16,64}) -> $OUT/thread"
