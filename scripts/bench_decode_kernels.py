@@ -17,8 +17,7 @@ Rows:
   by split count and tile (the default marked);
 * ``matvec``: lesson 02's one-row products (``matvec``, ``silu_and_mul_matvec``, ``add_rms_norm_matvec``) vs
   cuBLAS (``F.linear``) and the unfused ops before it, at the model's projections, one token; the fused
-  norm's launch settings swept;
-* ``argmax``: torch.argmax of one row of 32000 float32 logits vs a one-program Triton scan.
+  norm's launch settings swept.
 """
 
 from __future__ import annotations
@@ -39,28 +38,12 @@ if not torch.cuda.is_available():
     prepare_triton()
 
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from solutions.kernels import gpu_elementwise as l02  # noqa: E402
 from solutions.kernels import kv_cache as l03  # noqa: E402
 from solutions.kernels import paged_attention as l04  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 2048, 32, 8, 64, 8192, 32000, 16
-
-
-@triton.jit
-def _argmax_kernel(x_ptr, out_ptr, V, BLOCK: tl.constexpr):
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + cols, mask=cols < V, other=float("-inf"))
-        better = x > best
-        best = tl.where(better, x, best)
-        idx = tl.where(better, cols, idx)
-    top = tl.max(best, 0)
-    tl.store(out_ptr, tl.min(tl.where(best == top, idx, V), 0))
 
 
 def graph_us(fn, reps: int, iters: int = 10) -> float:
@@ -187,26 +170,12 @@ def bench_matvec(device, dtype, time_of, rows, quick, no_sweep=False):
                 row(f"add_rms_norm_matvec BN{bn} BK{bk} w{w}", launch)
 
 
-def bench_argmax(device, time_of, rows, quick):
-    vocab = VOCAB if not quick else 300
-    logits = torch.randn(1, vocab, device=device)
-    out = torch.empty(1, dtype=torch.int32, device=device)
-    _argmax_kernel[(1,)](logits, out, vocab, BLOCK=1024 if not quick else 64)
-    assert int(out) == int(logits.argmax()), (int(out), int(logits.argmax()))
-    rows.append(dict(op="argmax", shape=f"1x{vocab} fp32", impl="torch.argmax",
-                     us=time_of(lambda i: logits.argmax(-1))))
-    for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16)) if not quick else ((64, 1),):
-        rows.append(dict(op="argmax", shape=f"1x{vocab} fp32", impl=f"triton 1 program BLOCK{block} w{warps}",
-                         us=time_of(lambda i, b=block, w=warps: _argmax_kernel[(1,)](logits, out, vocab, BLOCK=b,
-                                                                                     num_warps=w))))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--check", action="store_true", help="tiny shapes, each variant run once (CPU interpreter)")
     p.add_argument("--reps", type=int, default=64)
-    p.add_argument("--only", default="rope,decode,matvec,argmax")
+    p.add_argument("--only", default="rope,decode,matvec")
     p.add_argument("--no-sweep", action="store_true", help="matvec: the launch settings in use only")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -221,8 +190,6 @@ def main(argv=None) -> int:
         bench_decode(device, dtype, time_of, rows, args.check)
     if "matvec" in only:
         bench_matvec(device, dtype, time_of, rows, args.check, args.no_sweep)
-    if "argmax" in only:
-        bench_argmax(device, time_of, rows, args.check)
     for r in rows:
         print(f"{r['op']:16} {r['shape']:40} {r['impl']:42} {r['us']:8.2f} us"
               + ("  (default)" if r.get("default") else "")
