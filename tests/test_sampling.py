@@ -173,7 +173,7 @@ def test_top_p_1_is_not_cut_by_rounding():
     (here 0.5 + 0.5 before a token of probability 1e-13: a threshold of exactly 1 would drop it), in a
     batch where another row's top-p sorts the rows."""
     logits = torch.tensor([[0.0, 0.0, -30.0]] * 2)
-    table = StepTable([SamplingParams(top_p=1.0), SamplingParams(top_p=0.5)], 3, torch.device("cpu"))
+    table = StepTable([SamplingParams(top_p=1.0), SamplingParams(top_p=0.5)], [None, None], 3, torch.device("cpu"))
     filtered = filter_logits(logits, table)
     assert torch.isfinite(filtered[0]).all(), filtered
     assert torch.isfinite(filtered[1]).tolist() == [True, False, False], filtered     # ties: the lower id first
@@ -245,7 +245,8 @@ def engine_params(seed: int) -> list[SamplingParams]:
 @uses_reference_lessons
 def test_engine_samples_on_the_device_and_looks_ahead_over_sampled_steps(monkeypatch):
     """Seeded requests give the same tokens alone and batched, with and without the CUDA-graph path (run
-    eagerly on the CPU), whose decode steps are looked ahead now that sampled tokens stay on the device."""
+    eagerly on the CPU), whose decode steps are looked ahead now that sampled tokens stay on the device
+    (each looked-ahead step with the sampling table of the step before it)."""
     from yaie.engine.llm import LLM as Engine
     seed = fresh_seed()
     params = engine_params(seed)
@@ -256,15 +257,23 @@ def test_engine_samples_on_the_device_and_looks_ahead_over_sampled_steps(monkeyp
         llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=256)
         llm.cuda_graphs = True
         llm._graph_runner = lambda manager: DecodeGraphs(llm.model, manager, llm.max_num_seqs, capture=False)
-        ahead = []
+        ahead, tables = [], []
         real = Engine._look_ahead
-        monkeypatch.setattr(Engine, "_look_ahead", lambda self, *a: ahead.append(real(self, *a)) or ahead[-1])
+
+        def look_ahead(self, scheduler, pending, *rest):
+            ahead.append(real(self, scheduler, pending, *rest))
+            if ahead[-1] is not None:
+                tables.append((pending.table, ahead[-1].table))
+            return ahead[-1]
+        monkeypatch.setattr(Engine, "_look_ahead", look_ahead)
         looked = llm.generate(PROMPTS, params)
     for i in range(len(PROMPTS)):
         assert batched[i].token_ids == alone[i].token_ids, f"seed={seed}: request {i} batched vs alone"
         assert looked[i].token_ids == alone[i].token_ids, f"seed={seed}: request {i} looked ahead vs alone"
         assert looked[i].text == alone[i].text
     assert sum(a is not None for a in ahead) >= 10, "sampled decode steps were looked ahead"
+    # A looked-ahead step samples the same rows: it uses its predecessor's parameter table, uploaded once.
+    assert all(before is not None and after is before for before, after in tables)
     assert len({tuple(o.token_ids) for o in alone[1:]}) == 3
 
 

@@ -37,7 +37,7 @@ from yaie import ops
 from yaie.device import default_device
 from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
 from yaie.engine.prefix_cache import make_prefix_cache
-from yaie.engine.sampling import SamplingParams, make_generator, sample_batch
+from yaie.engine.sampling import SamplingParams, StepTable, make_generator, sample_batch
 from yaie.engine.scheduler import PREEMPTION_MODES, Request, Scheduler, StepPlan
 from yaie.model.config import ModelLoadError, load_config
 from yaie.model.llama import LlamaModel
@@ -469,14 +469,16 @@ class LLM:
         return DecodeGraphs(self.model, manager, self.max_num_seqs)
 
     def _start(self, manager, plan: StepPlan, graphs: DecodeGraphs | None, texts: dict,
-               device_tokens: torch.Tensor | None = None) -> "_Launched":
-        """Launch a step and the pick of its tokens, both on the device (greedy and sampled rows alike)."""
+               device_tokens: torch.Tensor | None = None, table: StepTable | None = None) -> "_Launched":
+        """Launch a step and the pick of its tokens, both on the device (greedy and sampled rows alike).
+        ``table``: the sampled rows' parameters on the device, when the last step sampled the same requests."""
         sampled = plan.sampled
         step_texts = [texts[r.request_id] for r in sampled]
         logits = self._launch(manager, plan, graphs, device_tokens)
-        return _Launched(list(sampled), step_texts, logits,
-                         _device_tokens(logits, step_texts) if logits is not None else None,
-                         decode_only=not plan.prefills)
+        tokens, table = _device_tokens(logits, step_texts, table) if logits is not None else (None, None)
+        launched = _Launched(list(sampled), step_texts, logits, tokens, decode_only=not plan.prefills)
+        launched.table = table
+        return launched
 
     def _look_ahead(self, scheduler: Scheduler, pending: "_Launched", graphs: DecodeGraphs | None,
                     texts: dict) -> "_Launched | None":
@@ -506,7 +508,7 @@ class LLM:
             if plan.prefills or len(plan.decodes) != len(requests) or not all(
                     map(operator.is_, plan.decodes, requests)):
                 raise RuntimeError("a looked-ahead step planned other work than the same decodes (a bug)")
-            return self._start(scheduler.manager, plan, graphs, texts, pending.device_tokens)
+            return self._start(scheduler.manager, plan, graphs, texts, pending.device_tokens, pending.table)
         finally:
             for request in requests:
                 request.output_ids.pop()
@@ -558,6 +560,8 @@ LOOK_AHEAD_TOKEN = -1   # what a request holds in place of the token being sampl
 class _Launched:
     """A launched step: the requests it samples a token for (in row order), their texts, the logits on the
     device and their tokens, picked on the device (``device_tokens``; None when no row samples)."""
+
+    table: StepTable | None = None     # the sampled rows' parameters (:func:`_device_tokens`), for the next step
 
     def __init__(self, requests: list, texts: list, logits: torch.Tensor | None, device_tokens: torch.Tensor | None,
                  decode_only: bool):
@@ -612,17 +616,21 @@ def _ended_cleanly(manager, num_cpu_blocks: int) -> bool:
         return False
 
 
-def _device_tokens(logits: torch.Tensor, texts: list[_Text]) -> torch.Tensor:
+def _device_tokens(logits: torch.Tensor, texts: list[_Text],
+                   table: StepTable | None = None) -> tuple[torch.Tensor, StepTable | None]:
     """One token per row, int64 on the logits' device, not read: greedy rows by argmax, sampled rows by
-    the batched sampler (:func:`yaie.engine.sampling.sample_batch`, each with its own generator)."""
-    if all(map(operator.attrgetter("greedy"), texts)):
-        return logits.argmax(dim=-1)
-    return sample_batch(logits, [text.params for text in texts], [text.generator for text in texts])
+    the batched sampler (:func:`yaie.engine.sampling.sample_batch`, each with its own generator); and the
+    rows' :class:`StepTable` (None when all are greedy). ``table``: the same rows' table, made before."""
+    if table is None and all(map(operator.attrgetter("greedy"), texts)):
+        return logits.argmax(dim=-1), None
+    params, generators = [text.params for text in texts], [text.generator for text in texts]
+    table = table or StepTable(params, generators, logits.shape[-1], logits.device)
+    return sample_batch(logits, params, generators, table), table
 
 
 def _sample_rows(logits: torch.Tensor, texts: list[_Text]) -> list[int]:
     """One token per row on the host (:func:`_device_tokens`, then one copy)."""
-    return _device_tokens(logits, texts).tolist()
+    return _device_tokens(logits, texts)[0].tolist()
 
 
 def _is_token_id(value) -> bool:

@@ -99,13 +99,19 @@ class StepTable:
 
     ``greedy`` ``[B]`` bool; ``temperature`` ``[B]`` float32 (1 for greedy rows); ``top_k`` ``[B]`` int64
     (0: no limit, also for a k of at least the vocabulary); ``top_p`` ``[B]`` float32 (``_NO_TOP_P``: no
-    limit). ``max_top_k`` and ``any_top_p`` are known on the host, so filtering never reads the device.
+    limit). ``max_top_k`` and ``any_top_p`` are known on the host, so filtering never reads the device;
+    ``generators`` (None for greedy rows) and ``shared`` (whether a sampled row has none) are the draw's.
     The table goes up in one copy, queued from pinned memory on CUDA (a copy from pageable memory would
-    wait for the step's forward pass).
+    wait for the step's forward pass). A step that samples the same requests as the last one (a
+    looked-ahead step) uses the last one's table again.
     """
 
-    def __init__(self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device):
+    def __init__(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                 vocab_size: int, device: torch.device):
         rows = [_row(p, vocab_size) for p in params]
+        self.size = len(rows)
+        self.generators = [None if p.greedy else g for p, g in zip(params, generators)]
+        self.shared = any(g is None and not p.greedy for p, g in zip(params, generators))
         self.all_greedy = all(row[3] for row in rows)
         self.max_top_k = int(max(row[1] for row in rows))
         self.any_top_p = any(row[2] < 1 for row in rows)
@@ -179,19 +185,20 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
     """One token id per row of ``logits`` ``[B, vocab]``: int64 ``[B]`` on the logits' device, not read by
     the host. Greedy rows (temperature below ``MIN_TEMPERATURE``) take the argmax of their logits; the
     others draw from their filtered probabilities (:func:`filter_logits`, :func:`draw`). ``generators``:
-    each row's own generator (on the logits' device) or None. ``table``: the rows' :class:`StepTable`, when
-    the caller has it already."""
+    each row's own generator (on the logits' device) or None. ``table``: the rows' :class:`StepTable` made
+    from them already (then they are not read again)."""
     if logits.dim() != 2 or len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(f"sample_batch needs logits [B, vocab] and B params and generators; got logits "
                          f"{tuple(logits.shape)}, {len(params)} params, {len(generators)} generators")
+    if table is not None and table.size != logits.shape[0]:
+        raise ValueError(f"sample_batch got a table of {table.size} rows for {logits.shape[0]} rows of logits")
     greedy_tokens = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
-        return greedy_tokens
-    table = table or StepTable(params, logits.shape[-1], logits.device)
+    if table is None:
+        if all(p.greedy for p in params):
+            return greedy_tokens
+        table = StepTable(params, generators, logits.shape[-1], logits.device)
     probs = torch.softmax(filter_logits(logits, table), dim=-1)
-    generators = [None if p.greedy else g for p, g in zip(params, generators)]
-    shared = any(g is None and not p.greedy for p, g in zip(params, generators))   # unseeded sampled rows
-    return torch.where(table.greedy, greedy_tokens, draw(probs, generators, shared))
+    return torch.where(table.greedy, greedy_tokens, draw(probs, table.generators, table.shared))
 
 
 # ----------------------------------------------------------------------------- one row
@@ -200,7 +207,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     computes them for a sampled row (a greedy one puts all the mass on its argmax): ``logits`` ``[vocab]``."""
     if params.greedy:
         return torch.zeros(logits.shape, device=logits.device).index_fill_(0, logits.argmax().view(1), 1.0)
-    table = StepTable([params], logits.shape[-1], logits.device)
+    table = StepTable([params], [None], logits.shape[-1], logits.device)
     return torch.softmax(filter_logits(logits[None], table), dim=-1)[0]
 
 
