@@ -161,9 +161,9 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None], shar
     its device, by inverse transform sampling: ``u`` uniform in [0, 1), the first token whose cumulative
     probability exceeds ``u`` times the row's total. Row ``i`` draws its ``u`` from ``generators[i]`` when it
     has one (one launch per such row), the others together from the device's default generator (one launch
-    for the whole batch, skipped when ``shared`` is False: then rows without a generator get no ``u`` and
-    their ids mean nothing; the caller ignores them)."""
-    uniform = torch.empty(probs.shape[0], dtype=torch.float64, device=probs.device)
+    for the whole batch, skipped when ``shared`` is False: then rows without a generator keep ``u = 0``
+    and their ids mean nothing; the caller ignores them)."""
+    uniform = torch.zeros(probs.shape[0], dtype=torch.float64, device=probs.device)
     seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
     if shared and len(seeded) < len(generators):
         uniform.uniform_()
