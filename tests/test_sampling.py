@@ -68,7 +68,8 @@ def check_counts(counts: torch.Tensor, want: torch.Tensor, wrong: torch.Tensor |
     """``counts`` fit ``want`` (no dropped token drawn, chi-square within the bound) and reject ``wrong``."""
     support = int((want > 0).sum())
     dropped = counts[want == 0].sum().item()
-    assert dropped == 0, f"{what}: {dropped} draws of tokens the filter drops (counts {counts.tolist()}, want {want.tolist()})"
+    assert dropped == 0, (f"{what}: {dropped} draws of tokens the filter drops "
+                          f"(counts {counts.tolist()}, want {want.tolist()})")
     if support > 1:
         stat, bound = chi_square(counts, want), chi_square_bound(support - 1)
         assert stat < bound, (f"{what}: chi-square {stat:.1f} over the bound {bound:.1f} (df {support - 1}); "
@@ -149,7 +150,8 @@ def test_seeded_rows_follow_the_distribution():
                  f"seed={seed}")
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=3.0, top_p=1e-6),
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.5, top_k=1),
+                                    SamplingParams(temperature=3.0, top_p=1e-6),
                                     SamplingParams(temperature=0), SamplingParams(temperature=1e-40)],
                          ids=["k=1", "tiny p", "t=0", "t below MIN_TEMPERATURE"])
 def test_a_single_token_left_is_always_drawn(params):
