@@ -137,8 +137,9 @@ class StepEngine:
     def step(self, during: Callable[[list], None] | None = None) -> list[tuple[Request, str, _Text]]:
         """One forward pass over the running batch, pipelined as ``LLM.generate`` runs it: the device gets
         the step's kernels first, and the host decodes the *previous* step's new text while they run.
-        When the next step can only be the same greedy decodes, it is launched too before this step's
-        tokens are read (``LLM._look_ahead``): the device goes on without waiting for the host.
+        When the next step can only be the same decodes (greedy or sampled, without logprobs), it is
+        launched too before this step's tokens are read (``LLM._look_ahead``): the device goes on without
+        waiting for the host.
 
         Returns the previous step's events, ``(request, new text, its _Text)``, one per request that
         sampled a token then (:meth:`flush` gives the last step's). With ``during``, they are handed to it

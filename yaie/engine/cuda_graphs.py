@@ -151,8 +151,9 @@ class DecodeGraphs:
     not cut into 4k-token splits that leave all but one empty. Contexts grow through a handful of
     bounds, so a run records a handful of graphs. They share one memory pool (replays never overlap: one
     stream). A replay's logits live in the graph's output buffer until the next replay of it; the engine
-    queues the greedy tokens' ``argmax`` right after a replay, so a looked-ahead replay may follow before
-    the host reads them (sampled rows and logprobs read the logits first: no look-ahead for them).
+    queues the step's token picks (argmax or the batched sampler, on the device) right after a replay, so
+    a looked-ahead replay may follow before the host reads them (logprobs read the logits first: no
+    look-ahead for them).
     """
 
     def __init__(self, model, manager, max_batch: int, capture: bool = True):
@@ -203,7 +204,7 @@ class DecodeGraphs:
             device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``[len(seq_ids), vocab]`` (float32) of one decode step; None if recording failed. Each
         sequence's slot for its new token must be reserved already (``append_slots``). ``device_tokens``:
-        the input token ids on the device instead of ``token_ids`` (the last step's greedy picks)."""
+        the input token ids on the device instead of ``token_ids`` (the last step's picks)."""
         n = len(seq_ids)
         self._last = None
         bucket = next(b for b in self.buckets if b >= n)
