@@ -12,6 +12,7 @@
 #    gate; and the CUDA graphs' smallest context bound back at 1024), then as the engine runs, with the torch
 #    profile of a decode run
 #                                                                                -> $OUT/apart/, $OUT/engine/
+#    (ENGINE=0 skips)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTIONS=all
 : "${OUT:?set OUT to the output folder}"
@@ -36,6 +37,7 @@ ENGINE_ARGS="--size 1b --batches 1 --prompt-len 128 --new-tokens 128 --repeats 3
     timeout 240 python3 scripts/bench_decode_kernels.py --out "$OUT" ${KERNEL_ARGS:-}
     echo "== rc $? ($((SECONDS - start)) s)"
   fi
+  if [ "${ENGINE:-1}" = "1" ]; then
   echo "== engine, batch 1, every op apart"; start=$SECONDS
   timeout 150 python3 -c "import sys; from yaie import ops; ops._fused_rope_write_kv = lambda manager, q: None
 ops._one_row_kernel = lambda x, name: None
@@ -46,5 +48,6 @@ from yaie.bench.engine import main; sys.exit(main(sys.argv[1:]))" --out "$OUT/ap
   timeout 150 python3 -m yaie.bench.engine --out "$OUT/engine" $ENGINE_ARGS --profile
   echo "== rc $? ($((SECONDS - start)) s)"
   rm -f "$OUT"/apart/*.md
+  fi
   echo "== done"
 } 2>&1 | grep -v "Loading weights\|Writing model shards" | tee "$OUT/log.txt"
