@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from yaie.device import triton_interpreted
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
 from yaie.engine.cuda_graphs import DecodeGraphs
 from yaie.engine.sampling import StepTable, filter_logits, filtered_probs, make_generator, sample, sample_batch
@@ -245,6 +246,8 @@ def engine_params(seed: int) -> list[SamplingParams]:
 
 
 @uses_reference_lessons
+@pytest.mark.skipif(torch.cuda.is_available() and not triton_interpreted(),
+                    reason="a CPU engine runs lesson 04's kernel in the Triton interpreter (off on a GPU machine)")
 def test_engine_samples_on_the_device_and_looks_ahead_over_sampled_steps(monkeypatch):
     """Seeded requests give the same tokens alone and batched, with and without the CUDA-graph path (run
     eagerly on the CPU), whose decode steps are looked ahead now that sampled tokens stay on the device
