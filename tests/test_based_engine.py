@@ -153,6 +153,42 @@ def test_batched_decode_logits_equal_the_float64_reference(llm, static):
                 msg=lambda m: f"seed={seed}, decode step {step}, row {row} (position {len(seq) - 1}): {m}")
 
 
+def test_a_prompt_prefilled_into_a_row_that_was_bucket_padding(llm):
+    """Three rows decode in the bucket of 4 (its fourth row padding: context 0, the scratch pages), then a new
+    prompt is prefilled into that fourth row and all four decode together: every row keeps the reference's
+    logits, so a padding row's steps leave nothing behind in the row a later prompt takes."""
+    from yaie.model.based import BasedSlots
+
+    seed = fresh_seed()
+    model = llm.model
+    slots = BasedSlots(model, 4, graphs=True, capture=False)
+    prompts = _prompts(seed, (WINDOW + 3, 5, 2 * WINDOW))
+    late = _prompts(seed + 7, (WINDOW - 2,))[0]
+    seqs = [list(p) for p in prompts]
+    for row, prompt in enumerate(prompts):
+        slots.prefill(row, prompt)
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def step(where: str) -> None:
+        fed = torch.randint(3, CONFIG["vocab_size"], (len(seqs),), generator=gen).tolist()
+        for seq, token in zip(seqs, fed):
+            seq.append(token)
+        got = slots.decode(fed, [len(s) - 1 for s in seqs])
+        for row, seq in enumerate(seqs):
+            torch.testing.assert_close(
+                got[row].double(), reference_logits(model, seq)[-1], atol=1e-4, rtol=1e-4,
+                msg=lambda m: f"seed={seed}, {where}, row {row} (position {len(seq) - 1}): {m}")
+
+    for i in range(4):
+        step(f"three rows in the bucket of 4, step {i}")
+    got = slots.prefill(3, late)
+    torch.testing.assert_close(got.double(), reference_logits(model, late)[-1:], atol=1e-4, rtol=1e-4,
+                               msg=lambda m: f"seed={seed}, prefill into the former padding row: {m}")
+    seqs.append(list(late))
+    for i in range(WINDOW + 2):              # the late row's ring wraps too
+        step(f"four rows, step {i}")
+
+
 def test_based_cache_prefill_decode_and_continuation_equal_the_reference(llm):
     """One sequence's :class:`BasedCache`: a prompt, single tokens, then a block of several tokens (the
     continuation path) give the reference's logits at every position."""
