@@ -327,3 +327,89 @@ def test_a_bin_file_that_is_not_a_state_dict_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not a checkpoint")
     with pytest.raises(ModelLoadError, match="pytorch_model.bin"):
         load_weights(tmp_path, load_config(tmp_path))
+
+
+# ----------------------------------------------------------------------------- all three layer kinds
+MIXED = dict(layers=5, linear=[1], sliding=[3])          # BaseConv in layers 0, 2 and 4
+
+
+def test_all_layer_kinds_give_the_reference_logits(tmp_path, monkeypatch):
+    """BaseConv, linear and sliding-window layers: prefill logits; prompt + one token at a time; prompt +
+    a block of tokens + single tokens (each layer kind carries its state across calls)."""
+    from yaie.model.based import BasedCache
+    from yaie.model.testing import single_thread
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    cfg = public_config(MIXED["layers"], linear=MIXED["linear"], sliding=MIXED["sliding"])
+    tensors = public_tensors(cfg, seed=4)
+    write_checkpoint(tmp_path, cfg, tensors)
+    n = 16
+    ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(4))
+    expected = reference_logits(cfg, tensors, ids)
+    with single_thread():
+        model = _yaie_model(tmp_path)
+        assert model.config.based_conv_layers == [0, 2, 4]
+        got = model.logits(model.forward(ids, torch.arange(n), BasedCache(model.config, "cpu"))).double()
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        for cuts in ([2], [6, 11]):          # prompt of 2 (shorter than the conv's k - 1 = 2 + 1), blocks
+            cache, start, outs = BasedCache(model.config, "cpu"), 0, []
+            for end in [*cuts, *range(cuts[-1] + 1, n + 1)]:
+                outs.append(model.logits(model.forward(ids[start:end], torch.arange(start, end), cache)))
+                start = end
+            torch.testing.assert_close(torch.cat(outs).double(), expected, atol=1e-4, rtol=1e-4)
+        sizes = []
+        for length in (4, 12):               # constant memory: the conv state is [inner, k - 1] per layer
+            cache = BasedCache(model.config, "cpu")
+            model.forward(ids[:length], torch.arange(length), cache)
+            sizes.append(cache.nbytes())
+        assert sizes[0] == sizes[1]
+
+
+@pytest.mark.parametrize("fixed_buffers", [False, True])
+def test_batched_serving_rows_give_the_reference_logits(tmp_path, monkeypatch, fixed_buffers):
+    """Two sequences in the rows of one BasedSlots (the engine's batched path; ``fixed_buffers``: the CUDA
+    graphs' bucket-padded step run eagerly): every decode step's logits equal the reference's."""
+    from yaie.model.based import BasedSlots
+    from yaie.model.testing import single_thread
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    cfg = public_config(MIXED["layers"], linear=MIXED["linear"], sliding=MIXED["sliding"])
+    tensors = public_tensors(cfg, seed=5)
+    write_checkpoint(tmp_path, cfg, tensors)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (13, 11)]
+    prompts = [3, 7]
+    expected = [reference_logits(cfg, tensors, s) for s in seqs]
+    with single_thread():
+        model = _yaie_model(tmp_path)
+        slots = BasedSlots(model, 2, graphs=fixed_buffers, capture=False)
+        for row, (seq, p) in enumerate(zip(seqs, prompts)):
+            first = slots.prefill(row, seq[:p].tolist())
+            torch.testing.assert_close(first[0].double(), expected[row][p - 1], atol=1e-4, rtol=1e-4)
+        for step in range(4):
+            pos = [p + step for p in prompts]
+            logits = slots.decode([int(s[q]) for s, q in zip(seqs, pos)], pos).double()
+            for row in range(2):
+                torch.testing.assert_close(logits[row], expected[row][pos[row]], atol=1e-4, rtol=1e-4)
+
+
+def test_the_engine_serves_a_public_format_checkpoint(tmp_path, monkeypatch):
+    """LLM(folder) on the converted checkpoint (plus a tokenizer.json, which the published folders lack:
+    they use GPT-2's): greedy generation picks the reference model's greedy tokens."""
+    from yaie.engine import LLM, SamplingParams
+    from yaie.model.testing import single_thread, write_tokenizer
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    cfg = public_config(MIXED["layers"], linear=MIXED["linear"], sliding=MIXED["sliding"])
+    tensors = public_tensors(cfg, seed=6)
+    write_checkpoint(tmp_path, cfg, tensors)
+    write_tokenizer(tmp_path, VOCAB)
+    prompts = [[5, 9, 17, 3, 40], [7, 8]]
+    with single_thread():
+        llm = LLM(tmp_path, device="cpu")
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt)
+        for _ in range(6):
+            ids.append(int(reference_logits(cfg, tensors, torch.tensor(ids))[-1].argmax()))
+        assert out.token_ids == ids[len(prompt):]

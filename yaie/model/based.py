@@ -32,6 +32,10 @@ recorded as a CUDA graph per batch bucket and replayed (:meth:`BasedSlots.decode
 (:class:`yaie.engine.llm.LLM`) serves Based models through :func:`run_based`: every sequence of a
 ``generate`` call decodes in the same steps (:func:`yaie.engine.sequential.run_batched`).
 :class:`BasedCache` is one sequence's cache for :meth:`BasedModel.forward` (tests, logit checks).
+
+The public Based checkpoints (``hazyresearch/based-360m``; :func:`yaie.model.loader.load_based_gpt_weights`)
+add a third layer kind, ``config.based_conv_layers``: BaseConv, a gated short convolution
+(:mod:`yaie.model.base_conv`) whose state per sequence is its last ``k - 1`` inputs, ``[rows, inner, k - 1]``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import sys
 import torch
 
 from yaie import ops
+from yaie.model import base_conv
 from yaie.model.llama import LayerWeights, LlamaModel, _linear
 
 LESSON = 8
@@ -56,9 +61,21 @@ def _lesson():
 class BasedModel(LlamaModel):
     """A Llama decoder whose ``config.based_layers`` run Based linear attention (see the module docstring)."""
 
+    def _layer(self, w: dict[str, torch.Tensor], n: int) -> LayerWeights:
+        if n not in self.config.based_conv_layers:
+            return super()._layer(w, n)
+        # A BaseConv layer (public Based checkpoints): norms and MLP as a Llama layer's, no attention
+        # weights (None), the convolution's weights beside them (yaie/model/base_conv.py).
+        p = f"model.layers.{n}.self_attn."
+        layer = super()._layer({**w, **{p + f"{x}_proj.weight": None for x in "qkvo"}}, n)
+        layer.conv = base_conv.BaseConvWeights.from_weights(w, f"model.layers.{n}.conv.")
+        return layer
+
     def _attention_block(self, layer: LayerWeights, n: int, h: torch.Tensor, positions: torch.Tensor,
                          cache) -> torch.Tensor:
         cfg = self.config
+        if n in cfg.based_conv_layers:
+            return cache.convolve(n, h, layer.conv)          # BaseConv: a constant-size state per sequence
         if n not in cfg.based_layers:
             return super()._attention_block(layer, n, h, positions, cache)   # RoPE + sliding-window attention
         heads, feat, d = cfg.num_heads, cfg.based_feature_dim, cfg.head_dim
@@ -114,7 +131,11 @@ class BasedSlots:
         based = _lesson()
         self.states = {n: based.empty_state(capacity, cfg.num_heads, cfg.head_dim, self.device)
                        for n in cfg.based_layers}
-        window_layers = [n for n in range(cfg.num_layers) if n not in cfg.based_layers]
+        # BaseConv layers (public Based checkpoints): the last k - 1 inputs per channel, [rows, inner, k - 1].
+        conv = cfg.based_gpt
+        self.conv_states = {n: torch.zeros(capacity, conv["conv_inner"], conv["conv_kernel"] - 1, dtype=self.dtype,
+                                           device=self.device) for n in cfg.based_conv_layers}
+        window_layers = [n for n in range(cfg.num_layers) if n not in cfg.based_layers and n not in self.conv_states]
         self.window_index = {n: i for i, n in enumerate(window_layers)}   # model layer -> ring layer
         self.window = self.block_size = 0
         self.manager = self.tables = None
@@ -146,6 +167,7 @@ class BasedSlots:
     def row_nbytes(self) -> int:
         """Bytes one sequence holds: its rows of the Based states and its rings, whatever its length."""
         total = sum((s.kv[0].numel() + s.k[0].numel()) * s.kv.element_size() for s in self.states.values())
+        total += sum(c[0].numel() * c.element_size() for c in self.conv_states.values())
         if self.manager is not None:
             pages = self.window // self.block_size           # c[0]: one page of one layer's keys or values
             total += sum(c[0].numel() * c.element_size() * pages for c in (*self.manager.k_cache, *self.manager.v_cache))
@@ -186,6 +208,8 @@ class BasedSlots:
         for state in self.states.values():
             state.kv[dst].copy_(state.kv[src])
             state.k[dst].copy_(state.k[src])
+        for conv in self.conv_states.values():
+            conv[dst].copy_(conv[src])
         if self.tables is not None:
             self.tables[[src, dst]] = self.tables[[dst, src]]
 
@@ -227,7 +251,7 @@ class BasedSlots:
         saved = [(s.kv[:rows].clone(), s.k[:rows].clone()) for s in self.states.values()]
         if self.manager is not None:
             saved += [c.clone() for c in (*self.manager.k_cache, *self.manager.v_cache)]
-        return saved
+        return saved + [c[:rows].clone() for c in self.conv_states.values()]
 
     def _restore(self, saved: list) -> None:
         for (kv, k), state in zip(saved, self.states.values()):
@@ -236,6 +260,8 @@ class BasedSlots:
         if self.manager is not None:
             for copy, cache in zip(saved[len(self.states):], (*self.manager.k_cache, *self.manager.v_cache)):
                 cache.copy_(copy)
+        for copy, conv in zip(saved[len(saved) - len(self.conv_states):], self.conv_states.values()):
+            conv[:copy.shape[0]].copy_(copy)
 
     # ------------------------------------------------------------------ the layers
     def ring_slots(self, rows: torch.Tensor | slice, positions: torch.Tensor) -> torch.Tensor:
@@ -319,6 +345,23 @@ class BasedSlots:
         return based.based_decode_step(q, k, v, based.BasedState(state.kv[:rows], state.k[:rows]))
 
 
+    def prefill_conv(self, layer: int, row: int, x: torch.Tensor, weights) -> torch.Tensor:
+        """A BaseConv layer over a whole prompt (``x [t, hidden]``); its last inputs become the row's state."""
+        out, state = base_conv.base_conv_block(x, weights)
+        self.conv_states[layer][row].copy_(state)
+        return out
+
+    def continue_conv(self, layer: int, row: int, x: torch.Tensor, weights) -> torch.Tensor:
+        """A BaseConv layer, several tokens after the row's earlier ones."""
+        out, state = base_conv.base_conv_block(x, weights, self.conv_states[layer][row])
+        self.conv_states[layer][row].copy_(state)
+        return out
+
+    def decode_conv(self, layer: int, x: torch.Tensor, weights) -> torch.Tensor:
+        """A BaseConv layer, one token per row (``x [rows, hidden]``): the leading rows' states step in place."""
+        return base_conv.base_conv_block_step(x, weights, self.conv_states[layer][:x.shape[0]])
+
+
 def _buckets(capacity: int) -> list[int]:
     from yaie.engine.cuda_graphs import buckets
 
@@ -337,6 +380,9 @@ class _Prefill:
     def attend_linear(self, layer, q, k, v):
         return self.slots.prefill_linear(layer, self.row, q, k, v)
 
+    def convolve(self, layer, x, weights):
+        return self.slots.prefill_conv(layer, self.row, x, weights)
+
 
 class _Decode:
     """The cache :meth:`BasedModel.forward` gets for one decode step of the leading rows: the ring slots and
@@ -354,6 +400,9 @@ class _Decode:
 
     def attend_linear(self, layer, q, k, v):
         return self.slots.decode_linear(layer, q, k, v)
+
+    def convolve(self, layer, x, weights):
+        return self.slots.decode_conv(layer, x, weights)
 
 
 class BasedCache:
@@ -410,6 +459,18 @@ class BasedCache:
         else:                               # one token at a time: [1, heads, .] as a batch of one row
             out = torch.cat([slots.decode_linear(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1]) for i in range(q.shape[0])])
         self.tokens[layer] += q.shape[0]
+        return out
+
+    def convolve(self, layer: int, x: torch.Tensor, weights) -> torch.Tensor:
+        """A BaseConv layer: ``x [t, hidden]`` -> ``[t, hidden]``; updates its state (the last inputs)."""
+        slots = self._slots(x.dtype)
+        if self.tokens[layer] == 0:
+            out = slots.prefill_conv(layer, 0, x, weights)
+        elif x.shape[0] == 1:
+            out = slots.decode_conv(layer, x, weights)
+        else:
+            out = slots.continue_conv(layer, 0, x, weights)
+        self.tokens[layer] += x.shape[0]
         return out
 
 
