@@ -353,7 +353,7 @@ class AsyncEngine:
     ``window_s`` 0 (the default) admits every request at the next step. Without CUDA graphs every step
     launches eagerly and costs by its tokens: nothing is held whatever ``window_s`` says. Measured on an
     H100 (the 1B model, closed-loop clients, 128-token prompts, a 50 ms window beside none), the window
-    cuts the steps with prompts and the inter-token p99 (``bench/results/serve_h100.md``, 64 clients: 29
+    cuts the steps with prompts and the inter-token p99 (``bench/results/serve_window_h100.md``, 64 clients: 29
     vs 35 steps, 17 vs 23 ms), but not reliably the time: 2% more tokens per second there, with a later
     first token; at commits 52c0f4d and 2ada0f2, 6 to 9 points more overhead at 16 clients, and at 64
     once 9 points more, once 12 fewer. A held request's client waits, and groups of clients that come
