@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with CUDA graphs, hold an arrived request back up to MS so that others arriving share its "
                         "prefill step (sooner when idle and none has come for 1 ms, or while decodes run after 1.5 "
                         "times a recent prefill step, shared out over running and held requests); default 0: "
-                        "every request joins at the next step (measured faster on an H100: "
-                        "bench/results/serve_window_h100.md)")
+                        "every request joins at the next step (on an H100 the window did not reliably raise "
+                        "throughput: bench/results/serve_window_h100.md)")
     p.add_argument("--solutions", default=None, metavar="SPEC",
                    help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=5.0, metavar="S",
