@@ -792,3 +792,13 @@ def running(pid: int) -> bool:
 def test_malformed_prompts_raise_value_error(reference, prompts):
     with pytest.raises(ValueError, match="prompt"):
         reference.generate(prompts, SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("model", ["tiny-based", "tiny-telescoping"])
+def test_models_with_a_constant_size_state_are_refused_by_the_step_engine_with_a_clear_error(model):
+    """The step engine (and so `yaie serve`) schedules the paged KV cache; a Based or telescoping model keeps a
+    state of its own per sequence: refused at start with a ValueError that says so, not a failure per request."""
+    from yaie.engine.async_engine import StepEngine
+    llm = LLM(DEFAULT_MODEL.parent / model, device="cpu")
+    with pytest.raises(ValueError, match="constant-size state per sequence"):
+        StepEngine(llm)

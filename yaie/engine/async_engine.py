@@ -50,6 +50,12 @@ class StepEngine:
     """``LLM``'s generation loop cut into calls: add requests, step, abort (see the module docstring)."""
 
     def __init__(self, llm: LLM):
+        cfg = llm.config
+        if cfg.telescoping_capacity or cfg.based_layers:
+            kind = "a Based (lesson 08)" if cfg.based_layers else "a telescoping (lesson 07)"
+            raise ValueError(f"this is {kind} model: it keeps a constant-size state per sequence, outside the "
+                             "paged KV cache that the step engine (and yaie serve) schedules; generate with it "
+                             "through LLM.generate or `yaie generate` (serving such models is not built)")
         self.llm = llm
         self._cache = llm._cache_for_run()          # held (in use) until close()
         graphs = self._cache.graphs
