@@ -298,11 +298,13 @@ md(r"""
    barrier? (GPU) Time both with `yaie bench lesson08`: which wins, and why?
 6. (GPU) Run `yaie bench lesson08`: at which length does the chunked kernel overtake SDPA, and why does
    flash-linear-attention's quadratic `parallel_based` win at short lengths but lose at long ones? The
-   reference solution does the same up to 2048 tokens (the module docstring of `yaie/kernels/based.py`
-   describes its route): the quadratic form tiled like flash attention, but with no running maximum (why is
-   none needed?), and the final state from a second kernel that forms `phi(K)^T V` and loads `k` one element
-   per feature row. Compare its time with the tiles' in the benchmark (the `based_state` rows), and design a
-   state kernel that loads each chunk of `k` once.
+   reference solution's default route takes the middle way (the module docstring of `yaie/kernels/based.py`
+   describes it): segments of 256 tokens, the quadratic form tiled like flash attention inside each segment
+   but with no running maximum (why is none needed?), plus `phi(q) @ S` with `S` the state before the
+   segment, from a first kernel that walks the sequence and stores the state at every segment boundary.
+   Compare that kernel's time with the whole route's in the benchmark (the `based_state` rows): at 1k tokens
+   it is more than half. Why does its sequential walk bound it, and how would you split the walk across more
+   programs at short lengths?
 7. A Based layer pairs linear attention with exact attention over a short sliding window (64 tokens, say).
    What does a decode step of such a layer keep per sequence? Compare with lesson 04's windowed decode.
 
