@@ -112,7 +112,6 @@ class StepTable:
         self.size = len(rows)
         self.generators = [None if p.greedy else g for p, g in zip(params, generators)]
         self.shared = any(g is None and not p.greedy for p, g in zip(params, generators))
-        self.all_greedy = all(row[3] for row in rows)
         self.max_top_k = int(max(row[1] for row in rows))
         self.any_top_p = any(row[2] < 1 for row in rows)
         host = torch.tensor(rows, dtype=torch.float64)
