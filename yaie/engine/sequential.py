@@ -17,24 +17,34 @@ from collections.abc import Callable
 import torch
 
 
+def _requests(llm, prompt_ids: list[list[int]], params: list) -> list:
+    """``(Request, _Text)`` of every prompt, all checked before any work: a prompt with no room left under
+    ``max_position_embeddings`` raises ``ValueError``."""
+    from yaie.engine.llm import _Text
+    from yaie.engine.scheduler import Request
+
+    limit = llm.config.max_position_embeddings
+    requests = []
+    for i, (ids, p) in enumerate(zip(prompt_ids, params)):
+        room = limit - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; the model takes at most {limit}")
+        requests.append((Request(i, list(ids), min(p.max_tokens, room)), _Text(llm, p)))
+    return requests
+
+
 def run_one_at_a_time(llm, prompt_ids: list[list[int]], params: list, make_cache: Callable[[], object]):
     """Events ``(request, text piece, its _Text)`` as :meth:`yaie.engine.llm.LLM._run` yields them.
 
     ``make_cache()`` gives a fresh cache for each sequence (the model's ``forward`` takes it as its
     ``cache``); ``llm.last_caches`` keeps them (for tests and memory measurements).
     """
-    from yaie.engine.llm import _sample_rows, _Text
-    from yaie.engine.scheduler import Request
+    from yaie.engine.llm import _sample_rows
 
-    model, cfg = llm.model, llm.config
+    model = llm.model
     llm.last_caches = []
-    for i, (ids, p) in enumerate(zip(prompt_ids, params)):
-        room = cfg.max_position_embeddings - len(ids)
-        if room < 1:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; the model takes at most "
-                             f"{cfg.max_position_embeddings}")
-        request = Request(i, list(ids), min(p.max_tokens, room))
-        text = _Text(llm, p)
+    for request, text in _requests(llm, prompt_ids, params):
+        ids = request.prompt_ids
         cache = make_cache()
         llm.last_caches.append(cache)
         request.state = "running"
@@ -79,17 +89,9 @@ def run_batched(llm, prompt_ids: list[list[int]], params: list, slots):
     ``row_nbytes()``. Prompts wait until a row is free; each request samples with its own parameters (and
     generator), so its tokens do not depend on what it is batched with.
     """
-    from yaie.engine.llm import _sample_rows, _Text
-    from yaie.engine.scheduler import Request
+    from yaie.engine.llm import _sample_rows
 
-    cfg = llm.config
-    waiting = deque()
-    for i, (ids, p) in enumerate(zip(prompt_ids, params)):    # every prompt is checked before any work
-        room = cfg.max_position_embeddings - len(ids)
-        if room < 1:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; the model takes at most "
-                             f"{cfg.max_position_embeddings}")
-        waiting.append((Request(i, list(ids), min(p.max_tokens, room)), _Text(llm, p)))
+    waiting = deque(_requests(llm, prompt_ids, params))
     llm.last_caches = [SequenceRecord(slots.row_nbytes()) for _ in prompt_ids]
     previous = torch.get_num_threads()
     if llm.device.type == "cpu" and llm.cpu_threads:
