@@ -189,6 +189,44 @@ def test_a_prompt_prefilled_into_a_row_that_was_bucket_padding(llm):
         step(f"four rows, step {i}")
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-buffer-buckets"])
+def test_decode_next_equals_decode_with_the_tokens_one_position_further(llm, static):
+    """A looked-ahead step (``decode_next``: token ids from the device, positions advanced in the input
+    buffer) gives the logits of ``decode`` with the same tokens from the host; after a ``move`` it is
+    refused (the rows changed), and ``decode`` works again."""
+    from yaie.model.based import BasedSlots
+
+    seed = fresh_seed()
+    prompts = _prompts(seed, (WINDOW - 1, 4, 2 * WINDOW + 3))
+    ahead = BasedSlots(llm.model, 3, graphs=static, capture=False)
+    plain = BasedSlots(llm.model, 3, graphs=static, capture=False)
+    for slots in (ahead, plain):
+        for row, prompt in enumerate(prompts):
+            slots.prefill(row, prompt)
+    with pytest.raises(ValueError, match="prefill or move"):
+        ahead.decode_next(torch.tensor([5, 6, 7]))
+    gen = torch.Generator().manual_seed(seed)
+    positions = [len(p) for p in prompts]
+    fed = torch.randint(3, CONFIG["vocab_size"], (3,), generator=gen)
+    ahead.decode(fed.tolist(), positions)
+    plain.decode(fed.tolist(), positions)
+    for step in range(WINDOW + 2):             # the rings wrap
+        fed = torch.randint(3, CONFIG["vocab_size"], (3,), generator=gen)
+        positions = [p + 1 for p in positions]
+        want = plain.decode(fed.tolist(), positions).clone()
+        got = ahead.decode_next(fed.clone())
+        torch.testing.assert_close(got, want, atol=0, rtol=0,
+                                   msg=lambda m: f"seed={seed}, looked-ahead step {step}: {m}")
+    with pytest.raises(ValueError, match="one token per row"):
+        ahead.decode_next(torch.tensor([5, 6]))
+    ahead.move(2, 0)
+    with pytest.raises(ValueError, match="prefill or move"):
+        ahead.decode_next(torch.tensor([5, 6]))
+    plain.move(2, 0)
+    fed, positions = [9, 10], [positions[2] + 1, positions[1] + 1]
+    torch.testing.assert_close(ahead.decode(fed, positions), plain.decode(fed, positions), atol=0, rtol=0)
+
+
 def test_based_cache_prefill_decode_and_continuation_equal_the_reference(llm):
     """One sequence's :class:`BasedCache`: a prompt, single tokens, then a block of several tokens (the
     continuation path) give the reference's logits at every position."""
@@ -247,6 +285,69 @@ def test_per_request_params_and_rows_freed_as_requests_end(model_dir, reference_
         assert got.token_ids == expected, f"seed={seed}, request {i}"
     assert [o.outputs[0].finish_reason for o in together] == ["length"] * 4 + ["stop"]
     assert llm.based_slots.capacity == 2
+
+
+def _run_batched(llm, prompts, params, capacity: int, static: bool, look_ahead: bool) -> tuple[dict, int]:
+    """Drive :func:`run_batched` on rows of the test's own: ``{request id: (tokens, finish reason, text
+    from the pieces, tokens read)}`` and how many steps were looked ahead (``decode_next`` calls)."""
+    from yaie.engine.sequential import run_batched
+    from yaie.model.based import BasedSlots
+
+    slots = BasedSlots(llm.model, capacity, graphs=static, capture=False)
+    calls = {"decode_next": 0}
+    decode_next = slots.decode_next
+
+    def counted(tokens):
+        calls["decode_next"] += 1
+        return decode_next(tokens)
+
+    slots.decode_next = counted
+    texts, out = {}, {}
+    for request, piece, text in run_batched(llm, prompts, params, slots, look_ahead=look_ahead):
+        texts[request.request_id] = texts.get(request.request_id, "") + piece
+        if request.state == "finished":
+            out[request.request_id] = (list(request.output_ids), text.finish_reason, texts[request.request_id])
+    out = {i: (*v, len(llm.last_caches[i])) for i, v in out.items()}
+    return out, calls["decode_next"]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-buffer-buckets"])
+def test_look_ahead_gives_the_tokens_of_steps_read_one_at_a_time(llm, static, monkeypatch):
+    """Greedy and seeded rows ending at different steps (by length, by a stop id, by a stop string; some
+    while a looked-ahead step already runs with them, which is then dropped): the looked-ahead loop gives
+    every request the tokens, finish reason and text of the loop that reads each step before the next,
+    with all prompts in rows at once and with prompts waiting for a row."""
+    from yaie.engine import SamplingParams
+    from yaie.engine.llm import _Launched
+
+    seed = fresh_seed()
+    prompts = _prompts(seed, (5, WINDOW + 2, 1, 2 * WINDOW, 9, WINDOW))
+    params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.9, top_k=20, seed=seed, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=11, temperature=1.1, top_p=0.9, seed=seed + 1, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=seed + 2, ignore_eos=True)]
+    first, _ = _run_batched(llm, prompts, params, 6, static, look_ahead=False)
+    # Request 4 stops at a stop id (its sixth token), request 5 at a stop string (its seventh token's word).
+    stop_id = first[4][0][5]
+    params[4] = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    params[5] = SamplingParams(max_tokens=16, temperature=0.8, seed=seed + 2, ignore_eos=True,
+                               stop=[f"w{first[5][0][6]}"])
+    dropped = []
+    drop = _Launched.drop
+    monkeypatch.setattr(_Launched, "drop", lambda self, r: dropped.append(r.request_id) or drop(self, r))
+    for capacity in (6, 2):
+        want, none = _run_batched(llm, prompts, params, capacity, static, look_ahead=False)
+        got, ahead = _run_batched(llm, prompts, params, capacity, static, look_ahead=True)
+        assert none == 0
+        assert sorted(want) == list(range(len(prompts)))
+        for i in range(len(prompts)):
+            assert got[i] == want[i], (f"seed={seed}, {capacity} rows, request {i}: looked ahead got (tokens, finish, "
+                                       f"text, tokens read) {got[i]}, read step by step {want[i]}")
+        assert want[4][1] == "stop" and want[5][1] == "stop", f"seed={seed}: {want[4][1:3]}, {want[5][1:3]}"
+        assert ahead > 0, f"seed={seed}, {capacity} rows: no step was looked ahead"
+    assert dropped, f"seed={seed}: no request ended while a looked-ahead step ran with it (the test misses that case)"
 
 
 def test_memory_per_sequence_is_constant_and_as_computed(llm):

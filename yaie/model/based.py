@@ -156,6 +156,7 @@ class BasedSlots:
                 cache.zero_()      # the PyTorch path weighs unwritten slots by 0, and 0 * NaN garbage is NaN
             self.tables = self.manager.block_table(rings).to(torch.int32).contiguous()   # [rows, pages]
         self.ids = torch.zeros(2, capacity, dtype=torch.int64, device=self.device)   # decode input: tokens, positions
+        self.last_rows: int | None = None         # rows of the last decode step, while unchanged (decode_next)
         self.buckets = _buckets(capacity)
         self.graphs: dict[int, tuple] = {}        # bucket -> (graph or None, its logits buffer)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -178,6 +179,7 @@ class BasedSlots:
         """Run a prompt into row ``row`` (replacing what the row held); the logits of its last token ``[1, vocab]``."""
         if not 0 <= row < self.capacity:
             raise ValueError(f"row {row} is outside 0..{self.capacity - 1}")
+        self.last_rows = None
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(ids, torch.arange(len(token_ids), device=self.device), _Prefill(self, row))
         return self.model.logits(hidden[-1:])
@@ -189,7 +191,33 @@ class BasedSlots:
         if not 1 <= n <= self.capacity or len(positions) != n:
             raise ValueError(f"a decode step takes 1..{self.capacity} rows with one position each, got "
                              f"{n} tokens and {len(positions)} positions")
-        self.ids[:, :n].copy_(torch.tensor([tokens, positions], dtype=torch.int64))
+        from yaie.engine.cuda_graphs import upload
+
+        upload(self.ids[:, :n], [tokens, positions])      # queued from pinned memory: no wait for the device
+        self.last_rows = n
+        return self._run(n)
+
+    def decode_next(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The decode step right after the last one (a look-ahead, :func:`yaie.engine.sequential.run_batched`):
+        the same rows ``0 .. n - 1``, each one position further, reading ``tokens`` (int64 ``[n]`` on the
+        device: the last step's picks, not read by the host). Only device work is queued (the token ids
+        copied into the step's input buffer, the positions advanced there), so on CUDA the host launches it
+        while the last step still runs. Allowed only while nothing changed the rows since that step (no
+        :meth:`prefill`, no :meth:`move`); else ``ValueError``. Returns the logits ``[n, vocab]``."""
+        n = self.last_rows
+        if n is None:
+            raise ValueError("decode_next continues the last decode step's rows, but no decode step ran since "
+                             "the rows last changed (a prefill or move): call decode")
+        if tuple(tokens.shape) != (n,):
+            raise ValueError(f"decode_next takes one token per row of the last decode step ({n} rows), got "
+                             f"tokens of shape {tuple(tokens.shape)}")
+        self.ids[0, :n].copy_(tokens)
+        self.ids[1, :n].add_(1)
+        return self._run(n)
+
+    def _run(self, n: int) -> torch.Tensor:
+        """The decode step of rows ``0 .. n - 1`` from the input buffer ``ids``: a CUDA graph's replay (or its
+        fixed-buffer step run eagerly), else the plain step."""
         if self.static and self.failed is None:
             bucket = next(b for b in self.buckets if b >= n)
             entry = self.graphs.get(bucket) or self._record(bucket, n)
@@ -204,14 +232,18 @@ class BasedSlots:
 
     def move(self, src: int, dst: int) -> None:
         """Row ``src``'s sequence moves to row ``dst`` (the engine packs running rows after one ends): its
-        Based states are copied; its ring pages change rows in the block table (no key is copied)."""
+        Based states are copied; its ring pages change rows in the block table (no key is copied). Device
+        copies only, queued behind any step already launched (which reads the rows as they were)."""
+        self.last_rows = None
         for state in self.states.values():
             state.kv[dst].copy_(state.kv[src])
             state.k[dst].copy_(state.k[src])
         for conv in self.conv_states.values():
             conv[dst].copy_(conv[src])
-        if self.tables is not None:
-            self.tables[[src, dst]] = self.tables[[dst, src]]
+        if self.tables is not None:        # a swap by copies: an index list from the host would wait for the device
+            held = self.tables[dst].clone()
+            self.tables[dst].copy_(self.tables[src])
+            self.tables[src].copy_(held)
 
     # ------------------------------------------------------------------ decode step, graphs
     def _step(self, rows: int) -> torch.Tensor:
