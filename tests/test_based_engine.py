@@ -287,13 +287,14 @@ def test_per_request_params_and_rows_freed_as_requests_end(model_dir, reference_
     assert llm.based_slots.capacity == 2
 
 
-def _run_batched(llm, prompts, params, capacity: int, static: bool, look_ahead: bool) -> tuple[dict, int]:
+def _run_batched(llm, prompts, params, capacity: int, static: bool, look_ahead: bool,
+                 capture: bool = False) -> tuple[dict, int]:
     """Drive :func:`run_batched` on rows of the test's own: ``{request id: (tokens, finish reason, text
     from the pieces, tokens read)}`` and how many steps were looked ahead (``decode_next`` calls)."""
     from yaie.engine.sequential import run_batched
     from yaie.model.based import BasedSlots
 
-    slots = BasedSlots(llm.model, capacity, graphs=static, capture=False)
+    slots = BasedSlots(llm.model, capacity, graphs=static, capture=capture)
     calls = {"decode_next": 0}
     decode_next = slots.decode_next
 
@@ -451,3 +452,26 @@ def test_bundled_model_in_bf16_graphs_give_the_eager_tokens(reference_lessons):
     assert graphed.based_slots.graphs and graphed.based_slots.failed is None
     want = [o.token_ids for o in LLM(model, device="cuda", cuda_graphs=False).generate(prompts, params)]
     assert got == want, f"seed={seed}"
+
+
+@pytest.mark.gpu
+def test_look_ahead_replayed_from_cuda_graphs_gives_the_tokens_of_steps_read_one_at_a_time(model_dir,
+                                                                                            reference_lessons):
+    """On CUDA, steps replayed from recorded graphs and launched before the last step's tokens are read:
+    greedy and seeded rows ending at different steps (some while a looked-ahead step runs with them) get
+    the tokens of the loop that reads every step first."""
+    from yaie.engine import LLM, SamplingParams
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    seed = fresh_seed()
+    llm = LLM(model_dir, device="cuda", dtype=torch.float32)
+    prompts = _prompts(seed, LENGTHS + (7, 40, 90))
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 20, 40)] + [
+        SamplingParams(max_tokens=n, temperature=0.9, top_k=20, top_p=0.95, seed=seed + n, ignore_eos=True)
+        for n in (5, 12, 30, 40)]
+    want, none = _run_batched(llm, prompts, params, 8, True, look_ahead=False, capture=True)
+    got, ahead = _run_batched(llm, prompts, params, 8, True, look_ahead=True, capture=True)
+    assert none == 0 and ahead > 0
+    for i in range(len(prompts)):
+        assert got[i] == want[i], f"seed={seed}, request {i}: looked ahead {got[i]}, read step by step {want[i]}"
