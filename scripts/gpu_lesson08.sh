@@ -7,6 +7,7 @@
 # Everything printed goes to $OUT/lesson08_gpu.log (or ./out_lesson08); result files beside it.
 #   bash scripts/gpu_lesson08.sh
 #   QUICK=1 SKIP_TRAIN=1 bash scripts/gpu_lesson08.sh
+#   SKIP_TRAIN=1 SKIP_ENGINE=1 bash scripts/gpu_lesson08.sh     # the kernel benchmark and the grader only
 # fla-core (the benchmark's baseline) is installed from wheels in .whl/ when they are there (the GPU
 # machine has no network); without it the benchmark skips the fla rows with a note.
 set -uo pipefail
@@ -26,9 +27,11 @@ python3 -c "import fla; print('fla-core', fla.__version__)" 2>&1 | tail -1
 echo "== benchmark =="
 timeout ${BENCH_TIMEOUT:-300} python3 -m yaie.cli bench lesson08 --solutions --out "$OUT" ${QUICK:+--quick} 2>&1
 
-echo "== engine: memory per sequence, decode tokens/s of the tiny Based model beside the tiny full-attention one =="
-timeout ${DECODE_TIMEOUT:-120} python3 scripts/gpu_lesson08_memory.py yaie/assets/tiny-based \
-    --full yaie/assets/tiny-stories --lengths ${DECODE_LENGTHS:-1024,16384} --out "$OUT/lesson08_engine.json" 2>&1
+if [ -z "${SKIP_ENGINE:-}" ]; then
+    echo "== engine: memory per sequence, decode tokens/s of the tiny Based model beside the tiny full-attention one =="
+    timeout ${DECODE_TIMEOUT:-120} python3 scripts/gpu_lesson08_memory.py yaie/assets/tiny-based \
+        --full yaie/assets/tiny-stories --lengths ${DECODE_LENGTHS:-1024,16384} --out "$OUT/lesson08_engine.json" 2>&1
+fi
 
 echo "== grader (reference solutions) =="
 timeout ${GRADER_TIMEOUT:-240} python3 -m pytest grader/lesson08 --solutions -q -p no:cacheprovider 2>&1

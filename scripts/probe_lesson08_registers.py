@@ -76,8 +76,8 @@ def main() -> None:
             except Exception as err:  # noqa: BLE001 - report and go on
                 result = f"failed: {type(err).__name__}: {str(err)[:200]}"
             print(f"{variant:9s} chunk {chunk:3d} BV {block_v:3d} {warps} warps: {result}", flush=True)
-    # The default route: the segment (quadratic) kernel, float32 or bfloat16 boundary states, and the
-    # kernel that writes those states.
+    # The default route: the segment (quadratic) kernel, float32 or bfloat16 boundary states, the
+    # kernel that writes those states, and the launch that runs both kinds of program.
     for name, kernel, consts, warps, types in (
             ("segment BM 128 BN 64, float32 states", based._based_segment_kernel,
              {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_V": 64, "PRECISION": "tf32", "PREFIX_16BIT": False}, 8, None),
@@ -89,7 +89,10 @@ def main() -> None:
              {"PREFIX_KV": "*bf16"}),
             *((f"boundary states groups {g} tokens {t}", based._based_prefix_state_kernel,
                {"GROUPS": g, "BLOCK_T": t, "BLOCK_V": 64, "PRECISION": "tf32"}, w, {"PREFIX_KV": "*bf16"})
-              for g, t, w in ((4, 128, 4), (4, 64, 4), (2, 128, 4), (8, 128, 8)))):
+              for g, t, w in ((4, 128, 4), (4, 64, 4), (2, 128, 4), (8, 128, 8))),
+            ("first launch (boundary states + first segment), the default", based._based_first_launch_kernel,
+             {"GROUPS": 4, "BLOCK_T": 128, "STATE_BLOCK_V": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_V": 64,
+              "PRECISION": "tf32", "PREFIX_16BIT": True}, 4, {"PREFIX_KV": "*bf16"})):
         try:
             result = probe(kernel, consts, warps, types=types)
         except Exception as err:  # noqa: BLE001 - report and go on

@@ -57,19 +57,21 @@ def test_second_kernel_design_order2_state_in_memory():
     torch.testing.assert_close(kv.double(), phi_k.transpose(-1, -2) @ v.double(), atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("seq,value_dim,segment,block_m,dtype,groups,p16", [
-    (1, 64, 128, 64, torch.float32, 8, None), (129, 64, 128, 64, torch.float32, 4, None),
-    (300, 32, 64, 64, torch.float32, 16, None), (300, 128, 128, 64, torch.float16, 8, None),
-    (300, 64, 64, 64, torch.float16, 2, True), (513, 48, 128, 128, torch.float32, 8, None),
-    (200, 256, 64, 32, torch.float32, 1, None)])
-def test_segmented_route_equals_the_quadratic_form(seq, value_dim, segment, block_m, dtype, groups, p16):
+@pytest.mark.parametrize("seq,value_dim,segment,block_m,dtype,groups,p16,state_warps", [
+    (1, 64, 128, 64, torch.float32, 8, None, 4), (129, 64, 128, 64, torch.float32, 4, None, 2),
+    (300, 32, 64, 64, torch.float32, 16, None, 4), (300, 128, 128, 64, torch.float16, 8, None, 4),
+    (300, 64, 64, 64, torch.float16, 2, True, 2), (513, 48, 128, 128, torch.float32, 8, None, 4),
+    (200, 256, 64, 32, torch.float32, 1, None, 4)])
+def test_segmented_route_equals_the_quadratic_form(seq, value_dim, segment, block_m, dtype, groups, p16,
+                                                   state_warps):
     """The reference's default route with short segments: segment and block edges, partial segments,
     value blocks, row blocks of the state kernel, float16 with float32 boundary states and with 16-bit
-    ones (the bfloat16 path's code); the state; the same output without it."""
+    ones (the bfloat16 path's code); the states and the first segment in one launch (``state_warps`` 4,
+    the queries' count) or in two (2); the state; the same output without it."""
     q, k, v = _qkv(seq, value_dim=value_dim, dtype=dtype, seed=seq)
     out = torch.full_like(v, float("nan"))
     state = ref._launch_segmented(q, k, v, out, segment, True, block_m, 32, 4, state_groups=groups,
-                                  state_block_t=32, prefix_16bit=p16)
+                                  state_block_t=32, state_warps=state_warps, prefix_16bit=p16)
     fp32 = dtype == torch.float32
     tol = dict(atol=2e-5, rtol=1e-4) if fp32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.double(), _exact(q, k, v), **tol)
@@ -79,7 +81,7 @@ def test_segmented_route_equals_the_quadratic_form(seq, value_dim, segment, bloc
     torch.testing.assert_close(state.k.double(), phi_k.sum(-2), atol=1e-4, rtol=1e-6)
     again = torch.full_like(v, float("nan"))
     assert ref._launch_segmented(q, k, v, again, segment, False, block_m, 32, 4, state_groups=groups,
-                                 state_block_t=32, prefix_16bit=p16) is None
+                                 state_block_t=32, state_warps=state_warps, prefix_16bit=p16) is None
     torch.testing.assert_close(again, out, atol=0, rtol=0)
 
 

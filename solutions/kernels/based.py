@@ -48,6 +48,9 @@ H100). The route cuts the sequence into segments of ``DEFAULT_SEGMENT`` tokens i
     2. every query block at once:            the quadratic form over the keys of its own segment
                                               + phi(q) @ (the state before its segment)
 
+The queries of the first segment read no state, so they run in step 1's launch, beside the state
+programs (:func:`_based_first_launch_kernel`); the other segments' queries are a second launch.
+
 Inside a segment the quadratic form tiles like flash attention but without the running maximum (the
 weights are never below 1/2: nothing can overflow the sums); its work per token grows with the segment,
 not the sequence. Step 1 is a plain matrix product per tile, ``S^T += V^T phi(K)``, with the features
@@ -568,7 +571,8 @@ def _read_prefix_state_16bit(q, num, den, P_KV, P_K, offs_v, v_ok, value_dim):
 
 # yaie: solution-only
 @triton.jit
-def _based_segment_kernel(
+def _segment_program(
+    pid_m, pid_v, bh,
     Q, K, V, O, PREFIX_KV, PREFIX_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
@@ -578,7 +582,8 @@ def _based_segment_kernel(
 ):
     """``BLOCK_M`` queries: the quadratic form over the keys of their own segment, the state before it.
 
-    Grid: (query blocks, value blocks, batch * heads); ``segment_len`` is a multiple of ``BLOCK_M``.
+    One program of :func:`_based_segment_kernel` or :func:`_based_first_launch_kernel`: query block
+    ``pid_m``, value block ``pid_v``, (sequence, head) ``bh``; ``segment_len`` is a multiple of ``BLOCK_M``.
     Inside the segment, flash attention's loop without its running maximum: the weights
     ``w = 1 + s + s^2/2`` are never below 1/2, so numerator and normaliser are summed as they come, in
     float32, and divided once at the end. Per key block: ``s = q k^T`` (a ``[BLOCK_M, 16]`` by
@@ -587,10 +592,6 @@ def _based_segment_kernel(
     (``PREFIX_KV [batch * heads, segments - 1, 273, value_dim]``: entry ``j`` sums segments ``0..j``;
     in the inputs' dtype when ``PREFIX_16BIT``, else float32).
     """
-    # The last query blocks of a segment read the most key blocks: start them first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_v = tl.program_id(1)
-    bh = tl.program_id(2)
     batch = (bh // heads).to(tl.int64)
     head = (bh % heads).to(tl.int64)
     q_base = Q + batch * stride_qb + head * stride_qh
@@ -652,6 +653,27 @@ def _based_segment_kernel(
 
 # yaie: solution-only
 @triton.jit
+def _based_segment_kernel(
+    Q, K, V, O, PREFIX_KV, PREFIX_K,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+    seq_len, value_dim, heads, segment_len, first_block,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    PREFIX_16BIT: tl.constexpr,
+):
+    """Query blocks ``first_block ..`` (:func:`_segment_program`). Grid: (query blocks, value blocks,
+    batch * heads)."""
+    # The last query blocks of a segment read the most key blocks: start them first.
+    pid_m = first_block + tl.num_programs(0) - 1 - tl.program_id(0)
+    _segment_program(pid_m, tl.program_id(1), tl.program_id(2),
+                     Q, K, V, O, PREFIX_KV, PREFIX_K,
+                     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+                     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+                     seq_len, value_dim, heads, segment_len, BLOCK_M, BLOCK_N, BLOCK_V, PRECISION, PREFIX_16BIT)
+
+
+# yaie: solution-only
+@triton.jit
 def _store_rows(KV, first_row, first_v, value_dim, values):
     """``KV[first_row:, first_v:] = values`` (cast to KV's dtype) for ``KV [rows, value_dim]``: one state, or the
     boundary states of a sequence stacked (row ``273 j + r`` is row ``r`` of entry ``j``). Rows that pass the
@@ -688,7 +710,8 @@ def _store_orders01(KV, KS, first_row, s0, s1, z0, z1, first_v, value_dim, WRITE
 
 # yaie: solution-only
 @triton.jit
-def _based_prefix_state_kernel(
+def _prefix_state_program(
+    pid_r, pid_v, bh,
     K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     seq_len, value_dim, heads, segment_len,
@@ -696,7 +719,8 @@ def _based_prefix_state_kernel(
 ):
     """The state at every segment boundary, ``phi(K)^T V`` and ``sum phi(K)`` over the tokens before it.
 
-    Grid: (1 + 16 / GROUPS row blocks, value blocks, batch * heads). A program owns some feature rows of
+    One program of :func:`_based_prefix_state_kernel` or :func:`_based_first_launch_kernel`: row block
+    ``pid_r`` (of 1 + 16 / GROUPS), value block ``pid_v``, (sequence, head) ``bh``. A program owns some feature rows of
     the state of one (sequence, head) and walks the whole sequence, ``BLOCK_T`` tokens at a time, keeping
     its rows of the running sums in registers (float32): no two programs ever add into the same numbers.
     At the end of every segment but the last it stores its rows of the running state into
@@ -715,9 +739,6 @@ def _based_prefix_state_kernel(
     tile edges (``segment_len`` is a multiple of ``BLOCK_T``), so one loop over the tiles serves every
     segment and Triton can pipeline its loads.
     """
-    pid_r = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    bh = tl.program_id(2)
     batch = (bh // heads).to(tl.int64)
     head = (bh % heads).to(tl.int64)
     k_base = K + batch * stride_kb + head * stride_kh
@@ -792,6 +813,72 @@ def _based_prefix_state_kernel(
 
 
 # yaie: solution-only
+@triton.jit
+def _based_prefix_state_kernel(
+    K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
+    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    seq_len, value_dim, heads, segment_len,
+    GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The boundary states alone (:func:`_prefix_state_program`). Grid: (1 + 16 / GROUPS row blocks, value
+    blocks, batch * heads)."""
+    _prefix_state_program(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                          K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
+                          stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                          seq_len, value_dim, heads, segment_len, GROUPS, BLOCK_T, BLOCK_V, PRECISION)
+
+
+# yaie: solution-only
+@triton.jit
+def _based_first_launch_kernel(
+    Q, K, V, O, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+    seq_len, value_dim, heads, segment_len,
+    state_programs, state_v_blocks, first_blocks, v_blocks,
+    GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, STATE_BLOCK_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    PREFIX_16BIT: tl.constexpr,
+):
+    """Two independent jobs in one launch: the boundary states, and the queries of the first segment.
+
+    The first segment's queries read no state (nothing comes before them), so they need not wait for
+    the state kernel; launched on their own after it, they would also leave the GPU half idle while
+    the last state programs finish. One flat grid: programs ``0 .. state_programs - 1`` are
+    :func:`_prefix_state_program`s (they walk the whole sequence: the longest, so they start first),
+    the rest :func:`_segment_program`s of query blocks ``0 .. first_blocks - 1``.
+    """
+    pid = tl.program_id(0)
+    if pid < state_programs:
+        rows = 1 + 16 // GROUPS
+        _prefix_state_program(pid % rows, (pid // rows) % state_v_blocks, pid // (rows * state_v_blocks),
+                              K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
+                              stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                              seq_len, value_dim, heads, segment_len, GROUPS, BLOCK_T, STATE_BLOCK_V, PRECISION)
+    else:
+        pid = pid - state_programs
+        pid_m = first_blocks - 1 - pid % first_blocks            # the last query blocks first, as above
+        _segment_program(pid_m, (pid // first_blocks) % v_blocks, pid // (first_blocks * v_blocks),
+                         Q, K, V, O, PREFIX_KV, PREFIX_K,
+                         stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+                         stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+                         seq_len, value_dim, heads, segment_len, BLOCK_M, BLOCK_N, BLOCK_V, PRECISION, PREFIX_16BIT)
+
+
+# yaie: solution-only
+def _state_settings(segment_len: int, groups: int, block_t: int, value_dim: int,
+                    block_v: int | None = None) -> tuple[int, int]:
+    """``(block_t, block_v)`` of the boundary-state programs, checked: ``groups`` divides 16 and
+    ``segment_len`` is a multiple of the tile of tokens (boundaries fall on tile edges)."""
+    if groups not in (1, 2, 4, 8, 16):
+        raise ValueError(f"groups must divide 16, got {groups}")
+    block_t = min(block_t, segment_len)
+    if segment_len % block_t:
+        raise ValueError(f"segment_len must be a multiple of block_t, got {segment_len} and {block_t}")
+    return block_t, block_v or min(64, max(16, triton.next_power_of_2(value_dim)))
+
+
+# yaie: solution-only
 def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len: int, groups: int = 4,
                          block_t: int = 128, num_warps: int = 4, block_v: int | None = None) -> None:
     """Launch :func:`_based_prefix_state_kernel`: the state before every segment but the first into
@@ -800,12 +887,7 @@ def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_l
     ``state_k [b, h, 273]`` (float32; the tensors of a :class:`BasedState` will do)."""
     batch, heads, seq, _ = k.shape
     value_dim = v.shape[-1]
-    if groups not in (1, 2, 4, 8, 16):
-        raise ValueError(f"groups must divide 16, got {groups}")
-    block_t = min(block_t, segment_len)
-    if segment_len % block_t:
-        raise ValueError(f"segment_len must be a multiple of block_t, got {segment_len} and {block_t}")
-    block_v = block_v or min(64, max(16, triton.next_power_of_2(value_dim)))
+    block_t, block_v = _state_settings(segment_len, groups, block_t, value_dim, block_v)
     grid = (1 + FEATURE_DIM // groups, triton.cdiv(value_dim, block_v), batch * heads)
     _based_prefix_state_kernel[grid](
         k, v, prefix_kv, prefix_k, state_kv, state_k,
@@ -822,9 +904,11 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
                       prefix_16bit: bool | None = None) -> BasedState | None:
     """The default route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
 
-    1. the state at every segment boundary and the final state (:func:`_based_prefix_state_kernel`,
-    skipped for a single segment whose state is not wanted), 2. every query block
-    (:func:`_based_segment_kernel`): the quadratic form inside its segment, the state before it.
+    Two launches. 1. (:func:`_based_first_launch_kernel`) the state at every segment boundary and the
+    final state (skipped for a single segment whose state is not wanted), and beside them the queries of
+    the first segment, which need no state; 2. (:func:`_based_segment_kernel`) the queries of the other
+    segments: the quadratic form inside their segment, the state before it. With ``state_warps`` other
+    than ``num_warps`` the states get a launch of their own (one launch has one warp count).
     ``prefix_16bit``: keep the boundary states in the inputs' 16-bit dtype (read by one long tensor-core
     product); ``None``: for bfloat16 (float16's range, 65504, is too short for long sums; float32 inputs
     keep float32 states).
@@ -836,36 +920,52 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
         # (the unmasked loop would count keys of the diagonal block, which the masked loop counts again).
         raise ValueError(f"segment_len must be a multiple of block_m and block_m of block_n, got "
                          f"{segment_len}, {block_m}, {block_n}")
+    state_block_t, state_block_v = _state_settings(segment_len, state_groups, state_block_t, value_dim)
     segments = triton.cdiv(seq, segment_len)
     if prefix_16bit is None:
         prefix_16bit = q.dtype == torch.bfloat16
     if prefix_16bit and q.dtype == torch.float32:
         raise ValueError("prefix_16bit needs float16 or bfloat16 inputs")
     f32 = dict(dtype=torch.float32, device=v.device)
-    # Not read (one segment has no state before it), but typed as the kernel expects.
+    # Not read (one segment has no state before it; no state wanted), but typed as the kernels expect.
     prefix_kv = torch.zeros(1, dtype=q.dtype if prefix_16bit else torch.float32, device=v.device)
     prefix_k = torch.zeros(1, **f32)
-    state = None
-    if segments > 1 or return_state:
-        if segments > 1:
-            prefix_kv = torch.empty(batch, heads, segments - 1, EXPANDED_DIM, value_dim, device=v.device,
-                                    dtype=q.dtype if prefix_16bit else torch.float32)
-            prefix_k = torch.empty(batch, heads, segments - 1, EXPANDED_DIM, **f32)
+    state = BasedState(torch.zeros(1, **f32), torch.zeros(1, **f32))
+    with_states = segments > 1 or return_state
+    if segments > 1:
+        prefix_kv = torch.empty(batch, heads, segments - 1, EXPANDED_DIM, value_dim, device=v.device,
+                                dtype=q.dtype if prefix_16bit else torch.float32)
+        prefix_k = torch.empty(batch, heads, segments - 1, EXPANDED_DIM, **f32)
+    if with_states:
         state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, **f32),
                            torch.empty(batch, heads, EXPANDED_DIM, **f32))
+    fused = state_warps == num_warps
+    if with_states and not fused:
         _launch_prefix_state(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len, state_groups,
                              state_block_t, state_warps)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
-    grid = (triton.cdiv(seq, block_m), triton.cdiv(value_dim, block_v), batch * heads)
+    v_blocks = triton.cdiv(value_dim, block_v)
+    query_blocks = triton.cdiv(seq, block_m)
+    first_blocks = min(query_blocks, segment_len // block_m)          # the first segment's query blocks
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2))
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    _based_segment_kernel[grid](
-        q, k, v, out, prefix_kv, prefix_k,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        seq, value_dim, heads, segment_len,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_V=block_v,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PREFIX_16BIT=prefix_16bit,
-        num_warps=num_warps, **extra)
+    if fused:
+        state_v_blocks = triton.cdiv(value_dim, state_block_v)
+        state_programs = (1 + FEATURE_DIM // state_groups) * state_v_blocks * batch * heads if with_states else 0
+        _based_first_launch_kernel[(state_programs + first_blocks * v_blocks * batch * heads,)](
+            q, k, v, out, prefix_kv, prefix_k, state.kv, state.k, *strides,
+            seq, value_dim, heads, segment_len, state_programs, state_v_blocks, first_blocks, v_blocks,
+            GROUPS=state_groups, BLOCK_T=state_block_t, STATE_BLOCK_V=state_block_v,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_V=block_v, PRECISION=precision, PREFIX_16BIT=prefix_16bit,
+            num_warps=num_warps, **extra)
+    first = first_blocks if fused else 0
+    if query_blocks > first:
+        _based_segment_kernel[(query_blocks - first, v_blocks, batch * heads)](
+            q, k, v, out, prefix_kv, prefix_k, *strides, seq, value_dim, heads, segment_len, first,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_V=block_v, PRECISION=precision, PREFIX_16BIT=prefix_16bit,
+            num_warps=num_warps, **extra)
     return state if return_state else None
 
 

@@ -51,6 +51,9 @@ H100). The route cuts the sequence into segments of ``DEFAULT_SEGMENT`` tokens i
     2. every query block at once:            the quadratic form over the keys of its own segment
                                               + phi(q) @ (the state before its segment)
 
+The queries of the first segment read no state, so they run in step 1's launch, beside the state
+programs (:func:`_based_first_launch_kernel`); the other segments' queries are a second launch.
+
 Inside a segment the quadratic form tiles like flash attention but without the running maximum (the
 weights are never below 1/2: nothing can overflow the sums); its work per token grows with the segment,
 not the sequence. Step 1 is a plain matrix product per tile, ``S^T += V^T phi(K)``, with the features
