@@ -5,8 +5,9 @@ Shapes: batch 16, 16 heads, feature dim 16 (q, k), value dim 64, bf16, 1k to 16k
 Rows (``based_prefill``):
 
 * ``yaie triton``: :func:`based_prefill` as the engine calls it (``chunk_size=None``, the final state
-  returned): the reference's default route (segments of ``DEFAULT_SEGMENT`` tokens: the boundary-state
-  kernel, then the quadratic form inside each segment plus the state before it);
+  returned): the reference's default route (segments of ``DEFAULT_SEGMENT`` tokens: the boundary states
+  beside the first segment's queries, then the quadratic form inside each other segment plus the state
+  before it);
 * ``yaie triton (output only)``: the same without the state (what the fla kernels return);
 * ``yaie segmented (segment L, BM m, BN n, w warps[, s stages])``: the same route with other settings of
   its second kernel (the final state returned);
@@ -28,7 +29,8 @@ head (the state read ``phi(q) @ S`` and the state update ``phi(k)^T v``), whatev
 ``based_state`` rows half of it (the update only); SDPA rows the usual ``4 * seq^2 * head_dim / 2`` per
 head under the causal mask. Within one kernel's rows the TFLOP/s ratio is the speed ratio.
 
-Each shape is checked once before timing: our output against fla's and against the float32 chunked
+The ``yaie triton`` and ``fla`` rows are timed in ``ROUNDS`` interleaved rounds and report the median
+round (the log prints every round). Each shape is checked once before timing: our output against fla's and against the float32 chunked
 reference on the first sequence; a kernel that is fast and wrong is reported as MISMATCH. Every sweep
 setting is compared with the default route's output (and state) before it is timed.
 """
@@ -36,6 +38,7 @@ setting is compared with the default route's output (and state) before it is tim
 from __future__ import annotations
 
 import importlib
+import statistics
 import time
 
 import torch
@@ -55,6 +58,7 @@ STATE_SWEEP = [  # (groups of 16 order-2 rows per program, tokens per step, num_
     (4, 128, 4), (4, 256, 8), (4, 128, 8), (2, 128, 4), (8, 128, 8), (4, 64, 4),
 ]
 STATE_SWEEP_SEGMENT = 256
+ROUNDS = 3                 # interleaved rounds of the headline rows (yaie, fla), median of the rounds
 CHUNKED_SWEEP = [  # (chunk, block_v, num_warps): the chunked kernel (lesson task 2, chunk_size given)
     (32, 64, 4),
 ]
@@ -189,10 +193,17 @@ def run(args) -> list[Row]:
         print("  relative difference of yaie to " + ", ".join(f"{n}: {e:.1e}" for n, e in errors.items())
               + f" [{status}]", flush=True)
         del out, ref
+        # The headline rows in interleaved rounds, each the median of its rounds: a drift of the GPU's
+        # speed during the run (seen at the first length) then moves every implementation alike.
+        rounds = {name: [] for name, _ in impls}
+        for _ in range(ROUNDS):
+            for name, fn in impls:
+                rounds[name].append(bench_ms(fn, warmup, rep))
         timed = {}
-        for name, fn in impls:
-            ms = bench_ms(fn, warmup, rep)
+        for name, _ in impls:
+            ms = statistics.median(rounds[name])
             timed[name] = ms
+            print(f"  {name}: rounds " + ", ".join(f"{t:.4f}" for t in rounds[name]) + " ms", flush=True)
             label = name if status == "ok" or not name.startswith("yaie") else name + " (MISMATCH)"
             rows.append(Row(LESSON, "based_prefill", label, shape, "bf16", ms, flops=flops))
         rows.extend(_sweep_rows(based, q, k, v, shape, warmup // 2, rep // 2, flops))
