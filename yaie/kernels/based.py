@@ -62,13 +62,14 @@ not the sequence. Step 1 is a plain matrix product per tile, ``S^T += V^T phi(K)
 one ``[BLOCK_M, 256] x [256, d_v]`` tensor-core product; float16 and float32 inputs keep float32 states.
 
 Measured on the H100 (bench/results/lesson08_h100.md; batch 16, 16 heads, d_v 64, bf16): the route
-takes 1.86x (1k tokens) to 1.96x (16k) less time than the chunked kernel; step 1 alone is 55-56% of it
-at every length (0.105 of 0.187 ms at 1k): a program walks the whole sequence, 128 tokens a step, so
-it is bound by the latency of its steps more than by the tensor cores. Of three ways to build the
-order-2 features in step 1 (``[rows, tokens]`` tiles from a 3-D product or from two gathers of k, or
-the transposed ``[tokens, rows]`` tile used here) the transposed one was 1.3-1.5x faster than the
-others (bench/results/lesson08_h100_state_forms.md). Segments of 128 and 512 tokens time within 2-7%
-of 256; more tokens per step (256) or 8 warps are slower.
+takes 1.77x (1k tokens) to 1.90x (16k) less time than the chunked kernel; step 1 alone is 53-56% of it
+(0.103 of 0.196 ms at 1k). Its programs walk the whole sequence, 128 tokens a step, and need 206
+registers each: only 8 warps fit a multiprocessor, whose shared-memory pipe (the feature tiles' layout
+changes) is then its busiest unit, not the tensor cores (bench/results/lesson08_ncu_h100.txt). Of three
+ways to build the order-2 features in step 1 (``[rows, tokens]`` tiles from a 3-D product or from two
+gathers of k, or the transposed ``[tokens, rows]`` tile used here) the transposed one was 1.3-1.5x faster
+than the others (bench/results/lesson08_h100_state_forms.md). Segments of 128 and 512 tokens time within
+a few percent of 256; more tokens per step (256) or 8 warps are slower.
 
 **Recurrent decode** (task 3): one token updates the state and reads its output from it.
 
