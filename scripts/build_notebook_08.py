@@ -302,9 +302,11 @@ md(r"""
    describes it): segments of 256 tokens, the quadratic form tiled like flash attention inside each segment
    but with no running maximum (why is none needed?), plus `phi(q) @ S` with `S` the state before the
    segment, from a first kernel that walks the sequence and stores the state at every segment boundary.
-   Compare that kernel's time with the whole route's in the benchmark (the `based_state` rows): at 1k tokens
-   it is more than half. Why does its sequential walk bound it, and how would you split the walk across more
-   programs at short lengths?
+   Why can the first segment's queries run in the same launch as that kernel, and what does it gain?
+   Compare the state kernel's time with the whole route's in the benchmark (the `based_state` rows): at 1k
+   tokens it is more than half. Splitting its walk into parts of the sequence did not make it faster; the
+   profile in `bench/results/lesson08_ncu_h100.txt` shows 206 registers per thread and a busy shared-memory
+   pipe. Which of its tiles need those registers, and what would you change first?
 7. A Based layer pairs linear attention with exact attention over a short sliding window (64 tokens, say).
    What does a decode step of such a layer keep per sequence? Compare with lesson 04's windowed decode.
 
