@@ -294,6 +294,19 @@ def test_one_row_ops_use_the_fused_kernels_only_for_the_reference(monkeypatch, s
     two_rows = torch.cat([c["x"], c["x"]])
     torch.testing.assert_close(ops.linear(two_rows, c["weight"]), two_rows @ c["weight"].T)
     assert all(len(calls[n]) == (0 if student_lesson02 else 1) for n in names), "two rows went to cuBLAS"
+    # Operands the one-row kernels refuse (a weight with strided rows, a strided bias or norm weight) go to
+    # the ops apart instead of raising: same values, no kernel call.
+    strided_weight = c["weight"].t().contiguous().t()
+    strided_bias = torch.stack([c["bias"], c["bias"]], 1)[:, 0]
+    strided_norm = torch.stack([c["norm_weight"], c["norm_weight"]], 1)[:, 0]
+    torch.testing.assert_close(ops.linear(c["x"], strided_weight, c["bias"]), want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops.silu_and_mul_linear(c["gate_up"], c["weight"], strided_bias), want[1],
+                               atol=1e-5, rtol=1e-5)
+    got = ops.add_rms_norm_linear(c["x"].clone(), c["residual"].clone(), strided_norm, c["eps"], c["weight"],
+                                  c["bias"])
+    for g, w in zip(got, want[2:]):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert all(len(calls[n]) == (0 if student_lesson02 else 1) for n in names), "strided operands went apart"
     ops.reset_auto_fallback()
 
 

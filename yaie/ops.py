@@ -640,10 +640,19 @@ def _one_row_kernel(x: torch.Tensor, name: str):
     return getattr(lesson_module(2), name, None)
 
 
+def _one_row_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      *vectors: torch.Tensor) -> bool:
+    """The layouts the one-row kernels read: ``x`` (and a residual) one contiguous row, ``weight`` 2-D with
+    contiguous rows, ``bias`` and the norm weight contiguous. Anything else (a transposed or strided view of
+    a weight, say) goes to the ops apart, which take any strides, rather than to the kernel's ValueError."""
+    return (x.is_contiguous() and weight.dim() == 2 and weight.stride(1) == 1
+            and (bias is None or bias.is_contiguous()) and all(t.is_contiguous() for t in vectors))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: PyTorch's (cuBLAS); one row on CUDA: lesson 02's ``matvec`` where it exists."""
     kernel = _one_row_kernel(x, "matvec")
-    if kernel is not None and x.is_contiguous():
+    if kernel is not None and _one_row_operands(x, weight, bias):
         return kernel(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -652,7 +661,7 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """``linear(silu_and_mul(x), weight, bias)``; one row on CUDA: lesson 02's fused ``silu_and_mul_matvec``
     where it exists, else the two ops."""
     kernel = _one_row_kernel(x, "silu_and_mul_matvec")
-    if kernel is not None and x.is_contiguous():
+    if kernel is not None and _one_row_operands(x, weight, bias):
         return kernel(x, weight, bias)
     return F.linear(silu_and_mul(x), weight, bias)
 
@@ -665,7 +674,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
     stored), else the two ops. As :func:`add_rms_norm`, use only the returned tensors afterwards.
     """
     kernel = _one_row_kernel(x, "add_rms_norm_matvec")
-    if kernel is not None and x.is_contiguous() and residual.is_contiguous():
+    if kernel is not None and _one_row_operands(x, weight, bias, residual, norm_weight):
         return kernel(x, residual, norm_weight, eps, weight, bias)
     h, residual = add_rms_norm(x, residual, norm_weight, eps)
     return F.linear(h, weight, bias), residual
