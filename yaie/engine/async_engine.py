@@ -13,6 +13,9 @@ time, and some of its clients leave early. Here:
   batching across clients). A group whose consumer goes away is aborted with
   :meth:`RequestGroup.abort`; the engine thread frees its blocks before its next step.
 
+A Based or telescoping model (lessons 08, 07) keeps a constant-size state per sequence, not KV-cache
+blocks: :class:`AsyncEngine` drives a :class:`yaie.engine.slot_engine.SlotEngine` over its rows instead.
+
 Each request keeps its own sampler and seed (as in ``LLM.generate``), so a request's text does not depend
 on who else is in the batch: the server's answer for a seed equals ``LLM.generate``'s. Steps are pipelined
 as ``LLM.generate``'s: a step's kernels are queued first, then the previous step's text is decoded and
@@ -54,8 +57,8 @@ class StepEngine:
         if cfg.telescoping_capacity or cfg.based_layers:
             kind = "a Based (lesson 08)" if cfg.based_layers else "a telescoping (lesson 07)"
             raise ValueError(f"this is {kind} model: it keeps a constant-size state per sequence, outside the "
-                             "paged KV cache that the step engine (and yaie serve) schedules; generate with it "
-                             "through LLM.generate or `yaie generate` (serving such models is not built)")
+                             "paged KV cache that this step engine schedules; serve it with "
+                             "yaie.engine.slot_engine.SlotEngine (AsyncEngine and yaie serve pick it)")
         self.llm = llm
         self._cache = llm._cache_for_run()          # held (in use) until close()
         graphs = self._cache.graphs
@@ -380,7 +383,7 @@ class AsyncEngine:
         self._prefill_step_s: float | None = None    # a running mean of how long steps with prompts took
         self._owed: collections.deque = collections.deque()   # finish times of requests whose clients may be back
         self.stats = EngineStats()
-        self.core: StepEngine | None = None     # the engine thread's; read it only for tests and metrics
+        self.core = None    # the engine thread's StepEngine (or SlotEngine); read it only for tests and metrics
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[RequestGroup] = []
@@ -439,7 +442,9 @@ class AsyncEngine:
         if llm.device.type == "cpu" and llm.cpu_threads:
             torch.set_num_threads(llm.cpu_threads)
         try:
-            self.core = StepEngine(llm)
+            from yaie.engine.slot_engine import SlotEngine, serves_by_rows
+            # Based and telescoping models: rows of a constant-size state, not the paged KV cache.
+            self.core = SlotEngine(llm) if serves_by_rows(llm.config) else StepEngine(llm)
         except BaseException as err:     # noqa: BLE001 (handed to start()'s caller)
             self._start_error = err
             self._on_started()

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from yaie.engine.async_engine import AsyncEngine, Frontend, ProcessEngine, RequestGroup
 from yaie.engine.llm import LLM
+from yaie.engine.slot_engine import serves_by_rows
 from yaie.server.protocol import UNLIMITED, APIError, Parsed, choice_params, parse_chat, parse_completion
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -41,6 +42,7 @@ def create_app(llm: LLM | Frontend, served_model_name: str | None = None,
     engine = engine if engine is not None else AsyncEngine(llm)
     created = int(time.time())
     context = llm.config.max_position_embeddings
+    by_rows = serves_by_rows(llm.config)     # a constant-size state per sequence: only the context bounds it
     token_texts = TokenTexts(llm.tokenizer)
 
     @asynccontextmanager
@@ -121,12 +123,14 @@ def create_app(llm: LLM | Frontend, served_model_name: str | None = None,
     async def generate(request: Request, parsed: Parsed, prompt_ids: list[list[int]], chat: bool):
         params = parsed.params
         if params.max_tokens == UNLIMITED:     # chat without max_tokens: up to the context, or what the cache holds
-            cache_tokens = engine.stats.blocks_total * llm.block_size
+            cache_tokens = context if by_rows else engine.stats.blocks_total * llm.block_size
             params = dataclasses.replace(params, max_tokens=max(1, cache_tokens + 1 - max(map(len, prompt_ids))))
         items = [(ids, choice_params(params, j)) for ids in prompt_ids for j in range(parsed.n)]
         try:
             group = await engine.submit(items, parsed.logprobs)
-        except ValueError:                 # a request that could never fit in the KV cache, even alone
+        except ValueError as err:          # a request that could never fit in the KV cache, even alone
+            if by_rows:                    # (a row holds any length: the engine's own check of the prompt)
+                raise APIError(str(err), "messages" if chat else "prompt", "invalid_value") from None
             raise cache_too_small(prompt_ids, params, engine.stats.blocks_total * llm.block_size, context,
                                   "messages" if chat else "prompt") from None
         except RuntimeError as err:        # shutting down

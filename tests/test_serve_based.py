@@ -1,0 +1,321 @@
+"""Serving the constant-state models: Based (lesson 08) and telescoping (lesson 07) behind ``yaie serve``.
+
+The server's engine for them is :class:`yaie.engine.slot_engine.SlotEngine`: each request holds one row of
+the model's batched state (Based: ``BasedSlots``; telescoping: one row, one sequence at a time), requests
+beyond the rows wait. Its answers are compared with ``LLM.generate`` on an engine of its own (greedy and
+seeded sampled requests), step by step and through the real ``openai`` client against a live server on
+127.0.0.1 (the bundled tiny models, two rows, more requests than rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.test_server import LiveServer, start_server, wait_until_healthy
+from yaie import ops
+from yaie.engine import LLM, SamplingParams
+from yaie.engine.async_engine import AsyncEngine, StepEngine
+from yaie.engine.llm import DEFAULT_MODEL
+from yaie.engine.slot_engine import SlotEngine
+from yaie.model.based import BasedSlots
+from yaie.model.testing import fresh_seed, single_thread
+from yaie.server import create_app
+from yaie.server.app import parse_prometheus
+
+BASED = DEFAULT_MODEL.parent / "tiny-based"
+TELESCOPING = DEFAULT_MODEL.parent / "tiny-telescoping"
+ROWS = 2
+PROMPTS = ["Once upon a time", "Tom had a red kite.", "One day, Lucy the cat went to the park.", "Sam ran",
+           "Mia and Ben found a box"]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def sampled(seed: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, top_k=50, seed=seed)
+
+
+def texts_of(events, request) -> str:
+    return "".join(piece for r, piece, _ in events if r is request)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """``LLM.generate``'s answers, from engines of their own."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("YAIE_SOLUTIONS", "all")
+        return {"based": LLM(BASED, device="cpu"), "telescoping": LLM(TELESCOPING, device="cpu")}
+
+
+def generate(llm, prompts, params):
+    with single_thread():
+        return llm.generate(prompts, params)
+
+
+# ----------------------------------------------------------------------------- the engine, step by step
+@pytest.mark.parametrize("graph_buffers", [False, True], ids=["plain", "graph-buffers"])
+def test_slot_engine_gives_generates_tokens_with_arrivals_waits_and_an_abort(reference, reference_lessons,
+                                                                              graph_buffers):
+    """Seven requests through four rows, arriving at different steps: the ones beyond the rows wait, one is
+    aborted mid-way (its row goes to a waiting one), the others get exactly ``LLM.generate``'s tokens and text
+    (greedy, a stop string, seeded sampling, logprobs). ``graph-buffers``: the decode steps of CUDA graphs'
+    fixed, bucket-padded buffers (run eagerly here): three rows decode in the bucket of four while a prompt
+    goes into the fourth, the padding row."""
+    rows = 4
+    llm = LLM(BASED, device="cpu", max_num_seqs=rows)
+    engine = SlotEngine(llm, BasedSlots(llm.model, rows, graphs=True, capture=False) if graph_buffers else None)
+    seed = fresh_seed()
+    params = [greedy(14), sampled(seed, 12),
+              greedy(40),                                                         # aborted
+              SamplingParams(max_tokens=16, temperature=0, stop=[" the"]),
+              greedy(6),                                                          # with logprobs
+              greedy(10), sampled(seed + 1, 9)]
+    prompts = PROMPTS + ["The sun was hot", "Ella saw a fox"]
+    want = generate(reference["based"], prompts, params)
+    ids = [llm._prompt_ids(p)[1] for p in prompts]
+    arrivals = {0: [0, 1, 2], 2: [3], 4: [4, 5, 6]}
+    requests, events, scored, waited = {}, [], [], 0
+    aborted_at = None
+    for step in range(200):
+        for i in arrivals.get(step, []):
+            requests[i] = engine.add(ids[i], params[i], logprobs=2 if i == 4 else None)
+        if aborted_at is None and 4 in requests and len(requests[2].output_ids) >= 5:
+            assert engine.scheduler.waiting, "nothing waits for the aborted request's row"
+            running_before = len(engine.scheduler.running)
+            assert engine.abort(requests[2].request_id) and not engine.abort(requests[2].request_id)
+            assert len(engine.scheduler.running) == running_before - 1, "the aborted request kept its row"
+            aborted_at = step
+        if not engine.has_unfinished() and step > max(arrivals):
+            break
+        waited += bool(engine.scheduler.waiting)
+        if engine.has_unfinished():
+            events += engine.step()
+        assert len(engine.scheduler.running) <= rows
+        if 4 in requests:
+            scored += engine.take_logprobs(requests[4].request_id) or []
+    events += engine.flush()
+    scored += engine.take_logprobs(requests[4].request_id) or []
+    for i in (0, 1, 3, 4, 5, 6):
+        assert requests[i].output_ids == want[i].token_ids, f"request {i} (seed={seed})"
+        assert texts_of(events, requests[i]) == want[i].text, f"request {i} (seed={seed})"
+        assert [e[2].finish_reason for e in events if e[0] is requests[i]][-1] == want[i].outputs[0].finish_reason
+    assert aborted_at is not None and 5 <= len(requests[2].output_ids) < 40
+    assert waited > 0, "no request ever waited for a row"
+    assert engine.scheduler.running == [] and not engine.scheduler.waiting
+    assert engine.requests == {} and engine.texts == {} and engine.logprobs == {}
+    # Logprobs: the sampled token's log-probability under the model, each one checked against a prompt
+    # prefilled up to it (the prefill path, not the decode step that produced it).
+    assert [token for token, _, _ in scored] == want[4].token_ids
+    check = BasedSlots(llm.model, 1)
+    for j, (token, logprob, top) in enumerate(scored):
+        exact = torch.log_softmax(check.prefill(0, ids[4] + want[4].token_ids[:j])[0].double(), -1)
+        assert logprob == pytest.approx(exact[token].item(), abs=1e-4), f"token {j}"
+        assert [t for t, _ in top] == exact.topk(2).indices.tolist(), f"token {j}"   # greedy: the top one
+        assert top[0] == (token, logprob)
+
+
+def test_slot_engine_refuses_bad_prompts_without_touching_the_rows(reference, reference_lessons):
+    """A prompt the model cannot read gets a ValueError at ``add`` (never a failed step beside others);
+    the requests running meanwhile finish as ``LLM.generate`` gives them."""
+    llm = LLM(BASED, device="cpu", max_num_seqs=ROWS)
+    engine = SlotEngine(llm)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = generate(reference["based"], PROMPTS[:2], params)
+    requests = [engine.add(llm._prompt_ids(p)[1], params) for p in PROMPTS[:2]]
+    events = engine.step()
+    context = llm.config.max_position_embeddings
+    for bad, what in (([], "empty"), ([5, llm.config.vocab_size], r"\[0, 1024\)"), ([5, -1], r"\[0, 1024\)"),
+                      ([3] * context, "context")):
+        with pytest.raises(ValueError, match=what):
+            engine.add(bad, params)
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add([5], params, logprobs=-1)
+    assert not engine.scheduler.waiting and len(engine.requests) == 2
+    while engine.has_unfinished():
+        events += engine.step()
+    events += engine.flush()
+    for request, w in zip(requests, want):
+        assert request.output_ids == w.token_ids and texts_of(events, request) == w.text
+
+
+def test_telescoping_model_is_served_one_sequence_at_a_time(reference, reference_lessons):
+    """A telescoping model's caches do not batch: one row, the others wait; each gets ``LLM.generate``'s tokens."""
+    llm = LLM(TELESCOPING, device="cpu")
+    engine = SlotEngine(llm)
+    assert engine.scheduler.capacity == 1
+    seed = fresh_seed()
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), sampled(seed, 8),
+              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
+    want = generate(reference["telescoping"], PROMPTS[:3], params)
+    requests = [engine.add(llm._prompt_ids(p)[1], q) for p, q in zip(PROMPTS[:3], params)]
+    events = []
+    while engine.has_unfinished():
+        assert len(engine.scheduler.running) <= 1
+        events += engine.step()
+    events += engine.flush()
+    for i, (request, w) in enumerate(zip(requests, want)):
+        assert request.output_ids == w.token_ids and texts_of(events, request) == w.text, f"{i} (seed={seed})"
+
+
+@pytest.mark.parametrize("model", [BASED, TELESCOPING], ids=["based", "telescoping"])
+def test_the_async_engine_picks_the_slot_engine(model, reference_lessons):
+    """The server's engine loop starts on these models (the paged step engine still refuses them itself)."""
+    llm = LLM(model, device="cpu", max_num_seqs=ROWS)
+    with pytest.raises(ValueError, match="SlotEngine"):
+        StepEngine(llm)
+    engine = AsyncEngine(llm)
+    engine.start()
+    try:
+        assert isinstance(engine.core, SlotEngine) and engine.alive
+        assert engine.stats.blocks_total == engine.core.scheduler.capacity     # rows, in the metrics
+    finally:
+        engine.shutdown()
+
+
+# ----------------------------------------------------------------------------- through the server
+@pytest.fixture(scope="module")
+def live():
+    """``yaie serve``'s app over the tiny Based model, two rows, in a thread on a free loopback port."""
+    with pytest.MonkeyPatch.context() as mp, single_thread():
+        mp.setenv("YAIE_SOLUTIONS", "all")
+        ops.reset_auto_fallback()
+        llm = LLM(BASED, device="cpu", max_num_seqs=ROWS)
+        with LiveServer(create_app(llm)) as server:
+            yield server
+        ops.reset_auto_fallback()
+
+
+def metrics(live) -> dict[str, float]:
+    return parse_prometheus(httpx.get(live.url + "/metrics", timeout=10).text)
+
+
+def wait_idle(live, seconds: float = 10.0) -> dict[str, float]:
+    """Metrics once nothing runs or waits (bounded)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = metrics(live)
+        if m["yaie_requests_running"] == m["yaie_requests_waiting"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"the engine is still busy after {seconds} s: {m}"
+        time.sleep(0.05)
+
+
+def test_concurrent_streams_beyond_the_rows_equal_generate(live, reference):
+    """Five streams at once, greedy and seeded, through two rows: all finish, each as ``LLM.generate``."""
+    base = fresh_seed()
+    temperatures = [0, 0.8, 0, 0.8, 0.8]
+    server_params = [dict(max_tokens=10, temperature=t, seed=base + i) for i, t in enumerate(temperatures)]
+    want = generate(reference["based"], PROMPTS,
+                    [reference["based"].default_sampling_params(**p) for p in server_params])
+    before = metrics(live)
+    assert before["yaie_kv_cache_blocks_total"] == ROWS                 # a row per sequence
+
+    async def one(client, i):
+        stream = await client.completions.create(model=BASED.name, prompt=PROMPTS[i], stream=True,
+                                                 **server_params[i])
+        pieces, finish = [], None
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(pieces), finish
+
+    async def all_streams():
+        async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="none", timeout=30, max_retries=0) as c:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(len(PROMPTS)))), timeout=45)
+
+    got = asyncio.run(all_streams())
+    for i, ((text, finish), w) in enumerate(zip(got, want)):
+        assert text == w.text, f"seed={base + i}: stream {i} differs from LLM.generate:\n{text!r}\n{w.text!r}"
+        assert finish == w.outputs[0].finish_reason
+    after = wait_idle(live)
+    assert after["yaie_requests_finished_total"] - before["yaie_requests_finished_total"] == len(PROMPTS)
+    assert after["yaie_kv_cache_blocks_used"] == 0
+
+
+def test_dropped_stream_frees_its_row_and_the_others_go_on(live, reference):
+    """A client leaves mid-stream while another streams beside it and a third waits for a row: the row is
+    freed at once (the waiting one takes it), and the other two answer as ``LLM.generate``."""
+    before = metrics(live)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = generate(reference["based"], PROMPTS[1:3], params)
+    with openai.OpenAI(base_url=live.url + "/v1", api_key="none", timeout=30, max_retries=0) as client:
+        dropped = client.completions.create(model=BASED.name, prompt=PROMPTS[0], max_tokens=2000, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+        for _, chunk in zip(range(3), dropped):
+            assert chunk.choices[0].finish_reason is None
+
+        async def others():
+            async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="none", timeout=30,
+                                          max_retries=0) as c:
+                calls = [c.completions.create(model=BASED.name, prompt=p, max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True}) for p in PROMPTS[1:3]]
+                return await asyncio.wait_for(asyncio.gather(*calls), timeout=45)
+
+        async def both():
+            task = asyncio.create_task(others())
+            await asyncio.sleep(0.3)                     # they run (one in a row, one waiting) ...
+            dropped.close()                              # ... when the first client hangs up
+            return await task
+
+        got = asyncio.run(both())
+    assert [g.choices[0].text for g in got] == [w.text for w in want]
+    after = wait_idle(live)
+    assert after["yaie_requests_aborted_total"] == before["yaie_requests_aborted_total"] + 1
+    assert after["yaie_kv_cache_blocks_used"] == 0
+    assert after["yaie_generation_tokens_total"] - before["yaie_generation_tokens_total"] < 1000
+    core = live.app.state.engine.core
+    assert core.requests == {} and core.scheduler.running == [] and core.logprobs == {}
+
+
+def test_logprobs_and_bad_requests(live):
+    with openai.OpenAI(base_url=live.url + "/v1", api_key="none", timeout=30, max_retries=0) as client:
+        scored = client.completions.create(model=BASED.name, prompt=PROMPTS[1], max_tokens=5, temperature=0,
+                                           logprobs=2, extra_body={"ignore_eos": True})
+        lp = scored.choices[0].logprobs
+        assert len(lp.token_logprobs) == scored.usage.completion_tokens == 5
+        assert all(x <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(x)
+                   for x, top in zip(lp.token_logprobs, lp.top_logprobs))
+        context = live.app.state.llm.config.max_position_embeddings
+        for prompt, code in (([3] * context, "context_length_exceeded"), ([5, 1024], "invalid_value"),
+                             ("", "invalid_value")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(model=BASED.name, prompt=prompt, max_tokens=4)
+            assert err.value.body["code"] == code
+        chat = client.chat.completions.create(model=BASED.name, messages=[{"role": "user", "content": "Tom ran."}],
+                                              max_tokens=4, temperature=0)
+        assert chat.choices[0].message.content and chat.usage.completion_tokens <= 4
+    assert live.app.state.engine.alive
+
+
+def test_yaie_serve_serves_the_based_model(reference):
+    """``python -m yaie.server --model tiny-based`` as a user starts it (the engine in a process of its own)."""
+    proc, url = start_server("--model", str(BASED), "--max-num-seqs", str(ROWS), "--log-level", "warning")
+    try:
+        wait_until_healthy(proc, url)
+        seed = fresh_seed()
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=30, max_retries=0) as client:
+            got = client.completions.create(model=BASED.name, prompt=PROMPTS[1], max_tokens=12, temperature=0.8,
+                                            seed=seed)
+        want = generate(reference["based"], PROMPTS[1],
+                        reference["based"].default_sampling_params(max_tokens=12, temperature=0.8, seed=seed))[0]
+        assert got.choices[0].text == want.text, f"seed={seed}"
+        m = parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
+        assert m["yaie_kv_cache_blocks_total"] == ROWS and m["yaie_requests_finished_total"] == 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            returncode = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert returncode == 0
