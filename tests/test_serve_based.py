@@ -71,9 +71,27 @@ def test_slot_engine_gives_generates_tokens_with_arrivals_waits_and_an_abort(ref
     (greedy, a stop string, seeded sampling, logprobs). ``graph-buffers``: the decode steps of CUDA graphs'
     fixed, bucket-padded buffers (run eagerly here): three rows decode in the bucket of four while a prompt
     goes into the fourth, the padding row."""
-    rows = 4
-    llm = LLM(BASED, device="cpu", max_num_seqs=rows)
-    engine = SlotEngine(llm, BasedSlots(llm.model, rows, graphs=True, capture=False) if graph_buffers else None)
+    llm = LLM(BASED, device="cpu", max_num_seqs=4)
+    rows = BasedSlots(llm.model, 4, graphs=True, capture=False) if graph_buffers else None
+    arrivals_waits_and_an_abort(SlotEngine(llm, rows), reference["based"], logprob_atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_slot_engine_on_cuda_graphs_gives_generates_tokens(reference_lessons):
+    """The same on CUDA as served (every bucket's graph recorded by the warm-up first), float32, beside
+    ``LLM.generate`` on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    llm = LLM(BASED, device="cuda", dtype=torch.float32, max_num_seqs=4)
+    engine = SlotEngine(llm)
+    assert engine.warm_up() == 3 and engine.rows.failed is None          # buckets 1, 2, 4
+    assert engine.requests == {} and engine.scheduler.running == [] and not engine.flush()
+    arrivals_waits_and_an_abort(engine, LLM(BASED, device="cuda", dtype=torch.float32), logprob_atol=2e-3)
+
+
+def arrivals_waits_and_an_abort(engine: SlotEngine, reference_llm: LLM, logprob_atol: float) -> None:
+    """The scenario of the two tests above, on a four-row engine."""
+    llm = engine.llm
     seed = fresh_seed()
     params = [greedy(14), sampled(seed, 12),
               greedy(40),                                                         # aborted
@@ -81,7 +99,7 @@ def test_slot_engine_gives_generates_tokens_with_arrivals_waits_and_an_abort(ref
               greedy(6),                                                          # with logprobs
               greedy(10), sampled(seed + 1, 9)]
     prompts = PROMPTS + ["The sun was hot", "Ella saw a fox"]
-    want = generate(reference["based"], prompts, params)
+    want = generate(reference_llm, prompts, params)
     ids = [llm._prompt_ids(p)[1] for p in prompts]
     arrivals = {0: [0, 1, 2], 2: [3], 4: [4, 5, 6]}
     requests, events, scored, waited = {}, [], [], 0
@@ -100,7 +118,7 @@ def test_slot_engine_gives_generates_tokens_with_arrivals_waits_and_an_abort(ref
         waited += bool(engine.scheduler.waiting)
         if engine.has_unfinished():
             events += engine.step()
-        assert len(engine.scheduler.running) <= rows
+        assert len(engine.scheduler.running) <= engine.scheduler.capacity
         if 4 in requests:
             scored += engine.take_logprobs(requests[4].request_id) or []
     events += engine.flush()
@@ -116,23 +134,26 @@ def test_slot_engine_gives_generates_tokens_with_arrivals_waits_and_an_abort(ref
     # Logprobs: the sampled token's log-probability under the model, each one checked against a prompt
     # prefilled up to it (the prefill path, not the decode step that produced it).
     assert [token for token, _, _ in scored] == want[4].token_ids
-    check = BasedSlots(llm.model, 1)
+    check = BasedSlots(llm.model, 1, graphs=False)
     for j, (token, logprob, top) in enumerate(scored):
         exact = torch.log_softmax(check.prefill(0, ids[4] + want[4].token_ids[:j])[0].double(), -1)
-        assert logprob == pytest.approx(exact[token].item(), abs=1e-4), f"token {j}"
+        assert logprob == pytest.approx(exact[token].item(), abs=logprob_atol), f"token {j}"
         assert [t for t, _ in top] == exact.topk(2).indices.tolist(), f"token {j}"   # greedy: the top one
         assert top[0] == (token, logprob)
 
 
 def test_slot_engine_refuses_bad_prompts_without_touching_the_rows(reference, reference_lessons):
-    """A prompt the model cannot read gets a ValueError at ``add`` (never a failed step beside others);
-    the requests running meanwhile finish as ``LLM.generate`` gives them."""
+    """A prompt the model cannot read gets a ValueError at ``add`` (never a failed step beside others), and a
+    request aborted while it waits for a row leaves the queue; the requests running meanwhile finish as
+    ``LLM.generate`` gives them."""
     llm = LLM(BASED, device="cpu", max_num_seqs=ROWS)
     engine = SlotEngine(llm)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    params = greedy(8)
     want = generate(reference["based"], PROMPTS[:2], params)
-    requests = [engine.add(llm._prompt_ids(p)[1], params) for p in PROMPTS[:2]]
+    requests = [engine.add(llm._prompt_ids(p)[1], params) for p in PROMPTS[:3]]
     events = engine.step()
+    assert list(engine.scheduler.waiting) == [requests[2]]
+    assert engine.abort(requests[2].request_id) and not engine.scheduler.waiting
     context = llm.config.max_position_embeddings
     for bad, what in (([], "empty"), ([5, llm.config.vocab_size], r"\[0, 1024\)"), ([5, -1], r"\[0, 1024\)"),
                       ([3] * context, "context")):
@@ -146,6 +167,7 @@ def test_slot_engine_refuses_bad_prompts_without_touching_the_rows(reference, re
     events += engine.flush()
     for request, w in zip(requests, want):
         assert request.output_ids == w.token_ids and texts_of(events, request) == w.text
+    assert requests[2].output_ids == [] and not texts_of(events, requests[2])
 
 
 def test_telescoping_model_is_served_one_sequence_at_a_time(reference, reference_lessons):
@@ -167,17 +189,31 @@ def test_telescoping_model_is_served_one_sequence_at_a_time(reference, reference
         assert request.output_ids == w.token_ids and texts_of(events, request) == w.text, f"{i} (seed={seed})"
 
 
-@pytest.mark.parametrize("model", [BASED, TELESCOPING], ids=["based", "telescoping"])
-def test_the_async_engine_picks_the_slot_engine(model, reference_lessons):
-    """The server's engine loop starts on these models (the paged step engine still refuses them itself)."""
-    llm = LLM(model, device="cpu", max_num_seqs=ROWS)
+@pytest.mark.parametrize("kind", ["based", "telescoping"])
+def test_the_async_engine_serves_them_through_the_slot_engine(kind, reference, reference_lessons):
+    """The server's engine loop runs these models (the paged step engine still refuses them itself): three
+    requests submitted at once through two rows (one for telescoping) answer as ``LLM.generate``."""
+    llm = LLM(BASED if kind == "based" else TELESCOPING, device="cpu", max_num_seqs=ROWS)
     with pytest.raises(ValueError, match="SlotEngine"):
         StepEngine(llm)
+    seed = fresh_seed()
+    params = [greedy(8), sampled(seed, 8), greedy(5)]
+    want = generate(reference[kind], PROMPTS[:3], params)
     engine = AsyncEngine(llm)
     engine.start()
+
+    async def answers():
+        group = await engine.submit([(llm._prompt_ids(p)[1], q) for p, q in zip(PROMPTS[:3], params)])
+        texts = ["", "", ""]
+        async for event in group.events():
+            assert event.error is None, event.error
+            texts[event.index] += event.text
+        return texts
+
     try:
         assert isinstance(engine.core, SlotEngine) and engine.alive
         assert engine.stats.blocks_total == engine.core.scheduler.capacity     # rows, in the metrics
+        assert asyncio.run(asyncio.wait_for(answers(), timeout=30)) == [w.text for w in want], f"seed={seed}"
     finally:
         engine.shutdown()
 
@@ -299,7 +335,8 @@ def test_logprobs_and_bad_requests(live):
 
 def test_yaie_serve_serves_the_based_model(reference):
     """``python -m yaie.server --model tiny-based`` as a user starts it (the engine in a process of its own)."""
-    proc, url = start_server("--model", str(BASED), "--max-num-seqs", str(ROWS), "--log-level", "warning")
+    proc, url = start_server("--model", str(BASED), "--device", "cpu", "--max-num-seqs", str(ROWS),
+                             "--log-level", "warning")
     try:
         wait_until_healthy(proc, url)
         seed = fresh_seed()
