@@ -34,6 +34,7 @@ engine loop reads for its metrics: there, the KV-cache "blocks" are rows (one pe
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -153,6 +154,7 @@ class SlotEngine:
         self.logprobs: dict[int, tuple[int, list]] = {}  # request id -> (k, entries not taken yet)
         self._next_id = 0
         self.prefill_steps = 0      # steps that prefilled prompts
+        self._table, self._table_batch = None, []     # the last step's StepTable (None: all greedy) and its rows
 
     # What the engine loop and the tests read as they do StepEngine's.
     flush = StepEngine.flush
@@ -239,7 +241,11 @@ class SlotEngine:
         scheduler.stats.steps += 1
         self.prefill_steps += bool(prefills)
         step_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
-        device_tokens, _ = _device_tokens(step_logits, [self.texts[r.request_id] for r in batch])
+        # The sampled rows' parameters go up to the device once while the batch stays the same.
+        same = len(batch) == len(self._table_batch) and all(map(operator.is_, batch, self._table_batch))
+        device_tokens, self._table = _device_tokens(step_logits, [self.texts[r.request_id] for r in batch],
+                                                    self._table if same else None)
+        self._table_batch = batch
         events = self.flush()
         if during is not None:
             during(events)

@@ -26,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache blocks (default: 256 MiB worth on the CPU, half the free GPU memory on CUDA)")
     p.add_argument("--preemption", choices=("recompute", "swap"), default="recompute",
                    help="what a request gives way by when blocks run out (default recompute)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once at most (default 256)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="requests running at once at most (default 256); a Based model (lesson 08) holds this many "
+                        "rows of its constant-size state from the start, and the KV-cache options do not apply to it "
+                        "(a telescoping model, lesson 07, runs one request at a time)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step: the decodes, then prompt chunks in what is left (default 2048)")
     p.add_argument("--no-chunked-prefill", action="store_true",
