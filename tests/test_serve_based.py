@@ -333,6 +333,30 @@ def test_logprobs_and_bad_requests(live):
     assert live.app.state.engine.alive
 
 
+def test_engine_failure_fails_its_requests_and_the_rows_serve_on(live, reference, monkeypatch):
+    """A step that fails (a prefill here) fails the requests in flight, not the server; their rows are
+    freed, and the next requests answer as ``LLM.generate``."""
+    rows = live.app.state.engine.core.rows
+    prefill = rows.prefill
+    calls = []
+
+    def broken_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a kernel fell over")
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(rows, "prefill", broken_once)
+    with openai.OpenAI(base_url=live.url + "/v1", api_key="none", timeout=30, max_retries=0) as client:
+        with pytest.raises(openai.InternalServerError, match="a kernel fell over"):
+            client.completions.create(model=BASED.name, prompt=PROMPTS[0], max_tokens=4)
+        assert wait_idle(live)["yaie_kv_cache_blocks_used"] == 0
+        got = client.completions.create(model=BASED.name, prompt=PROMPTS[2], max_tokens=9, temperature=0)
+    want = generate(reference["based"], PROMPTS[2], reference["based"].default_sampling_params(max_tokens=9,
+                                                                                               temperature=0))
+    assert got.choices[0].text == want[0].text
+
+
 def test_yaie_serve_serves_the_based_model(reference):
     """``python -m yaie.server --model tiny-based`` as a user starts it (the engine in a process of its own)."""
     proc, url = start_server("--model", str(BASED), "--device", "cpu", "--max-num-seqs", str(ROWS),
