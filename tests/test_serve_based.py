@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import time
 
 import httpx
 import openai
 import pytest
 import torch
 
-from tests.test_server import LiveServer, start_server, wait_until_healthy
+from tests.test_server import LiveServer, metrics, start_server, wait_idle, wait_until_healthy
 from yaie import ops
 from yaie.engine import LLM, SamplingParams
 from yaie.engine.async_engine import AsyncEngine, StepEngine
@@ -73,7 +72,11 @@ def test_slot_engine_gives_generates_tokens_with_arrivals_waits_and_an_abort(ref
     goes into the fourth, the padding row."""
     llm = LLM(BASED, device="cpu", max_num_seqs=4)
     rows = BasedSlots(llm.model, 4, graphs=True, capture=False) if graph_buffers else None
-    arrivals_waits_and_an_abort(SlotEngine(llm, rows), reference["based"], logprob_atol=1e-4)
+    engine = SlotEngine(llm, rows)
+    if graph_buffers:                   # as served: every bucket's step first (recorded on a GPU)
+        assert engine.warm_up() == 3 and sorted(rows.graphs) == [1, 2, 4]
+        assert engine.requests == {} and engine.scheduler.running == [] and not engine.flush()
+    arrivals_waits_and_an_abort(engine, reference["based"], logprob_atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -229,21 +232,6 @@ def live():
         with LiveServer(create_app(llm)) as server:
             yield server
         ops.reset_auto_fallback()
-
-
-def metrics(live) -> dict[str, float]:
-    return parse_prometheus(httpx.get(live.url + "/metrics", timeout=10).text)
-
-
-def wait_idle(live, seconds: float = 10.0) -> dict[str, float]:
-    """Metrics once nothing runs or waits (bounded)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        m = metrics(live)
-        if m["yaie_requests_running"] == m["yaie_requests_waiting"] == 0:
-            return m
-        assert time.monotonic() < deadline, f"the engine is still busy after {seconds} s: {m}"
-        time.sleep(0.05)
 
 
 def test_concurrent_streams_beyond_the_rows_equal_generate(live, reference):

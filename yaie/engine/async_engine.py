@@ -219,14 +219,21 @@ class StepEngine:
         late, self._late = self._late, []
         return [(request, text.piece(), text) for request, text in late]
 
+    def _forget(self, request_id: int) -> Request | None:
+        """Take an unfinished request out of the engine's records (its text, logprobs, last step's event), not
+        out of the scheduler; the request, or None if it had finished already."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            del self.texts[request_id]
+            self.logprobs.pop(request_id, None)
+            self._late = [(r, text) for r, text in self._late if r.request_id != request_id]
+        return request
+
     def abort(self, request_id: int) -> bool:
         """Drop an unfinished request and free its blocks now; False if it had finished already."""
-        request = self.requests.pop(request_id, None)
+        request = self._forget(request_id)
         if request is None:
             return False
-        del self.texts[request_id]
-        self.logprobs.pop(request_id, None)
-        self._late = [(r, text) for r, text in self._late if r.request_id != request_id]
         if self._pending is not None:    # launched with it, not read yet: its row is ignored
             self._pending.drop(request)
             if all(r is None for r in self._pending.requests):

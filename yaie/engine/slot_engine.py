@@ -160,6 +160,7 @@ class SlotEngine:
     flush = StepEngine.flush
     take_logprobs = StepEngine.take_logprobs
     abort_all = StepEngine.abort_all
+    _forget = StepEngine._forget
     _gather_logprobs = StepEngine._gather_logprobs
 
     @property
@@ -205,21 +206,21 @@ class SlotEngine:
 
     def warm_up(self) -> int:
         """Record the decode step's CUDA graph of every batch bucket before any client comes (a recording
-        stalls every stream of a running batch): one round of dummy requests per bucket, as many as the
-        bucket has rows, each a prefill and one decode step. Returns the buckets warmed (0 without graphs)."""
-        if not getattr(self.rows, "capture", False):
+        stalls every stream of a running batch): dummy one-token requests fill the rows bucket by bucket, each
+        bucket's graph recorded by a decode step of exactly its rows, then they are aborted. Returns the
+        buckets warmed (0 when the decode steps do not run from fixed buffers)."""
+        if not getattr(self.rows, "static", False):
             return 0
-        warmed = 0
-        for size in getattr(self.rows, "buckets", ()):
-            if size > self.scheduler.capacity:
-                break
-            for _ in range(size):
-                self.add([0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-            while self.has_unfinished():
+        buckets = [b for b in getattr(self.rows, "buckets", ()) if b <= self.scheduler.capacity]
+        dummy = SamplingParams(max_tokens=self.llm.config.max_position_embeddings, temperature=0, ignore_eos=True)
+        for size in buckets:
+            while len(self.requests) < size:
+                self.add([0], dummy)
+            while self.scheduler.waiting:
                 self.step()
-            self.flush()
-            warmed += 1
-        return warmed
+            self.step()
+        self.abort_all()
+        return len(buckets)
 
     def step(self, during: Callable[[list], None] | None = None) -> list[tuple[Request, str, _Text]]:
         """One step: a decode of the running rows, then the prompts admitted into free rows, their tokens
@@ -300,12 +301,9 @@ class SlotEngine:
 
     def abort(self, request_id: int) -> bool:
         """Drop an unfinished request and free its row now; False if it had finished already."""
-        request = self.requests.pop(request_id, None)
+        request = self._forget(request_id)
         if request is None:
             return False
-        del self.texts[request_id]
-        self.logprobs.pop(request_id, None)
-        self._late = [(r, text) for r, text in self._late if r.request_id != request_id]
         self._free(request)
         request.state = "finished"
         return True
