@@ -21,7 +21,9 @@ Tokens are sampled as :func:`yaie.engine.sequential.run_batched` samples them (`
 request with its own parameters and its own seeded generator (:func:`yaie.engine.llm._device_tokens`), so a
 request's tokens do not depend on what it was batched with and the server's answer for a seed is
 ``LLM.generate``'s. A step's tokens are picked on the device and read once; the previous step's text is
-decoded while the device runs (the ``during`` hook, as in ``StepEngine``). There is no look-ahead here.
+decoded while the device runs (the ``during`` hook, as in ``StepEngine``). There is no look-ahead here:
+``run_batched`` launches the next decode step before a step's tokens reach the host, this engine waits for
+them first (the same tokens; on a GPU, host time between steps at small batches).
 
 A telescoping model (lesson 07) keeps a cache per sequence that does not batch: it is served through the
 same engine with one row (:class:`OneSequenceRows`), one sequence at a time, the others waiting.
