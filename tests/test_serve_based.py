@@ -1,10 +1,8 @@
-"""Serving the constant-state models: Based (lesson 08) and telescoping (lesson 07) behind ``yaie serve``.
+"""Serving the constant-state models, Based (lesson 08) and telescoping (lesson 07), behind ``yaie serve``.
 
-The server's engine for them is :class:`yaie.engine.slot_engine.SlotEngine`: each request holds one row of
-the model's batched state (Based: ``BasedSlots``; telescoping: one row, one sequence at a time), requests
-beyond the rows wait. Its answers are compared with ``LLM.generate`` on an engine of its own (greedy and
-seeded sampled requests), step by step and through the real ``openai`` client against a live server on
-127.0.0.1 (the bundled tiny models, two rows, more requests than rows).
+Through the real ``openai`` client against a live server on 127.0.0.1 over the tiny Based model (two rows,
+more requests than rows), and ``yaie serve`` in its own process: the answers equal ``LLM.generate``'s. The
+engine underneath, :class:`yaie.engine.slot_engine.SlotEngine`, step by step: ``tests/test_slot_engine.py``.
 """
 
 from __future__ import annotations
@@ -16,209 +14,14 @@ import subprocess
 import httpx
 import openai
 import pytest
-import torch
 
 from tests.test_server import LiveServer, metrics, start_server, wait_idle, wait_until_healthy
+from tests.test_slot_engine import BASED, PROMPTS, ROWS, generate, greedy, reference  # noqa: F401 (a fixture)
 from yaie import ops
 from yaie.engine import LLM, SamplingParams
-from yaie.engine.async_engine import AsyncEngine, StepEngine
-from yaie.engine.llm import DEFAULT_MODEL
-from yaie.engine.slot_engine import SlotEngine
-from yaie.model.based import BasedSlots
 from yaie.model.testing import fresh_seed, single_thread
 from yaie.server import create_app
 from yaie.server.app import parse_prometheus
-
-BASED = DEFAULT_MODEL.parent / "tiny-based"
-TELESCOPING = DEFAULT_MODEL.parent / "tiny-telescoping"
-ROWS = 2
-PROMPTS = ["Once upon a time", "Tom had a red kite.", "One day, Lucy the cat went to the park.", "Sam ran",
-           "Mia and Ben found a box"]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def sampled(seed: int, max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, top_k=50, seed=seed)
-
-
-def texts_of(events, request) -> str:
-    return "".join(piece for r, piece, _ in events if r is request)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """``LLM.generate``'s answers, from engines of their own."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("YAIE_SOLUTIONS", "all")
-        return {"based": LLM(BASED, device="cpu"), "telescoping": LLM(TELESCOPING, device="cpu")}
-
-
-def generate(llm, prompts, params):
-    with single_thread():
-        return llm.generate(prompts, params)
-
-
-# ----------------------------------------------------------------------------- the engine, step by step
-@pytest.mark.parametrize("graph_buffers", [False, True], ids=["plain", "graph-buffers"])
-def test_slot_engine_gives_generates_tokens_with_arrivals_waits_and_an_abort(reference, reference_lessons,
-                                                                              graph_buffers):
-    """Seven requests through four rows, arriving at different steps: the ones beyond the rows wait, one is
-    aborted mid-way (its row goes to a waiting one), the others get exactly ``LLM.generate``'s tokens and text
-    (greedy, a stop string, seeded sampling, logprobs). ``graph-buffers``: the decode steps of CUDA graphs'
-    fixed, bucket-padded buffers (run eagerly here): three rows decode in the bucket of four while a prompt
-    goes into the fourth, the padding row."""
-    llm = LLM(BASED, device="cpu", max_num_seqs=4)
-    rows = BasedSlots(llm.model, 4, graphs=True, capture=False) if graph_buffers else None
-    engine = SlotEngine(llm, rows)
-    if graph_buffers:                   # as served: every bucket's step first (recorded on a GPU)
-        assert engine.warm_up() == 3 and sorted(rows.graphs) == [1, 2, 4]
-        assert engine.requests == {} and engine.scheduler.running == [] and not engine.flush()
-    arrivals_waits_and_an_abort(engine, reference["based"], logprob_atol=1e-4)
-
-
-@pytest.mark.gpu
-def test_slot_engine_on_cuda_graphs_gives_generates_tokens(reference_lessons):
-    """The same on CUDA as served (every bucket's graph recorded by the warm-up first), float32, beside
-    ``LLM.generate`` on the GPU."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    llm = LLM(BASED, device="cuda", dtype=torch.float32, max_num_seqs=4)
-    engine = SlotEngine(llm)
-    assert engine.warm_up() == 3 and engine.rows.failed is None          # buckets 1, 2, 4
-    assert engine.requests == {} and engine.scheduler.running == [] and not engine.flush()
-    arrivals_waits_and_an_abort(engine, LLM(BASED, device="cuda", dtype=torch.float32), logprob_atol=2e-3)
-
-
-def arrivals_waits_and_an_abort(engine: SlotEngine, reference_llm: LLM, logprob_atol: float) -> None:
-    """The scenario of the two tests above, on a four-row engine."""
-    llm = engine.llm
-    seed = fresh_seed()
-    params = [greedy(14), sampled(seed, 12),
-              greedy(40),                                                         # aborted
-              SamplingParams(max_tokens=16, temperature=0, stop=[" the"]),
-              greedy(6),                                                          # with logprobs
-              greedy(10), sampled(seed + 1, 9)]
-    prompts = PROMPTS + ["The sun was hot", "Ella saw a fox"]
-    want = generate(reference_llm, prompts, params)
-    ids = [llm._prompt_ids(p)[1] for p in prompts]
-    arrivals = {0: [0, 1, 2], 2: [3], 4: [4, 5, 6]}
-    requests, events, scored, waited = {}, [], [], 0
-    aborted_at = None
-    for step in range(200):
-        for i in arrivals.get(step, []):
-            requests[i] = engine.add(ids[i], params[i], logprobs=2 if i == 4 else None)
-        if aborted_at is None and 4 in requests and len(requests[2].output_ids) >= 5:
-            assert engine.scheduler.waiting, "nothing waits for the aborted request's row"
-            running_before = len(engine.scheduler.running)
-            assert engine.abort(requests[2].request_id) and not engine.abort(requests[2].request_id)
-            assert len(engine.scheduler.running) == running_before - 1, "the aborted request kept its row"
-            aborted_at = step
-        if not engine.has_unfinished() and step > max(arrivals):
-            break
-        waited += bool(engine.scheduler.waiting)
-        if engine.has_unfinished():
-            events += engine.step()
-        assert len(engine.scheduler.running) <= engine.scheduler.capacity
-        if 4 in requests:
-            scored += engine.take_logprobs(requests[4].request_id) or []
-    events += engine.flush()
-    scored += engine.take_logprobs(requests[4].request_id) or []
-    for i in (0, 1, 3, 4, 5, 6):
-        assert requests[i].output_ids == want[i].token_ids, f"request {i} (seed={seed})"
-        assert texts_of(events, requests[i]) == want[i].text, f"request {i} (seed={seed})"
-        assert [e[2].finish_reason for e in events if e[0] is requests[i]][-1] == want[i].outputs[0].finish_reason
-    assert aborted_at is not None and 5 <= len(requests[2].output_ids) < 40
-    assert waited > 0, "no request ever waited for a row"
-    assert engine.scheduler.running == [] and not engine.scheduler.waiting
-    assert engine.requests == {} and engine.texts == {} and engine.logprobs == {}
-    # Logprobs: the sampled token's log-probability under the model, each one checked against a prompt
-    # prefilled up to it (the prefill path, not the decode step that produced it).
-    assert [token for token, _, _ in scored] == want[4].token_ids
-    check = BasedSlots(llm.model, 1, graphs=False)
-    for j, (token, logprob, top) in enumerate(scored):
-        exact = torch.log_softmax(check.prefill(0, ids[4] + want[4].token_ids[:j])[0].double(), -1)
-        assert logprob == pytest.approx(exact[token].item(), abs=logprob_atol), f"token {j}"
-        assert [t for t, _ in top] == exact.topk(2).indices.tolist(), f"token {j}"   # greedy: the top one
-        assert top[0] == (token, logprob)
-
-
-def test_slot_engine_refuses_bad_prompts_without_touching_the_rows(reference, reference_lessons):
-    """A prompt the model cannot read gets a ValueError at ``add`` (never a failed step beside others), and a
-    request aborted while it waits for a row leaves the queue; the requests running meanwhile finish as
-    ``LLM.generate`` gives them."""
-    llm = LLM(BASED, device="cpu", max_num_seqs=ROWS)
-    engine = SlotEngine(llm)
-    params = greedy(8)
-    want = generate(reference["based"], PROMPTS[:2], params)
-    requests = [engine.add(llm._prompt_ids(p)[1], params) for p in PROMPTS[:3]]
-    events = engine.step()
-    assert list(engine.scheduler.waiting) == [requests[2]]
-    assert engine.abort(requests[2].request_id) and not engine.scheduler.waiting
-    context = llm.config.max_position_embeddings
-    for bad, what in (([], "empty"), ([5, llm.config.vocab_size], r"\[0, 1024\)"), ([5, -1], r"\[0, 1024\)"),
-                      ([3] * context, "context")):
-        with pytest.raises(ValueError, match=what):
-            engine.add(bad, params)
-    with pytest.raises(ValueError, match="logprobs"):
-        engine.add([5], params, logprobs=-1)
-    assert not engine.scheduler.waiting and len(engine.requests) == 2
-    while engine.has_unfinished():
-        events += engine.step()
-    events += engine.flush()
-    for request, w in zip(requests, want):
-        assert request.output_ids == w.token_ids and texts_of(events, request) == w.text
-    assert requests[2].output_ids == [] and not texts_of(events, requests[2])
-
-
-def test_telescoping_model_is_served_one_sequence_at_a_time(reference, reference_lessons):
-    """A telescoping model's caches do not batch: one row, the others wait; each gets ``LLM.generate``'s tokens."""
-    llm = LLM(TELESCOPING, device="cpu")
-    engine = SlotEngine(llm)
-    assert engine.scheduler.capacity == 1
-    seed = fresh_seed()
-    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), sampled(seed, 8),
-              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
-    want = generate(reference["telescoping"], PROMPTS[:3], params)
-    requests = [engine.add(llm._prompt_ids(p)[1], q) for p, q in zip(PROMPTS[:3], params)]
-    events = []
-    while engine.has_unfinished():
-        assert len(engine.scheduler.running) <= 1
-        events += engine.step()
-    events += engine.flush()
-    for i, (request, w) in enumerate(zip(requests, want)):
-        assert request.output_ids == w.token_ids and texts_of(events, request) == w.text, f"{i} (seed={seed})"
-
-
-@pytest.mark.parametrize("kind", ["based", "telescoping"])
-def test_the_async_engine_serves_them_through_the_slot_engine(kind, reference, reference_lessons):
-    """The server's engine loop runs these models (the paged step engine still refuses them itself): three
-    requests submitted at once through two rows (one for telescoping) answer as ``LLM.generate``."""
-    llm = LLM(BASED if kind == "based" else TELESCOPING, device="cpu", max_num_seqs=ROWS)
-    with pytest.raises(ValueError, match="SlotEngine"):
-        StepEngine(llm)
-    seed = fresh_seed()
-    params = [greedy(8), sampled(seed, 8), greedy(5)]
-    want = generate(reference[kind], PROMPTS[:3], params)
-    engine = AsyncEngine(llm)
-    engine.start()
-
-    async def answers():
-        group = await engine.submit([(llm._prompt_ids(p)[1], q) for p, q in zip(PROMPTS[:3], params)])
-        texts = ["", "", ""]
-        async for event in group.events():
-            assert event.error is None, event.error
-            texts[event.index] += event.text
-        return texts
-
-    try:
-        assert isinstance(engine.core, SlotEngine) and engine.alive
-        assert engine.stats.blocks_total == engine.core.scheduler.capacity     # rows, in the metrics
-        assert asyncio.run(asyncio.wait_for(answers(), timeout=30)) == [w.text for w in want], f"seed={seed}"
-    finally:
-        engine.shutdown()
 
 
 # ----------------------------------------------------------------------------- through the server
