@@ -796,8 +796,9 @@ def test_malformed_prompts_raise_value_error(reference, prompts):
 
 @pytest.mark.parametrize("model", ["tiny-based", "tiny-telescoping"])
 def test_models_with_a_constant_size_state_are_refused_by_the_step_engine_with_a_clear_error(model):
-    """The step engine (and so `yaie serve`) schedules the paged KV cache; a Based or telescoping model keeps a
-    state of its own per sequence: refused at start with a ValueError that says so, not a failure per request."""
+    """The paged step engine schedules the paged KV cache; a Based or telescoping model keeps a state of its own
+    per sequence: refused at start with a ValueError that says so, not a failure per request (`yaie serve` serves
+    these models through SlotEngine: tests/test_slot_engine.py, tests/test_serve_based.py)."""
     from yaie.engine.async_engine import StepEngine
     llm = LLM(DEFAULT_MODEL.parent / model, device="cpu")
     with pytest.raises(ValueError, match="constant-size state per sequence"):
