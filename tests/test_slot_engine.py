@@ -11,6 +11,7 @@ runs where only the engine's packages are.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -151,7 +152,9 @@ def test_slot_engine_refuses_bad_prompts_without_touching_the_rows(reference, re
     assert list(engine.scheduler.waiting) == [requests[2]]
     assert engine.abort(requests[2].request_id) and not engine.scheduler.waiting
     context = llm.config.max_position_embeddings
-    for bad, what in (([], "empty"), ([5, llm.config.vocab_size], r"\[0, 1024\)"), ([5, -1], r"\[0, 1024\)"),
+    vocab = llm.config.vocab_size
+    in_vocab = re.escape(f"[0, {vocab})")
+    for bad, what in (([], "empty"), ([5, vocab], in_vocab), ([5, -1], in_vocab), ([True, 5], "token ids"),
                       ([3] * context, "context")):
         with pytest.raises(ValueError, match=what):
             engine.add(bad, params)
@@ -164,6 +167,36 @@ def test_slot_engine_refuses_bad_prompts_without_touching_the_rows(reference, re
     for request, w in zip(requests, want):
         assert request.output_ids == w.token_ids and texts_of(events, request) == w.text
     assert requests[2].output_ids == [] and not texts_of(events, requests[2])
+
+
+def test_a_failure_while_freeing_a_row_leaves_nothing_stuck(reference, reference_lessons, monkeypatch):
+    """A request ends and freeing its row fails (``move`` raises once): the step raises with every request of it
+    still known, so the engine loop's failure path (``AsyncEngine._fail``: abort each one) frees every row; a
+    request added afterwards finishes as ``LLM.generate`` gives it."""
+    llm = LLM(BASED, device="cpu", max_num_seqs=ROWS)
+    engine = SlotEngine(llm)
+    short = engine.add(llm._prompt_ids(PROMPTS[0])[1], greedy(1))
+    long = engine.add(llm._prompt_ids(PROMPTS[1])[1], greedy(6))
+    real_move, failures = engine.rows.move, []
+
+    def move_once(src, dst):
+        if not failures:
+            failures.append((src, dst))
+            raise RuntimeError("a device fault while moving a row")
+        real_move(src, dst)
+
+    monkeypatch.setattr(engine.rows, "move", move_once)
+    with pytest.raises(RuntimeError, match="moving a row"):
+        engine.step()           # both prefilled; the short one ends at its first token and its row must go
+    assert failures == [(1, 0)]
+    assert engine.abort(short.request_id) and engine.abort(long.request_id), "both requests still known"
+    assert engine.scheduler.running == [] and engine.requests == {} and engine.texts == {}
+    engine.flush()              # the failed step's events: the engine loop drops those of failed requests
+    third = engine.add(llm._prompt_ids(PROMPTS[2])[1], greedy(4))
+    while engine.has_unfinished():
+        engine.step()
+    assert third.output_ids == generate(reference["based"], PROMPTS[2:3], greedy(4))[0].token_ids
+    assert engine.scheduler.running == [] and engine.requests == {}
 
 
 def test_telescoping_model_is_served_one_sequence_at_a_time(reference, reference_lessons):

@@ -193,14 +193,20 @@ def _look_ahead(slots, running: list, pending, prompts_wait: bool):
     return _launch(slots, running, pending.device_tokens, pending.table)
 
 
+def free_row(slots, running: list, row: int) -> None:
+    """Free ``row`` keeping the running rows ``0 .. n - 1`` packed: the last running row's sequence moves into
+    it (``slots.move``; ``running[i]`` is what row ``i`` holds), then the last entry goes."""
+    last = len(running) - 1
+    if row != last:
+        slots.move(last, row)
+        running[row] = running[last]
+    running.pop()
+
+
 def _free_rows(slots, running: list, ended: list) -> None:
-    """Take the ended requests out of their rows, keeping the running rows ``0 .. n - 1``: each freed row
-    gets the last running row's sequence (``slots.move``). Rows are found by request (a looked-ahead step
-    reads its rows in launch order), then freed highest first, so a row moved down is never one that ended."""
+    """Take the ended requests out of their rows (:func:`free_row`). Rows are found by request (a
+    looked-ahead step reads its rows in launch order), then freed highest first, so a row moved down is never
+    one that ended."""
     rows = sorted((i for i, (r, _) in enumerate(running) if any(r is e for e in ended)), reverse=True)
     for row in rows:
-        last = len(running) - 1
-        if row != last:
-            slots.move(last, row)
-            running[row] = running[last]
-        running.pop()
+        free_row(slots, running, row)

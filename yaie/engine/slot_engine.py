@@ -47,6 +47,7 @@ from yaie.engine.async_engine import StepEngine
 from yaie.engine.llm import _device_tokens, _Text
 from yaie.engine.sampling import SamplingParams
 from yaie.engine.scheduler import Request
+from yaie.engine.sequential import free_row
 
 
 def serves_by_rows(config) -> bool:
@@ -185,16 +186,8 @@ class SlotEngine:
         model cannot read (empty, token ids outside the vocabulary, no room left in the context): checked
         here, before it is queued, so that a bad prompt fails alone and never in a step beside others."""
         cfg = self.llm.config
-        ids = list(prompt_ids)
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens)")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {cfg.vocab_size}), got {bad[:5]}")
+        ids = self.llm._prompt_ids(list(prompt_ids))[1]      # LLM.generate's checks: ids, vocabulary, context
         room = cfg.max_position_embeddings - len(ids)
-        if room < 1:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is "
-                             f"{cfg.max_position_embeddings} tokens (max_position_embeddings); shorten it")
         if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= cfg.vocab_size):
             raise ValueError(f"logprobs must be None or an int in [0, {cfg.vocab_size}], got {logprobs!r}")
         request = Request(self._next_id, ids, min(params.max_tokens, room))
@@ -256,17 +249,16 @@ class SlotEngine:
         tokens = device_tokens.tolist()
         if self.logprobs:
             self._gather_logprobs(batch, step_logits, tokens)
-        ended = []
         for request, token in zip(batch, tokens):
             text = self.texts[request.request_id]
             text.accept(request, token)
-            if text.finish_reason is not None:
-                ended.append(request)
-                del self.requests[request.request_id], self.texts[request.request_id]
             self._late.append((request, text))
-        for request in ended:
-            self._free(request)
-            request.state = "finished"
+            if text.finish_reason is not None:
+                # Its row goes first, while the request is still known: if freeing fails, the engine loop's
+                # failure path still finds it (abort), and no row stays held by a request nobody knows.
+                self._free(request)
+                request.state = "finished"
+                del self.requests[request.request_id], self.texts[request.request_id]
         return events
 
     def _admit(self) -> list[Request]:
@@ -290,11 +282,7 @@ class SlotEngine:
         scheduler = self.scheduler
         for row, running in enumerate(scheduler.running):
             if running is request:
-                last = len(scheduler.running) - 1
-                if row != last:
-                    self.rows.move(last, row)
-                    scheduler.running[row] = scheduler.running[last]
-                scheduler.running.pop()
+                free_row(self.rows, scheduler.running, row)
                 return
         for i, waiting in enumerate(scheduler.waiting):
             if waiting is request:
