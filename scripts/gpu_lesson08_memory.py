@@ -14,10 +14,10 @@ over what was allocated before). Beside it, the bf16 KV cache a full-attention m
 ``--full``: decode speed in the engine, the Based model beside a full-attention one, at the same prompt
 lengths and batch sizes: tokens per second of ``batch`` sequences decoding together (each its own random
 prompt), from two ``generate`` calls on the same prompts (1 and 1 + ``--decode-steps`` new tokens each, the
-faster of three tries of each; the difference is that many decode steps of the whole batch, 512 by default:
-at 16k tokens the prefill of the prompts varies by more than 64 steps take). Both run as the engine runs them on the device: CUDA graphs of the
-decode step. The full-attention model runs through the engine's paged KV cache (no prefix caching, so
-the second call computes its prompts again); its context limit is raised to cover the longest prompt (a
+fastest of three tries of each; the difference is that many decode steps of the whole batch, 512 by default:
+at 16k tokens the prefill of the prompts varies by more than 64 steps take). Both run as the engine runs
+them on the device: CUDA graphs of the decode step. The full-attention model runs through the engine's
+paged KV cache (no prefix caching, so the second call computes its prompts again); its context limit is raised to cover the longest prompt (a
 copy of its config in a temporary folder): the speed of a step does not depend on the weights having seen
 such lengths.
 

@@ -59,14 +59,15 @@ not the sequence. Step 1 is a plain matrix product per tile, ``S^T += V^T phi(K)
 one ``[BLOCK_M, 256] x [256, d_v]`` tensor-core product; float16 and float32 inputs keep float32 states.
 
 Measured on the H100 (bench/results/lesson08_h100.md; batch 16, 16 heads, d_v 64, bf16): the route
-takes 1.77x (1k tokens) to 1.90x (16k) less time than the chunked kernel; step 1 alone is 53-56% of it
-(0.103 of 0.196 ms at 1k). Its programs walk the whole sequence, 128 tokens a step, and need 206
-registers each: only 8 warps fit a multiprocessor, whose shared-memory pipe (the feature tiles' layout
-changes) is then its busiest unit, not the tensor cores (bench/results/lesson08_ncu_h100.txt). Of three
-ways to build the order-2 features in step 1 (``[rows, tokens]`` tiles from a 3-D product or from two
-gathers of k, or the transposed ``[tokens, rows]`` tile used here) the transposed one was 1.3-1.5x faster
-than the others (bench/results/lesson08_h100_state_forms.md). Segments of 128 and 512 tokens time within
-a few percent of 256; more tokens per step (256) or 8 warps are slower.
+takes 1.76x (1k tokens) to 1.91x (16k) less time than the chunked kernel; the boundary states alone are
+53-56% of it (0.103 of 0.196 ms at 1k). Those programs walk the whole sequence, 128 tokens a step, and need
+206 registers each (ncu on them as a kernel of their own): only 8 warps fit a multiprocessor, whose
+shared-memory pipe (the feature tiles' layout changes) is then its busiest unit, not the tensor cores
+(bench/results/lesson08_ncu_h100.txt). Of three ways to build the order-2 features in step 1
+(``[rows, tokens]`` tiles from a 3-D product or from two gathers of k, or the transposed ``[tokens, rows]``
+tile used here) the transposed one was 1.3-1.5x faster than the others
+(bench/results/lesson08_h100_state_forms.md). From 2k tokens on, segments of 128 and 512 tokens take 1-7%
+more time than 256; more tokens per step (256) or 8 warps are slower.
 
 **Recurrent decode** (task 3): one token updates the state and reads its output from it.
 
@@ -92,7 +93,7 @@ FEATURE_DIM = 16                                       # d: the width of q and k
 EXPANDED_DIM = 1 + FEATURE_DIM + FEATURE_DIM ** 2      # 273 Taylor features
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_VALUE_DIM = 256
-DEFAULT_CHUNK = 32                                     # on the H100 chunks of 16 and 32 time alike, 64 and 128 are slower
+DEFAULT_CHUNK = 32                                     # H100: chunks of 16 and 32 time alike, 64, 128 slower
 DEFAULT_SEGMENT = 256                                  # the default route: the quadratic form inside segments this long
 
 

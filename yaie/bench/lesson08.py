@@ -10,7 +10,8 @@ Rows (``based_prefill``):
   before it);
 * ``yaie triton (output only)``: the same without the state (what the fla kernels return);
 * ``yaie segmented (segment L, BM m, BN n, w warps[, s stages])``: the same route with other settings of
-  its second kernel (the final state returned);
+  its query programs (the final state returned); at 8 warps the boundary states (4 warps) take a launch of
+  their own, since one launch has one warp count;
 * ``yaie chunked (registers, chunk C, BV b, w warps)``: the chunked kernel (output and state: the
   lesson's task 2, ``chunk_size`` given);
 * ``fla fused_chunk_based`` and ``fla parallel_based``: flash-linear-attention's Triton kernels
@@ -29,10 +30,11 @@ head (the state read ``phi(q) @ S`` and the state update ``phi(k)^T v``), whatev
 ``based_state`` rows half of it (the update only); SDPA rows the usual ``4 * seq^2 * head_dim / 2`` per
 head under the causal mask. Within one kernel's rows the TFLOP/s ratio is the speed ratio.
 
-The kernels first run back to back for ``WARM_SECONDS``. The ``yaie triton`` and ``fla`` rows are timed in ``ROUNDS`` interleaved rounds and report the median
-round (the log prints every round). Each shape is checked once before timing: our output against fla's and against the float32 chunked
-reference on the first sequence; a kernel that is fast and wrong is reported as MISMATCH. Every sweep
-setting is compared with the default route's output (and state) before it is timed.
+The kernels first run back to back for ``WARM_SECONDS``. The ``yaie triton`` and ``fla`` rows are timed in
+``ROUNDS`` interleaved rounds and report the median round (the log prints every round). Each shape is checked
+once before timing: our output against fla's and against the float32 chunked reference on the first sequence;
+a kernel that is fast and wrong is reported as MISMATCH. Every sweep setting is compared with the default
+route's output (and state) before it is timed.
 """
 
 from __future__ import annotations
@@ -152,8 +154,8 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
 def _settle(based, fla, seq: int, seconds: float) -> None:
     """Run the first shape's kernels back to back for ``seconds`` before anything is timed.
 
-    In two runs the first length's rows came out 1.5-4x slow for several seconds (every implementation,
-    the sweep rows too) while the later lengths were steady; running the work first absorbs that.
+    Without it the first length's rows can come out 1.5-4x slow (every implementation, the sweep rows too)
+    while the later lengths are steady: the first seconds of timing on the lent GPU are not representative.
     """
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     q, k = (torch.randn(BATCH, HEADS, seq, FEATURES, device=DEVICE, dtype=DTYPE, generator=gen) for _ in range(2))
