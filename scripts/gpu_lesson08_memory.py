@@ -17,9 +17,9 @@ prompt), from two ``generate`` calls on the same prompts (1 and 1 + ``--decode-s
 fastest of three tries of each; the difference is that many decode steps of the whole batch, 512 by default:
 at 16k tokens the prefill of the prompts varies by more than 64 steps take). Both run as the engine runs
 them on the device: CUDA graphs of the decode step. The full-attention model runs through the engine's
-paged KV cache (no prefix caching, so the second call computes its prompts again); its context limit is raised to cover the longest prompt (a
-copy of its config in a temporary folder): the speed of a step does not depend on the weights having seen
-such lengths.
+paged KV cache (no prefix caching, so the second call computes its prompts again); its context limit is
+raised to cover the longest prompt (a copy of its config in a temporary folder): the speed of a step does not
+depend on the weights having seen such lengths.
 
     python scripts/gpu_lesson08_memory.py MODEL_DIR --full FULL_MODEL_DIR --device cpu --lengths 64,200 \
         --batches 1,3 --decode-steps 4      # a smoke run of the script's logic on a CPU
