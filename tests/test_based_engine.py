@@ -456,11 +456,13 @@ def test_bundled_model_in_bf16_graphs_give_the_eager_tokens(reference_lessons):
 
 @pytest.mark.gpu
 def test_look_ahead_replayed_from_cuda_graphs_gives_the_tokens_of_steps_read_one_at_a_time(model_dir,
-                                                                                            reference_lessons):
+                                                                                            reference_lessons,
+                                                                                            monkeypatch):
     """On CUDA, steps replayed from recorded graphs and launched before the last step's tokens are read:
     greedy and seeded rows ending at different steps (some while a looked-ahead step runs with them) get
     the tokens of the loop that reads every step first."""
     from yaie.engine import LLM, SamplingParams
+    from yaie.engine.llm import _Launched
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -471,7 +473,11 @@ def test_look_ahead_replayed_from_cuda_graphs_gives_the_tokens_of_steps_read_one
         SamplingParams(max_tokens=n, temperature=0.9, top_k=20, top_p=0.95, seed=seed + n, ignore_eos=True)
         for n in (5, 12, 30, 40)]
     want, none = _run_batched(llm, prompts, params, 8, True, look_ahead=False, capture=True)
+    dropped = []
+    drop = _Launched.drop
+    monkeypatch.setattr(_Launched, "drop", lambda self, r: dropped.append(r.request_id) or drop(self, r))
     got, ahead = _run_batched(llm, prompts, params, 8, True, look_ahead=True, capture=True)
     assert none == 0 and ahead > 0
+    assert dropped, f"seed={seed}: no request ended while a looked-ahead step ran with it (the test misses that case)"
     for i in range(len(prompts)):
         assert got[i] == want[i], f"seed={seed}, request {i}: looked ahead {got[i]}, read step by step {want[i]}"

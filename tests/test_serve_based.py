@@ -112,8 +112,9 @@ def test_logprobs_and_bad_requests(live):
         assert len(lp.token_logprobs) == scored.usage.completion_tokens == 5
         assert all(x <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(x)
                    for x, top in zip(lp.token_logprobs, lp.top_logprobs))
-        context = live.app.state.llm.config.max_position_embeddings
-        for prompt, code in (([3] * context, "context_length_exceeded"), ([5, 1024], "invalid_value"),
+        config = live.app.state.llm.config
+        context = config.max_position_embeddings
+        for prompt, code in (([3] * context, "context_length_exceeded"), ([5, config.vocab_size], "invalid_value"),
                              ("", "invalid_value")):
             with pytest.raises(openai.BadRequestError) as err:
                 client.completions.create(model=BASED.name, prompt=prompt, max_tokens=4)

@@ -337,7 +337,8 @@ class EngineStats:
 
 
 class AsyncEngine:
-    """One background thread that owns a :class:`StepEngine` and steps it while requests are unfinished.
+    """One background thread that owns a :class:`StepEngine` (a :class:`yaie.engine.slot_engine.SlotEngine` for
+    models with a constant-size state per sequence) and steps it while requests are unfinished.
 
     ``start()`` before use (it returns once the CUDA graphs are recorded, ``warm_up``), ``shutdown()``
     after (both from any thread). ``submit`` is a coroutine.
@@ -382,7 +383,7 @@ class AsyncEngine:
         if not window_s >= 0:
             raise ValueError(f"the admission window must be >= 0 seconds, got {window_s!r}")
         self.llm = llm
-        self.warm_up = warm_up          # record every CUDA graph before serving (StepEngine.warm_up)
+        self.warm_up = warm_up          # record every CUDA graph before serving (core.warm_up)
         self.window_s, self.gap_s = window_s, min(gap_s, window_s)
         self._held: list = []           # arrived groups not given to the scheduler yet (the admission window)
         self._held_tokens = 0
