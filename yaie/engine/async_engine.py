@@ -49,7 +49,80 @@ ADMISSION_PREFILL_STEPS = 1.5   # ... while decodes run: this many times what a 
 ADMISSION_GAP_S = 0.001     # ... while idle: until no request has come for this long
 
 
-class StepEngine:
+class RequestRecords:
+    """What a step engine keeps of its unfinished requests, beside its scheduler: the requests and their texts
+    by id, the last step's events not handed out yet, and the log-probabilities asked for. Shared by
+    :class:`StepEngine` (the paged KV cache) and :class:`yaie.engine.slot_engine.SlotEngine` (rows of a
+    constant-size state); each defines ``abort``."""
+
+    def __init__(self):
+        self.requests: dict[int, Request] = {}      # unfinished requests by id
+        self.texts: dict[int, _Text] = {}
+        self._late: list[tuple[Request, _Text]] = []     # the last step's requests, their text not decoded yet
+        self.logprobs: dict[int, tuple[int, list]] = {}  # request id -> (k, entries not taken yet)
+        self._next_id = 0
+
+    def take_logprobs(self, request_id: int) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
+        """The log-probabilities gathered since the last call for a request that asked for them (else
+        None): per generated token, ``(token id, its log-probability, [(id, log-probability)] of the k most
+        likely tokens)``, from the model's distribution (log-softmax of the logits, before temperature and
+        top-p/top-k)."""
+        entry = self.logprobs.get(request_id)
+        if entry is None:
+            return None
+        taken = list(entry[1])
+        entry[1].clear()
+        if request_id not in self.requests:      # finished (or aborted): nothing more will come
+            del self.logprobs[request_id]
+        return taken
+
+    def _gather_logprobs(self, batch: list[Request], logits, tokens: list[int]) -> None:
+        """Each sampled token's log-probability and the top k, for the requests of ``batch`` that asked
+        (one log-softmax over their rows, one copy to the host)."""
+        rows = [i for i, r in enumerate(batch) if r is not None and r.request_id in self.logprobs]
+        if not rows:
+            return
+        k = max(self.logprobs[batch[i].request_id][0] for i in rows)
+        log_probs = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen_ids = torch.tensor([tokens[i] for i in rows], device=log_probs.device)
+        chosen = log_probs.gather(1, chosen_ids[:, None])[:, 0].tolist()
+        top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for row, i in enumerate(rows):
+            request = batch[i]
+            if tokens[i] in self.texts[request.request_id].stop_ids:     # ends the request, no text: no entry
+                continue
+            want, entries = self.logprobs[request.request_id]
+            entries.append((tokens[i], chosen[row], list(zip(top_ids[row][:want], top_values[row][:want]))))
+
+    def flush(self) -> list[tuple[Request, str, _Text]]:
+        """The events of the last step's tokens (their text decoded now); ``[]`` when given already."""
+        late, self._late = self._late, []
+        return [(request, text.piece(), text) for request, text in late]
+
+    def _forget(self, request_id: int) -> Request | None:
+        """Take an unfinished request out of the engine's records (its text, logprobs, last step's event), not
+        out of the scheduler; the request, or None if it had finished already."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            del self.texts[request_id]
+            self.logprobs.pop(request_id, None)
+            self._late = [(r, text) for r, text in self._late if r.request_id != request_id]
+        return request
+
+    def abort_all(self) -> list[int]:
+        ids = list(self.requests)
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
+    def abort(self, request_id: int) -> bool:
+        """Drop an unfinished request and free what it holds now; False if it had finished already. Each
+        engine frees its own kind of memory (KV-cache blocks, a row)."""
+        raise NotImplementedError(f"{type(self).__name__} defines abort")
+
+
+class StepEngine(RequestRecords):
     """``LLM``'s generation loop cut into calls: add requests, step, abort (see the module docstring)."""
 
     def __init__(self, llm: LLM):
@@ -66,12 +139,8 @@ class StepEngine:
                                    llm.max_num_batched_tokens, reserved_blocks=1 if graphs is not None else 0,
                                    prefix_cache=self._cache.prefix_cache, chunked_prefill=llm.chunked_prefill)
         llm.last_scheduler, llm.last_graphs = self.scheduler, graphs
-        self.requests: dict[int, Request] = {}      # unfinished requests by id
-        self.texts: dict[int, _Text] = {}
-        self._late: list[tuple[Request, _Text]] = []     # the last step's requests, their text not decoded yet
-        self.logprobs: dict[int, tuple[int, list]] = {}  # request id -> (k, entries not taken yet)
+        super().__init__()
         self._pending = None        # a looked-ahead step (LLM._look_ahead), launched, its tokens not read yet
-        self._next_id = 0
         self.prefill_steps = 0      # steps that fed prompt tokens (on CUDA: launched eagerly, no graph)
 
     @property
@@ -105,20 +174,6 @@ class StepEngine:
         if logprobs is not None:
             self.logprobs[request.request_id] = (logprobs, [])
         return request
-
-    def take_logprobs(self, request_id: int) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
-        """The log-probabilities gathered since the last call for a request that asked for them (else
-        None): per generated token, ``(token id, its log-probability, [(id, log-probability)] of the k most
-        likely tokens)``, from the model's distribution (log-softmax of the logits, before temperature and
-        top-p/top-k)."""
-        entry = self.logprobs.get(request_id)
-        if entry is None:
-            return None
-        taken = list(entry[1])
-        entry[1].clear()
-        if request_id not in self.requests:      # finished (or aborted): nothing more will come
-            del self.logprobs[request_id]
-        return taken
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -195,40 +250,6 @@ class StepEngine:
             self._pending = following
         return events
 
-    def _gather_logprobs(self, batch: list[Request], logits, tokens: list[int]) -> None:
-        """Each sampled token's log-probability and the top k, for the requests of ``batch`` that asked
-        (one log-softmax over their rows, one copy to the host)."""
-        rows = [i for i, r in enumerate(batch) if r is not None and r.request_id in self.logprobs]
-        if not rows:
-            return
-        k = max(self.logprobs[batch[i].request_id][0] for i in rows)
-        log_probs = torch.log_softmax(logits[rows].float(), dim=-1)
-        chosen_ids = torch.tensor([tokens[i] for i in rows], device=log_probs.device)
-        chosen = log_probs.gather(1, chosen_ids[:, None])[:, 0].tolist()
-        top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        for row, i in enumerate(rows):
-            request = batch[i]
-            if tokens[i] in self.texts[request.request_id].stop_ids:     # ends the request, no text: no entry
-                continue
-            want, entries = self.logprobs[request.request_id]
-            entries.append((tokens[i], chosen[row], list(zip(top_ids[row][:want], top_values[row][:want]))))
-
-    def flush(self) -> list[tuple[Request, str, _Text]]:
-        """The events of the last step's tokens (their text decoded now); ``[]`` when given already."""
-        late, self._late = self._late, []
-        return [(request, text.piece(), text) for request, text in late]
-
-    def _forget(self, request_id: int) -> Request | None:
-        """Take an unfinished request out of the engine's records (its text, logprobs, last step's event), not
-        out of the scheduler; the request, or None if it had finished already."""
-        request = self.requests.pop(request_id, None)
-        if request is not None:
-            del self.texts[request_id]
-            self.logprobs.pop(request_id, None)
-            self._late = [(r, text) for r, text in self._late if r.request_id != request_id]
-        return request
-
     def abort(self, request_id: int) -> bool:
         """Drop an unfinished request and free its blocks now; False if it had finished already."""
         request = self._forget(request_id)
@@ -240,12 +261,6 @@ class StepEngine:
                 self._pending = None
         self.scheduler.abort(request)
         return True
-
-    def abort_all(self) -> list[int]:
-        ids = list(self.requests)
-        for request_id in ids:
-            self.abort(request_id)
-        return ids
 
     def close(self) -> None:
         """Abort what is left and give the KV cache back to the ``LLM`` (kept for its next run)."""

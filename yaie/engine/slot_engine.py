@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from yaie.engine.async_engine import StepEngine
+from yaie.engine.async_engine import RequestRecords
 from yaie.engine.llm import _device_tokens, _Text
 from yaie.engine.sampling import SamplingParams
 from yaie.engine.scheduler import Request
@@ -141,7 +141,7 @@ def make_rows(llm):
     raise ValueError("this model keeps its keys and values in the paged KV cache: serve it with StepEngine")
 
 
-class SlotEngine:
+class SlotEngine(RequestRecords):
     """Requests over the rows of a constant-state model, one step at a time (see the module docstring).
     Not thread-safe: one thread drives it. ``rows``: default :func:`make_rows` (tests pass their own)."""
 
@@ -151,20 +151,9 @@ class SlotEngine:
         self.llm = llm
         self.rows = rows if rows is not None else make_rows(llm)
         self.scheduler = RowScheduler(self.rows.capacity)
-        self.requests: dict[int, Request] = {}      # unfinished requests by id
-        self.texts: dict[int, _Text] = {}
-        self._late: list[tuple[Request, _Text]] = []     # the last step's requests, their text not decoded yet
-        self.logprobs: dict[int, tuple[int, list]] = {}  # request id -> (k, entries not taken yet)
-        self._next_id = 0
+        super().__init__()
         self.prefill_steps = 0      # steps that prefilled prompts
         self._table, self._table_batch = None, []     # the last step's StepTable (None: all greedy) and its rows
-
-    # What the engine loop and the tests read as they do StepEngine's.
-    flush = StepEngine.flush
-    take_logprobs = StepEngine.take_logprobs
-    abort_all = StepEngine.abort_all
-    _forget = StepEngine._forget
-    _gather_logprobs = StepEngine._gather_logprobs
 
     @property
     def manager(self) -> RowScheduler:
