@@ -37,3 +37,16 @@ def check_results_schema(data: dict) -> None:
         assert 0 <= test["score"] <= test["max_score"] + 1e-9, test
         assert isinstance(test["output"], str)
     assert abs(sum(t["score"] for t in data["tests"]) - data["score"]) < 1e-3
+
+
+def fail_once(fn, message: str):
+    """``fn`` wrapped to raise ``RuntimeError(message)`` at its first call and call through after; the
+    arguments of every call are kept in ``.calls`` (a fault injected into one engine step)."""
+    def wrapper(*args, **kwargs):
+        wrapper.calls.append(args)
+        if len(wrapper.calls) == 1:
+            raise RuntimeError(message)
+        return fn(*args, **kwargs)
+
+    wrapper.calls = []
+    return wrapper

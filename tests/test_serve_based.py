@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import fail_once
 from tests.test_server import LiveServer, metrics, start_server, wait_idle, wait_until_healthy
 from tests.test_slot_engine import BASED, PROMPTS, ROWS, generate, greedy, reference  # noqa: F401 (a fixture)
 from yaie import ops
@@ -129,16 +130,7 @@ def test_engine_failure_fails_its_requests_and_the_rows_serve_on(live, reference
     """A step that fails (a prefill here) fails the requests in flight, not the server; their rows are
     freed, and the next requests answer as ``LLM.generate``."""
     rows = live.app.state.engine.core.rows
-    prefill = rows.prefill
-    calls = []
-
-    def broken_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("a kernel fell over")
-        return prefill(*args, **kwargs)
-
-    monkeypatch.setattr(rows, "prefill", broken_once)
+    monkeypatch.setattr(rows, "prefill", fail_once(rows.prefill, "a kernel fell over"))
     with openai.OpenAI(base_url=live.url + "/v1", api_key="none", timeout=30, max_retries=0) as client:
         with pytest.raises(openai.InternalServerError, match="a kernel fell over"):
             client.completions.create(model=BASED.name, prompt=PROMPTS[0], max_tokens=4)

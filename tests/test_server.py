@@ -23,6 +23,7 @@ import openai
 import pytest
 import uvicorn
 
+from tests.helpers import fail_once
 from yaie import ops
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
 from yaie.model.testing import fresh_seed, single_thread
@@ -633,16 +634,7 @@ def test_a_huge_prompt_does_not_stall_other_clients(live):
 
 def test_engine_failure_fails_its_requests_not_the_server(live, client, monkeypatch):
     llm = live.app.state.llm
-    launch = llm._launch                   # the engine loop's forward pass
-    calls = []
-
-    def broken_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("a kernel fell over")
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(llm, "_launch", broken_once)
+    monkeypatch.setattr(llm, "_launch", fail_once(llm._launch, "a kernel fell over"))    # the loop's forward pass
     with pytest.raises(openai.InternalServerError, match="a kernel fell over"):
         client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
     assert wait_idle(live)["yaie_kv_cache_blocks_used"] == 0

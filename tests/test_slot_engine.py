@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from tests.helpers import fail_once
 from yaie.engine import LLM, SamplingParams
 from yaie.engine.async_engine import AsyncEngine, StepEngine
 from yaie.engine.llm import DEFAULT_MODEL
@@ -177,18 +178,11 @@ def test_a_failure_while_freeing_a_row_leaves_nothing_stuck(reference, reference
     engine = SlotEngine(llm)
     short = engine.add(llm._prompt_ids(PROMPTS[0])[1], greedy(1))
     long = engine.add(llm._prompt_ids(PROMPTS[1])[1], greedy(6))
-    real_move, failures = engine.rows.move, []
-
-    def move_once(src, dst):
-        if not failures:
-            failures.append((src, dst))
-            raise RuntimeError("a device fault while moving a row")
-        real_move(src, dst)
-
-    monkeypatch.setattr(engine.rows, "move", move_once)
+    move = fail_once(engine.rows.move, "a device fault while moving a row")
+    monkeypatch.setattr(engine.rows, "move", move)
     with pytest.raises(RuntimeError, match="moving a row"):
         engine.step()           # both prefilled; the short one ends at its first token and its row must go
-    assert failures == [(1, 0)]
+    assert move.calls == [(1, 0)]
     assert engine.abort(short.request_id) and engine.abort(long.request_id), "both requests still known"
     assert engine.scheduler.running == [] and engine.requests == {} and engine.texts == {}
     engine.flush()              # the failed step's events: the engine loop drops those of failed requests
