@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.helpers import fail_once
-from tests.test_server import LiveServer, metrics, start_server, wait_idle, wait_until_healthy
+from tests.test_server import LiveServer, concurrent_streams, metrics, start_server, wait_idle, wait_until_healthy
 from tests.test_slot_engine import BASED, PROMPTS, ROWS, generate, greedy, reference  # noqa: F401 (a fixture)
 from yaie import ops
 from yaie.engine import LLM, SamplingParams
@@ -48,20 +48,7 @@ def test_concurrent_streams_beyond_the_rows_equal_generate(live, reference):
     before = metrics(live)
     assert before["yaie_kv_cache_blocks_total"] == ROWS                 # a row per sequence
 
-    async def one(client, i):
-        stream = await client.completions.create(model=BASED.name, prompt=PROMPTS[i], stream=True,
-                                                 **server_params[i])
-        pieces, finish = [], None
-        async for chunk in stream:
-            pieces.append(chunk.choices[0].text)
-            finish = chunk.choices[0].finish_reason or finish
-        return "".join(pieces), finish
-
-    async def all_streams():
-        async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="none", timeout=30, max_retries=0) as c:
-            return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(len(PROMPTS)))), timeout=45)
-
-    got = asyncio.run(all_streams())
+    got = concurrent_streams(live, BASED.name, PROMPTS, server_params)
     for i, ((text, finish), w) in enumerate(zip(got, want)):
         assert text == w.text, f"seed={base + i}: stream {i} differs from LLM.generate:\n{text!r}\n{w.text!r}"
         assert finish == w.outputs[0].finish_reason

@@ -422,17 +422,10 @@ def test_chat_without_max_tokens_is_bounded_by_the_cache(client):
 
 
 # ----------------------------------------------------------------------------- concurrency
-def test_concurrent_streams_equal_generate(live, reference):
-    """32 streams at once through a cache that holds about 12 of them: all finish, each as LLM.generate."""
-    base = fresh_seed()
-    prompts = [f"One day, {NAMES[i % 8]} the {KINDS[i // 8]} went to the park." for i in range(STREAMS)]
-    params = [defaults(reference, max_tokens=8, temperature=0.8, seed=base + i) for i in range(STREAMS)]
-    want = generate(reference, prompts, params)
-    before = metrics(live)
-
-    async def one(client, i):
-        stream = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=8, temperature=0.8,
-                                                 seed=base + i, stream=True)
+def concurrent_streams(live, model: str, prompts: list, params: list[dict], timeout: float = 45) -> list:
+    """Stream one completion per prompt, all at once (one asyncio client): ``[(text, finish_reason)]``."""
+    async def one(client, prompt, kwargs):
+        stream = await client.completions.create(model=model, prompt=prompt, stream=True, **kwargs)
         pieces, finish = [], None
         async for chunk in stream:
             pieces.append(chunk.choices[0].text)
@@ -441,9 +434,22 @@ def test_concurrent_streams_equal_generate(live, reference):
 
     async def all_streams():
         async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="none", timeout=30, max_retries=0) as c:
-            return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(STREAMS))), timeout=45)
+            return await asyncio.wait_for(asyncio.gather(*(one(c, p, k) for p, k in zip(prompts, params))),
+                                          timeout=timeout)
 
-    got = asyncio.run(all_streams())
+    return asyncio.run(all_streams())
+
+
+def test_concurrent_streams_equal_generate(live, reference):
+    """32 streams at once through a cache that holds about 12 of them: all finish, each as LLM.generate."""
+    base = fresh_seed()
+    prompts = [f"One day, {NAMES[i % 8]} the {KINDS[i // 8]} went to the park." for i in range(STREAMS)]
+    params = [defaults(reference, max_tokens=8, temperature=0.8, seed=base + i) for i in range(STREAMS)]
+    want = generate(reference, prompts, params)
+    before = metrics(live)
+
+    got = concurrent_streams(live, MODEL, prompts, [dict(max_tokens=8, temperature=0.8, seed=base + i)
+                                                    for i in range(STREAMS)])
     for i, ((text, finish), w) in enumerate(zip(got, want)):
         assert text == w.text, f"seed={base + i}: stream {i} differs from LLM.generate:\n{text!r}\n{w.text!r}"
         assert finish == w.outputs[0].finish_reason
