@@ -8,15 +8,14 @@ engine underneath, :class:`yaie.engine.slot_engine.SlotEngine`, step by step: ``
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
 
 import httpx
 import openai
 import pytest
 
 from tests.helpers import fail_once
-from tests.test_server import LiveServer, concurrent_streams, metrics, start_server, wait_idle, wait_until_healthy
+from tests.test_server import (LiveServer, concurrent_streams, interrupt, metrics, start_server, wait_idle,
+                               wait_until_healthy)
 from tests.test_slot_engine import BASED, PROMPTS, ROWS, generate, greedy, reference  # noqa: F401 (a fixture)
 from yaie import ops
 from yaie.engine import LLM, SamplingParams
@@ -144,10 +143,5 @@ def test_yaie_serve_serves_the_based_model(reference):
         m = parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
         assert m["yaie_kv_cache_blocks_total"] == ROWS and m["yaie_requests_finished_total"] == 1
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            returncode = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        returncode = interrupt(proc)
     assert returncode == 0

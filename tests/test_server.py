@@ -678,6 +678,16 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, seconds: float = 60) ->
             time.sleep(0.2)
 
 
+def interrupt(proc: subprocess.Popen, seconds: float = 30) -> int:
+    """Ctrl-C for a ``yaie serve`` process: its exit code (killed and raised after ``seconds``)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
 def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
     """``python -m yaie.server`` as a user starts it: the engine loop in a child process, the same answers."""
     proc, url = start_server("--log-level", "warning")
@@ -724,12 +734,7 @@ def test_yaie_serve_runs_the_engine_in_a_process_of_its_own(reference):
                                   timeout=10)
             assert response.status_code == 503 and "engine process stopped" in response.json()["error"]["message"]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            returncode = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        returncode = interrupt(proc)
     assert returncode == 0
 
 
