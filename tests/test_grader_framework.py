@@ -50,6 +50,16 @@ def test_silent():
     expect_value_error(lambda: 1, what="a bad call")
 
 
+@task(7, "half_done")
+def test_half_done_wrong():
+    assert_close(torch.ones(2), torch.zeros(2, dtype=torch.float64), name="first function", hint="look again")
+
+
+@task(7, "half_done")
+def test_half_done_stub():
+    raise NotImplementedError("lesson 01, task 7: implement second in yaie/kernels/x.py")
+
+
 @task(6, "fine")
 def test_fine():
     assert torch.ones(1).item() == 1.0
@@ -92,8 +102,11 @@ def test_messages_timeouts_and_results(tmp_path):
     if not torch.cuda.is_available():
         assert "1 GPU-only check skipped" in out
     assert by_task[6]["status"] == "passed" and by_task[6]["score"] == by_task[6]["max_score"] == 1.0
-    assert data["score"] == 1.0 and data["max_score"] == 6.0
-    assert "lesson 01: 1/6 tasks passed" in out
+    # a wrong answer beside an unwritten function of the same task: reported as a failure, not hidden
+    assert "task 7 half_done: failed (0/2 checks passed; messages above), 1 not implemented yet" in out
+    assert "first function is wrong" in out and by_task[7]["extra_data"]["result"] == "failed"
+    assert data["score"] == 1.0 and data["max_score"] == 7.0
+    assert "lesson 01: 1/7 tasks passed" in out
 
 
 def test_a_task_that_calls_an_unfinished_task_says_which():
