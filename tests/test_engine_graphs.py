@@ -15,8 +15,10 @@ import torch
 
 from yaie import ops
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
-from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs, buckets
-from yaie.engine.scheduler import Request, Scheduler
+from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
+from yaie.engine.request import Request
+from yaie.engine.scheduler import Scheduler
+from yaie.model.graphs import buckets
 from yaie.model.testing import fresh_seed, hf_greedy, save_random_model, single_thread
 
 PROMPTS = [
@@ -38,9 +40,15 @@ def test_buckets():
 
 def eager_graphs(llm: LLM) -> LLM:
     """Turn the CUDA-graph path on for a CPU engine, with the fixed-buffer steps run eagerly."""
-    llm.cuda_graphs = True
-    llm._graph_runner = lambda manager: DecodeGraphs(llm.model, manager, llm.max_num_seqs, capture=False)
+    llm.settings.cuda_graphs, llm.settings.graph_capture = True, False
     return llm
+
+
+def new_manager(llm: LLM, num_blocks: int):
+    """A lesson 03 cache of ``num_blocks`` blocks shaped for ``llm``'s model."""
+    cfg = llm.config
+    return ops.kv_cache_manager(num_blocks, llm.settings.block_size, cfg.num_layers, cfg.num_kv_heads,
+                                cfg.head_dim, llm.model.dtype, llm.device)
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
@@ -67,7 +75,7 @@ def test_fixed_buffer_decode_steps_give_the_engines_tokens(preemption):
             DecodeGraphs.run = runner_run
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"{preemption}: request {i} differs with the fixed-buffer decode steps:\n{g}\n{w}"
-    runner, scheduler = llm.last_graphs, llm.last_scheduler
+    runner, scheduler = llm.last_core.runner.graphs, llm.last_core.scheduler
     used = {next(b for b in buckets(6) if b >= n) for n in calls}
     assert {1, 4} <= used and any(n not in buckets(6) for n in calls), calls   # buckets change, padding used
     assert {bucket for bucket, _, _ in runner.graphs} == used
@@ -81,7 +89,7 @@ def test_fixed_buffer_decode_steps_give_the_engines_tokens(preemption):
     # The next call keeps the cache and the runner (recorded graphs stay valid: same addresses).
     again = [out.token_ids for out in llm.generate(PROMPTS[:2], params[:2])]
     assert again == want[:2]
-    assert llm.last_scheduler.manager is manager and llm.last_graphs is runner
+    assert llm.last_core.scheduler.manager is manager and llm.last_core.runner.graphs is runner
 
 
 @pytest.mark.parametrize("kind,overrides,windows_seen", [
@@ -99,14 +107,14 @@ def test_sliding_window_model_decodes_through_the_kernel_like_transformers(tmp_p
     gen = torch.Generator().manual_seed(seed)
     prompts = [[1] + torch.randint(3, 96, (n,), generator=gen).tolist() for n in (5, 13)]  # shorter, longer than 8
     windows = []
-    real_call = ops.call
+    real_call = ops.lessons.call
 
     def spy(lesson, name, *args, **kwargs):
         if lesson == 4:
             windows.append(kwargs.get("sliding_window"))
         return real_call(lesson, name, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "call", spy)
+    monkeypatch.setattr(ops.lessons, "call", spy)
     with single_thread():
         llm = eager_graphs(LLM(tmp_path, device="cpu", block_size=4, num_blocks=32))
         got = [out.token_ids for out in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
@@ -114,7 +122,7 @@ def test_sliding_window_model_decodes_through_the_kernel_like_transformers(tmp_p
     want = [hf_greedy(hf, ids, 12, []) for ids in prompts]
     assert got == want, f"seed={seed}: engine {got} vs transformers {want}"
     assert set(windows) == windows_seen, windows
-    assert llm.last_graphs.graphs, "the decode steps ran through the fixed-buffer runner"
+    assert llm.last_core.runner.graphs.graphs, "the decode steps ran through the fixed-buffer runner"
 
 
 def test_decode_steps_over_a_shared_prefix_run_as_cascades_and_give_transformers_tokens(tmp_path, monkeypatch):
@@ -131,13 +139,13 @@ def test_decode_steps_over_a_shared_prefix_run_as_cascades_and_give_transformers
     prefix = [1] + torch.randint(3, 96, (39,), generator=gen).tolist()
     prompts = [prefix + torch.randint(3, 96, (n,), generator=gen).tolist() for n in (2, 5, 9, 3)]
     cascades = []
-    real = ops._cascade_decode
+    real = ops.attention_backends.CASCADE_DECODE.run
 
-    def spy(q, k, v, step, layer, scale):
+    def spy(q, k, v, step, *args):
         cascades.append(step.cascade.pages)
-        return real(q, k, v, step, layer, scale)
+        return real(q, k, v, step, *args)
 
-    monkeypatch.setattr(ops, "_cascade_decode", spy)
+    monkeypatch.setattr(ops.attention_backends.CASCADE_DECODE, "run", spy)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     with single_thread():
         llm = eager_graphs(LLM(tmp_path, device="cpu", dtype=torch.float32, block_size=4, num_blocks=64))
@@ -146,37 +154,25 @@ def test_decode_steps_over_a_shared_prefix_run_as_cascades_and_give_transformers
     want = [hf_greedy(hf, ids, 6, []) for ids in prompts]
     assert got == want, f"seed={seed}: engine {got} vs transformers {want}"
     assert cascades and set(cascades) == {8}, cascades           # 32 of the 40 shared tokens: 8 blocks of 4
-    assert any(shared == 8 for _, _, shared in llm.last_graphs.graphs)
+    assert any(shared == 8 for _, _, shared in llm.last_core.runner.graphs.graphs)
 
 
-def test_a_run_that_stops_early_gets_a_fresh_cache_and_the_old_one_is_released_first(monkeypatch):
+def test_a_stream_dropped_half_way_gives_its_blocks_back_and_the_cache_serves_again():
     llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=32))
     stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     next(stream)
     next(stream)                       # the request holds blocks; the stream is dropped half-way
+    manager = llm.last_core.scheduler.manager
+    assert set(manager.seq_ids()) != {SCRATCH_SEQ}
     stream.close()
-    first = weakref.ref(llm.last_scheduler.manager)
-    closed = []
-    close = DecodeGraphs.close
-    monkeypatch.setattr(DecodeGraphs, "close", lambda self: (closed.append(self.failed), close(self)))
-    assert set(first().seq_ids()) != {SCRATCH_SEQ}
-    built = []
-    new_kv_cache = llm.new_kv_cache
-
-    def spy(extra_blocks=0):
-        built.append(first() is None)       # is the old cache gone before the new one is allocated?
-        return new_kv_cache(extra_blocks)
-
-    llm.new_kv_cache = spy
+    assert manager.seq_ids() == [SCRATCH_SEQ]
     llm.generate(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0))
-    assert built == [True]
-    assert llm.last_scheduler.manager.seq_ids() == [SCRATCH_SEQ]
-    assert closed == [None]            # the old runner was closed (and was still open)
+    assert llm.last_core.scheduler.manager is manager
 
 
 def test_a_closed_runner_refuses_steps_and_gives_its_block_back():
     llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=8)
-    manager = llm.new_kv_cache(extra_blocks=1)
+    manager = new_manager(llm, 8 + 1)
     runner = DecodeGraphs(llm.model, manager, 4, capture=False)
     assert runner.fits(3) and not runner.fits(5) and manager.num_free_blocks == 8
     runner.close()
@@ -187,31 +183,41 @@ def test_two_streams_at_once_get_two_caches():
     llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=32))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     want = [llm.generate(p, params)[0].token_ids for p in PROMPTS[:2]]
-    kept = llm.last_scheduler.manager
+    kept = llm.last_core.scheduler.manager
     a, b = llm.stream(PROMPTS[0], params), llm.stream(PROMPTS[1], params)
     text_a, text_b = next(a), next(b)          # both running: b could not take a's cache
-    assert llm.last_scheduler.manager is not kept
+    assert llm.last_core.scheduler.manager is not kept
     text_a += "".join(a)
     text_b += "".join(b)
     tokenizer = llm.tokenizer
     assert [text_a, text_b] == [tokenizer.decode(w) for w in want]
     llm.generate(PROMPTS[0], params)
-    assert llm.last_scheduler.manager is kept  # the kept cache serves the next call again
+    assert llm.last_core.scheduler.manager is kept  # the kept cache serves the next call again
 
 
-def test_a_new_lesson_switch_gets_a_new_cache(monkeypatch):
+def test_a_new_lesson_switch_gets_a_new_cache_and_the_old_one_is_released_first(monkeypatch):
     llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=32))
     params = SamplingParams(max_tokens=3, temperature=0)
     llm.generate(PROMPTS[0], params)
-    kept = llm.last_scheduler.manager
+    first = weakref.ref(llm.last_core.scheduler.manager)
+    closed, built = [], []
+    close, kv_cache_manager = DecodeGraphs.close, ops.kv_cache_manager
+    monkeypatch.setattr(DecodeGraphs, "close", lambda self: (closed.append(self.failed), close(self)))
+
+    def spy(*args, **kwargs):
+        built.append(first() is None)       # is the old cache gone before the new one is allocated?
+        return kv_cache_manager(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "kv_cache_manager", spy)
     monkeypatch.setenv("YAIE_SOLUTIONS", "1-4,6")   # graphs replay the kernels they recorded: record anew
     llm.generate(PROMPTS[0], params)
-    assert llm.last_scheduler.manager is not kept
+    assert built == [True] and closed == [None]     # the old runner was closed (and was still open)
+    assert llm.last_core.scheduler.manager.seq_ids() == [SCRATCH_SEQ]
 
 
 def test_the_scratch_block_is_not_promised_to_requests():
     llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=5)
-    manager = llm.new_kv_cache(extra_blocks=1)
+    manager = new_manager(llm, 5 + 1)
     scheduler = Scheduler(manager, reserved_blocks=1)
     scheduler.add(Request(0, [1] * 11, 10))            # 20 tokens cached at most: the 5 usable blocks
     with pytest.raises(ValueError, match="5 blocks"):
@@ -221,7 +227,7 @@ def test_the_scratch_block_is_not_promised_to_requests():
 def test_cuda_graphs_need_cuda():
     with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
         LLM(DEFAULT_MODEL, device="cpu", cuda_graphs=True)
-    assert LLM(DEFAULT_MODEL, device="cpu").cuda_graphs is False
+    assert LLM(DEFAULT_MODEL, device="cpu").settings.cuda_graphs is False
 
 
 def test_looked_ahead_decode_steps_give_the_same_tokens_and_leak_nothing(monkeypatch):
@@ -229,7 +235,7 @@ def test_looked_ahead_decode_steps_give_the_same_tokens_and_leak_nothing(monkeyp
     ids fed from the device: the tokens equal the plain engine's, for requests that end by length, by an
     end-of-sequence id and by a stop string (each ran one step too many, dropped), with prefix caching on
     (the extra token's K/V counted as computed); every block comes back."""
-    from yaie.engine.llm import LLM as Engine
+    from yaie.engine.core import EngineCore as Engine
     prompts = PROMPTS[:4]
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (60, 7, 60, 25)]
     params[2] = SamplingParams(max_tokens=60, temperature=0, stop=[" the"])
@@ -250,7 +256,7 @@ def test_looked_ahead_decode_steps_give_the_same_tokens_and_leak_nothing(monkeyp
     assert reasons == ["stop", "length", "stop", "length"], reasons
     assert len(got[0].token_ids) <= 11 and len(got[2].token_ids) < 60
     assert sum(a is not None for a in ahead) >= 10, "decode steps were looked ahead"
-    scheduler = llm.last_scheduler
+    scheduler = llm.last_core.scheduler
     cached = scheduler.prefix_cache.tree.num_evictable_blocks
     assert set(scheduler.manager.seq_ids()) == {SCRATCH_SEQ}
     assert scheduler.manager.num_free_blocks + cached == scheduler.usable_blocks
@@ -262,7 +268,7 @@ def test_the_shared_slot_table_is_left_intact_by_a_run():
     llm = eager_graphs(LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=64))
     with single_thread():
         llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, temperature=0))
-    table = llm.last_scheduler.manager._all_slots()
+    table = llm.last_core.scheduler.manager._all_slots()
     assert torch.equal(table, torch.arange(table.numel()))
 
 
@@ -309,22 +315,22 @@ def test_generate_decodes_the_text_once_and_gets_the_streamed_text():
     equals the stream decoder's (the pieces ``stream`` yields), also for token streams that split
     characters across tokens (the bundled byte-level tokenizer) or end inside one."""
     import random
-    from types import SimpleNamespace
 
-    from yaie.engine.llm import _Text
+    from yaie.engine.output import OutputState
     tokenizer = LLM(DEFAULT_MODEL, device="cpu").tokenizer
     seed = fresh_seed()
     rng = random.Random(seed)
-    engine = SimpleNamespace(tokenizer=tokenizer, eos_token_ids=[])
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     for _ in range(30):
         ids = [rng.randrange(3, tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
-        at_once, streamed = _Text(engine, params), _Text(engine, params)
+        at_once = OutputState(params, tokenizer, [], torch.device("cpu"), streams=False)
+        streamed = OutputState(params, tokenizer, [], torch.device("cpu"))
         a, b = Request(0, [1], 100), Request(1, [1], 100)
         pieces = []
         for token in ids:
             at_once.accept(a, token)
-            pieces.append(streamed.push(b, token))
+            streamed.accept(b, token)
+            pieces.append(streamed.piece())
         assert at_once.final_text == streamed.final_text == "".join(pieces), f"seed {seed}, ids {ids}"
 
 
@@ -335,7 +341,7 @@ def test_schedule_decodes_plans_what_schedule_plans():
     llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=64)
     runs = []
     for _ in range(2):
-        scheduler = Scheduler(llm.new_kv_cache(), chunked_prefill=True)
+        scheduler = Scheduler(new_manager(llm, llm.settings.num_blocks), chunked_prefill=True)
         requests = [Request(i, list(range(1, 4 + 3 * i)), 20) for i in range(3)]
         for request in requests:
             scheduler.add(request)
@@ -370,7 +376,7 @@ def test_run_next_advances_the_buffers_as_run_writes_them(monkeypatch):
     bound."""
     from yaie.engine import cuda_graphs
     llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=64)
-    managers = [llm.new_kv_cache(extra_blocks=1) for _ in range(2)]      # the same books, one per runner
+    managers = [new_manager(llm, llm.settings.num_blocks + 1) for _ in range(2)]      # the same books, one per runner
     ahead, plain = (DecodeGraphs(llm.model, manager, 8, capture=False) for manager in managers)
     monkeypatch.setattr(cuda_graphs, "MIN_BOUND", 8)                    # bounds 8, 16, 32: crossed below
     seen = {}

@@ -46,24 +46,14 @@ import sys
 import torch
 
 from yaie import ops
+from yaie.model.graphs import buckets, upload
 from yaie.model.paged import StaticDecodeStep
 
 SCRATCH_SEQ = "__yaie_cuda_graph_scratch__"   # the cache "sequence" that owns the padding rows' block
-# Smallest context bound. Lesson 04 splits no context under 2 * 512 tokens, and a bound of 1024 over shorter
-# contexts would give it a second, empty split to merge: 6.7 us instead of 5.5 us a layer at batch 1, 200
-# tokens (bench/results/decode_kernels_h100.json).
+# Smallest context bound: lesson 04 splits no context under 2 * 512 tokens (docs/engine.md, "CUDA graphs").
 MIN_BOUND = 512
 CASCADE_MIN_SHARED_TOKENS = ops.CASCADE_MIN_SHARED_TOKENS   # and the granule of a cascade graph's shared length
 MAX_CASCADE_LENGTHS = 8   # distinct shared lengths that get cascade graphs; other steps record plain ones
-
-
-def buckets(max_batch: int) -> list[int]:
-    """Batch sizes that get a graph: powers of two below ``max_batch``, then ``max_batch`` itself."""
-    sizes, size = [], 1
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    return sizes + [max_batch]
 
 
 class _Buffers:
@@ -104,17 +94,6 @@ class _Buffers:
         width = max(len(row) for row in wanted[first:last])
         upload(self.tables[first:last, :width], [row + [0] * (width - len(row)) for row in wanted[first:last]])
         self.rows[first:last] = wanted[first:last]
-
-
-def upload(dst: torch.Tensor, values: list) -> None:
-    """Copy ``values`` (nested lists of ints in ``dst``'s shape) into ``dst`` without waiting for the device:
-    a copy from pageable host memory waits for the kernels queued before it (the host would stall on the
-    previous step), one from pinned memory is only queued. The pinned buffer is not reused before the
-    copy has run (torch's pinned-memory allocator records the copy)."""
-    host = torch.tensor(values, dtype=dst.dtype)
-    if dst.is_cuda:
-        host = host.pin_memory()
-    dst.copy_(host, non_blocking=True)
 
 
 class _Cascade:
@@ -296,12 +275,7 @@ class DecodeGraphs:
         tokens, positions, lens = buf.ids
         blocks = buf.tables.gather(1, (positions // size).unsqueeze(1)).squeeze(1).to(torch.int64)
         slots = blocks * size + positions % size
-        step = StaticDecodeStep(self.manager, buf.tables, lens.to(torch.int32), slots, bound)
-        if cascade is not None:
-            step.cascade = cascade
-            # Each sequence's own part: its blocks after the shared ones, the tokens there before its new one.
-            step.own_tables = buf.tables[:, cascade.pages:].contiguous()   # rows packed, as kernels expect
-            step.own_context_lens = (lens - 1 - cascade.pages * size).clamp_min(0).to(torch.int32)
+        step = StaticDecodeStep(self.manager, buf.tables, lens.to(torch.int32), slots, bound, cascade)
         return self.model.logits(self.model.forward(tokens, positions, step))
 
     def _cascade(self, bucket: int, shared: int) -> _Cascade:

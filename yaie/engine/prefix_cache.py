@@ -52,9 +52,9 @@ def make_prefix_cache(manager):
     try:
         _probe(module, type(manager))
     except NotImplementedError as err:
-        if not ops._auto_mode() or module.__name__.startswith("solutions."):
-            print(f"lesson 05: {_CLASS} is not implemented yet in {ops._student_path(5)} ({err}); "
+        if not ops.auto_mode() or module.__name__.startswith("solutions."):
+            print(f"lesson 05: {_CLASS} is not implemented yet in {ops.student_path(5)} ({err}); "
                   "prefix caching is off", file=sys.stderr, flush=True)
             return None
-        module = ops._fallback(5, _CLASS, module, err)
+        module = ops.fallback(5, _CLASS, module, err)
     return getattr(module, _CLASS)(manager)

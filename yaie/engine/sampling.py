@@ -213,3 +213,17 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from ``logits [vocab]`` (the batched sampler on one row; reads it on the host)."""
     return int(sample_batch(logits[None], [params], [generator])[0])
+
+
+# ----------------------------------------------------------------------------- one step's rows
+def pick_tokens(logits: torch.Tensor, states: Sequence, table: StepTable | None = None
+                ) -> tuple[torch.Tensor, StepTable | None]:
+    """One token per row of ``logits`` ``[B, vocab]``, int64 on its device, not read by the host: greedy
+    rows by argmax, sampled rows by :func:`sample_batch` (each with its own generator); and the rows'
+    :class:`StepTable` (None when all are greedy). ``states``: each row's ``params``, ``generator`` and
+    ``greedy`` (:class:`yaie.engine.output.OutputState`). ``table``: the same rows' table, made before."""
+    if table is None and all(state.greedy for state in states):
+        return logits.argmax(dim=-1), None
+    params, generators = [s.params for s in states], [s.generator for s in states]
+    table = table or StepTable(params, generators, logits.shape[-1], logits.device)
+    return sample_batch(logits, params, generators, table), table

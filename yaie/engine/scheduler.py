@@ -40,89 +40,19 @@ sequences, needs no host memory). ``"swap"`` copies its blocks to host memory (w
 otherwise it falls back to recompute). Either way the request's generated tokens and its sampler state
 stay with it, so its output is the same as if it had run alone.
 
-The scheduler only keeps books (queues, the lesson 03 manager); the engine (:mod:`yaie.engine.llm`) runs
-the model on the plan and calls :meth:`Scheduler.finish`.
+The scheduler only keeps books (queues, the lesson 03 manager); the engine core (:mod:`yaie.engine.core`)
+has the plan run and calls :meth:`Scheduler.finish`. :class:`yaie.engine.row_scheduler.RowScheduler` keeps
+the same interface over the rows of a constant-size state.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass
 
-import torch
-
-PREEMPTION_MODES = ("recompute", "swap")
-
-
-@dataclass
-class Request:
-    """One prompt in flight. ``request_id`` is its arrival number (smaller = older = served first)."""
-
-    request_id: int
-    prompt_ids: list[int]
-    max_new_tokens: int
-    output_ids: list[int] = field(default_factory=list)
-    state: str = "waiting"                 # waiting, running, swapped or finished
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0             # of token_ids, read from the prefix cache at admission (not prefilled)
-    num_computed_tokens: int = 0           # of token_ids, in the cache once the step just planned has run
-
-    @property
-    def prefilling(self) -> bool:
-        """True while more than its last token is still to be fed (a chunked prefill in progress, or not
-        admitted yet). A request with exactly its last token left decodes: that is one decode step."""
-        return self.num_computed_tokens < len(self.prompt_ids) + len(self.output_ids) - 1
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Prompt + generated tokens: what a (re-)prefill feeds (a new list: a decode step reads
-        ``num_tokens`` and ``last_token`` instead, which copy nothing)."""
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
-
-    @property
-    def max_cached_tokens(self) -> int:
-        """Most tokens this request holds in the cache when its steps run one after the other (the last
-        generated token is never fed). A looked-ahead step (:meth:`yaie.engine.llm.LLM._look_ahead`) may feed
-        it, one token more: the look-ahead only runs when every request's next slot fits in the free blocks."""
-        return len(self.prompt_ids) + self.max_new_tokens - 1
-
-
-@dataclass
-class StepPlan:
-    """What the next forward pass runs: decodes (one token each) then prefills (a chunk of tokens each:
-    ``token_ids[start:end]`` for ``(start, end)`` in ``prefill_ranges``), with the cache slots reserved
-    for those tokens."""
-
-    decodes: list[Request] = field(default_factory=list)
-    decode_slots: list[torch.Tensor] = field(default_factory=list)
-    prefills: list[Request] = field(default_factory=list)
-    prefill_slots: list[torch.Tensor] = field(default_factory=list)
-    prefill_ranges: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.decodes and not self.prefills
-
-    @property
-    def sampled(self) -> list[Request]:
-        """The requests that get a token from this step, in row order: every decode, and each prefill whose
-        chunk reaches the end of its tokens (a partial chunk only fills the cache)."""
-        return self.decodes + [r for r, (_, end) in zip(self.prefills, self.prefill_ranges)
-                               if end == r.num_tokens]
-
-    def add_prefill(self, request: Request, slots: torch.Tensor, start: int) -> None:
-        self.prefills.append(request)
-        self.prefill_slots.append(slots)
-        self.prefill_ranges.append((start, start + len(slots)))
+from yaie.engine.request import Request, StepPlan
+from yaie.engine.settings import PREEMPTION_MODES
 
 
 @dataclass
@@ -171,6 +101,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.prefix_cache = prefix_cache
         self._prefilled: list[Request] = []     # the last step's prefills: their prompts go into the tree next
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.manager.num_free_blocks
 
     # ------------------------------------------------------------------ queues
     def add(self, request: Request) -> None:
@@ -228,14 +162,21 @@ class Scheduler:
         self.stats.max_running = max(self.stats.max_running, len(self.running))
         return plan
 
+    def can_continue(self, requests: list[Request]) -> bool:
+        """Whether the next step can only be ``requests``' decodes again, in this order (the engine's
+        look-ahead plans it before their tokens are known): they are exactly the running requests, nothing
+        waits or is swapped out, no prompt waits to enter the prefix cache, and the free blocks cover a new
+        block for each, so nobody is preempted."""
+        running = self.running
+        return (not self.waiting and not self.swapped and not self._prefilled
+                and len(running) == len(requests) and all(map(operator.is_, running, requests))
+                and self.manager.num_free_blocks >= len(requests))
+
     def schedule_decodes(self) -> StepPlan:
-        """:meth:`schedule` for a step that can only be the running requests' decodes again, when every running
-        request decodes (none is in the middle of a chunked prefill), none waits or is swapped out, and the
-        free blocks cover a new block for each (the engine's look-ahead checks that before it plans,
-        :meth:`yaie.engine.llm.LLM._look_ahead`). The plan and the books are those :meth:`schedule` gives
-        then: one slot per running request, in order; only the per-request tests are skipped (at batch 256
-        they are a good part of the host's work per step). Falls back to :meth:`schedule` when the queues
-        or the free blocks say otherwise."""
+        """:meth:`schedule` for a step that :meth:`can_continue` allows. The plan and the books are those
+        :meth:`schedule` gives then: one slot per running request, in order; only the per-request tests are
+        skipped (at batch 256 they are a good part of the host's work per step). Falls back to
+        :meth:`schedule` when the queues or the free blocks say otherwise."""
         if self.waiting or self.swapped or self._prefilled or self.manager.num_free_blocks < len(self.running):
             return self.schedule()
         append_slots = self.manager.append_slots
@@ -295,7 +236,7 @@ class Scheduler:
                     continue
                 start = request.num_computed_tokens
                 if prefilling:
-                    plan.add_prefill(request, slots, start)
+                    plan.add_prefill(request, slots, start, start + n)
                     self._prefilled.append(request)
                     budget -= n
                 else:
@@ -387,7 +328,7 @@ class Scheduler:
                     return
                 slots = self.manager.allocate(request.request_id, end)
                 request.num_cached_tokens = 0
-            plan.add_prefill(request, slots, request.num_cached_tokens)
+            plan.add_prefill(request, slots, request.num_cached_tokens, end)
             request.num_computed_tokens = end
             self._prefilled.append(request)
             self.waiting.pop(0)

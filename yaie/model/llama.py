@@ -56,7 +56,7 @@ def _cat(*tensors):
 
 
 class LlamaModel:
-    """Weights plus the forward pass; the KV cache is passed in (see :mod:`yaie.engine.kv_cache`)."""
+    """Weights plus the forward pass; the KV cache is passed in (see :mod:`yaie.model.contiguous_cache`)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         self.config = config
@@ -127,7 +127,7 @@ class LlamaModel:
 
         ``token_ids`` and ``positions`` are int64 ``[num_tokens]``. ``cache`` is either a
         :class:`yaie.model.paged.PagedStep` (the engine: several sequences, tokens packed as it says, slots
-        already reserved) or a :class:`yaie.engine.kv_cache.ContiguousKVCache` of one sequence whose
+        already reserved) or a :class:`yaie.model.contiguous_cache.ContiguousKVCache` of one sequence whose
         ``positions`` continue it. The tokens' keys and values are stored in the cache.
         """
         cfg, eps = self.config, self.config.rms_norm_eps

@@ -40,6 +40,11 @@ class PagedStep:
 
     plan_run = False          # CUDA-graph steps (StaticDecodeStep) never plan
     plan_run_forced = False   # YAIE_PLAN_RUN=1 (or plan_run=True): a missing lesson 05 is an error, no fallback
+    # Cascade decode (a StaticDecodeStep whose sequences share their first blocks): the shared prefix's
+    # buffers and plans, each sequence's own blocks after them and its tokens there; None otherwise.
+    cascade = None
+    own_tables: torch.Tensor | None = None
+    own_context_lens: torch.Tensor | None = None
 
     def __init__(self, manager, seq_ids: list, query_lens: list[int], num_decodes: int,
                  slot_mapping: torch.Tensor, use_kernels: bool | None = None, plan_run: bool | None = None):
@@ -163,10 +168,11 @@ class StaticDecodeStep(PagedStep):
         block_tables: int32 ``[batch, max_blocks]``, context_lens: int32 ``[batch]``, slot_mapping: int64
             ``[batch]``, all on the cache's device.
         bound: tokens, at most ``max_blocks * block_size``.
+        cascade: the shared prefix of a cascade step (its ``pages`` blocks lead every row's table), or None.
     """
 
     def __init__(self, manager, block_tables: torch.Tensor, context_lens: torch.Tensor, slot_mapping: torch.Tensor,
-                 bound: int):
+                 bound: int, cascade=None):
         batch = block_tables.shape[0]
         self.manager = manager
         self.seq_ids = [None] * batch
@@ -183,3 +189,8 @@ class StaticDecodeStep(PagedStep):
         self.query_starts = list(range(batch + 1))
         self.__dict__["block_tables"] = block_tables      # the cached_property values, fixed
         self.__dict__["context_lens"] = context_lens
+        if cascade is not None:
+            # Each sequence's own part: its blocks after the shared ones, the tokens there before its new one.
+            self.cascade = cascade
+            self.own_tables = block_tables[:, cascade.pages:].contiguous()     # rows packed, as kernels expect
+            self.own_context_lens = (context_lens - 1 - cascade.pages * manager.block_size).clamp_min(0).to(torch.int32)

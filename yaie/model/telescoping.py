@@ -13,8 +13,8 @@ merge rule and the kernels are lesson 07's, reached through the switch, so the s
   ``c`` (:func:`telescoping_step`), attend over the ``c`` entries. The state per sequence is
   ``layers x 2 x c x kv_heads x head_dim`` floats plus the sizes, whatever the length generated.
 
-The engine (:class:`yaie.engine.llm.LLM`) hands telescoping models to :func:`run_telescoping`: one
-sequence at a time through the same Llama forward, with a :class:`TelescopingKVCache` per sequence.
+The engine serves a telescoping model with one :class:`TelescopingKVCache` per sequence
+(:class:`yaie.engine.row_runner.SequenceRows`), each sequence through the same Llama forward.
 """
 
 from __future__ import annotations
@@ -118,16 +118,3 @@ class TelescopingKVCache:
                                                                     self.capacity)
         self.values[layer], _ = tele.telescoping_step(self.values[layer], before, v.float(), self.capacity)
         return attend_entries(q, self.keys[layer], self.values[layer], self.sizes[layer], self.scale)
-
-
-def new_cache(llm) -> TelescopingKVCache:
-    return TelescopingKVCache(llm.config, llm.config.telescoping_capacity, llm.device)
-
-
-def run_telescoping(llm, prompt_ids: list[list[int]], params: list):
-    """The engine's generation loop for telescoping models: events ``(request, text piece, its _Text)``
-    as :meth:`yaie.engine.llm.LLM._run` yields them. Sequences run one after another, each with its own
-    constant-size cache; ``llm.last_caches`` keeps them (for tests and memory measurements)."""
-    from yaie.engine.sequential import run_one_at_a_time
-
-    return run_one_at_a_time(llm, prompt_ids, params, lambda: new_cache(llm))

@@ -1,7 +1,7 @@
 """The contiguous KV cache of ONE sequence: keys and values of every token seen, per layer.
 
-The engine keeps its KV in lesson 03's paged cache (:mod:`yaie.model.paged`, :mod:`yaie.engine.scheduler`).
-This contiguous cache stays as the simplest thing the model can run against: one preallocated
+The engine keeps its KV in lesson 03's paged cache (:mod:`yaie.model.paged`). This contiguous cache is
+the simplest thing the model can run against: one preallocated
 ``[capacity, kv_heads, head_dim]`` buffer per layer for K and for V, attention by lesson 01. Tests and
 the GPU checks use it to get one sequence's logits (compared with transformers') without a scheduler.
 """

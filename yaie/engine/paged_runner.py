@@ -1,0 +1,134 @@
+"""The runner of models whose keys and values live in the paged KV cache (Llama, Qwen2, Mistral).
+
+A runner owns the memory a model kind keeps per sequence and runs one planned step on it. This one owns
+lesson 03's ``KVCacheManager``, lesson 05's prefix cache over it (automatic prefix caching) and the CUDA
+graphs of decode steps; :meth:`PagedRunner.execute` turns a :class:`yaie.engine.request.StepPlan` into one
+forward pass: a graph replay for a decode-only step that fits a bucket, else a :class:`PagedStep` launched
+eagerly. Its scheduler is :class:`yaie.engine.scheduler.Scheduler`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from yaie import ops
+from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
+from yaie.engine.prefix_cache import make_prefix_cache
+from yaie.engine.request import StepPlan
+from yaie.engine.scheduler import Scheduler
+from yaie.engine.settings import EngineSettings
+from yaie.model.paged import PagedStep
+
+
+class PagedRunner:
+    """Args:
+        model: a :class:`yaie.model.llama.LlamaModel`.
+        settings: the engine's resolved :class:`EngineSettings`.
+    """
+
+    def __init__(self, model, settings: EngineSettings):
+        self.model, self.settings = model, settings
+        self.device = model.device
+        self.key = settings.runner_key()
+        cfg = model.config
+        graphs = settings.cuda_graphs
+        self.manager = ops.kv_cache_manager(
+            settings.num_blocks + (1 if graphs else 0), settings.block_size, cfg.num_layers, cfg.num_kv_heads,
+            cfg.head_dim, model.dtype, self.device, settings.num_cpu_blocks,
+            swap=settings.preemption == "swap" and settings.num_cpu_blocks > 0)
+        # One block more than num_blocks: the graphs' scratch block, which padding rows write into.
+        self.graphs = DecodeGraphs(model, self.manager, settings.max_num_seqs, capture=settings.graph_capture) \
+            if graphs else None
+        self.prefix_cache = make_prefix_cache(self.manager) if settings.prefix_caching else None
+        self.in_use = False
+        self.kept = True         # False: made for one run while the kept one was busy, closed when released
+
+    def acquire(self) -> None:
+        self.in_use = True
+
+    def release(self) -> None:
+        """The run that held this runner ended; a runner that is not kept closes now."""
+        self.in_use = False
+        if not self.kept:
+            self.close()
+
+    def new_scheduler(self) -> Scheduler:
+        s = self.settings
+        return Scheduler(self.manager, s.preemption, s.max_num_seqs, s.max_num_batched_tokens,
+                         reserved_blocks=1 if self.graphs is not None else 0, prefix_cache=self.prefix_cache,
+                         chunked_prefill=s.chunked_prefill)
+
+    def reusable(self, key: tuple, rows: int) -> bool:
+        """Whether the next run may use this runner again: the same settings and kernels (recorded graphs
+        replay the kernels they recorded), and the last run gave every block back."""
+        try:
+            clean = set(self.manager.seq_ids()) <= {SCRATCH_SEQ}
+        except NotImplementedError:          # a student's cache without seq_ids yet: start afresh
+            return False
+        return key == self.key and clean and self.manager.num_free_cpu_blocks == self.settings.num_cpu_blocks
+
+    def can_look_ahead(self, num_decodes: int) -> bool:
+        """Whether a step of ``num_decodes`` decodes can be launched from tokens on the device (a graph)."""
+        return self.graphs is not None and self.graphs.fits(num_decodes)
+
+    def warm_up_sizes(self, usable: int) -> list[int]:
+        """The batch sizes whose decode graphs a warm-up records (each at most ``usable`` requests)."""
+        return [] if self.graphs is None else [b for b in self.graphs.buckets if b <= usable]
+
+    def next_step_is_eager(self, scheduler: Scheduler) -> bool:
+        """Whether the next step launches its kernels from Python whatever is admitted before it: a prompt
+        waits or is swapped out, a running request is still prefilling, no graphs, or the batch is beyond
+        them."""
+        running = scheduler.running
+        return bool(self.graphs is None or scheduler.waiting or scheduler.swapped
+                    or (running and not self.graphs.fits(len(running))) or any(r.prefilling for r in running))
+
+    def execute(self, plan: StepPlan, device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Queue one forward pass over the plan's decodes and prefill chunks, without waiting for it: the
+        logits ``[len(plan.sampled), vocab]``, or None when no request of the step samples a token.
+        ``device_tokens``: the decodes' input ids, on the device (a looked-ahead step)."""
+        graphs = self.graphs
+        if graphs is not None and not plan.prefills and graphs.fits(len(plan.decodes)):
+            logits = self._replay(plan, device_tokens)
+            if logits is not None:        # None: recording failed, this step (and the next) runs eagerly
+                return logits
+        return self._eager(plan, device_tokens)
+
+    def _replay(self, plan: StepPlan, device_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        seq_ids = [r.request_id for r in plan.decodes]
+        if device_tokens is not None and self.graphs.continues(seq_ids):
+            # The last step's sequences, one token further: the buffers advance on the device.
+            logits = self.graphs.run_next(seq_ids, device_tokens)
+            if logits is not None:
+                return logits
+        # (A decode reads its last token and length, not ``token_ids``: that would copy its whole context.)
+        return self.graphs.run(seq_ids, [r.last_token for r in plan.decodes],
+                               [r.num_tokens - 1 for r in plan.decodes], device_tokens)
+
+    def _eager(self, plan: StepPlan, device_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        # A prefill feeds its chunk: the tokens after its cached prefix (a prefix-cache hit, or the chunks
+        # of earlier steps), up to the end of its tokens or of the step's budget.
+        requests = plan.decodes + plan.prefills
+        token_ids = [r.last_token for r in plan.decodes] + [
+            t for r, (start, end) in zip(plan.prefills, plan.prefill_ranges) for t in r.token_ids[start:end]]
+        positions = [r.num_tokens - 1 for r in plan.decodes] + [
+            p for start, end in plan.prefill_ranges for p in range(start, end)]
+        step = PagedStep(self.manager, [r.request_id for r in requests],
+                         [1] * len(plan.decodes) + [end - start for start, end in plan.prefill_ranges],
+                         len(plan.decodes), torch.cat(plan.decode_slots + plan.prefill_slots))
+        tokens = torch.tensor(token_ids, device=self.device)
+        if device_tokens is not None:
+            tokens[:len(device_tokens)] = device_tokens       # the decodes come first
+        hidden = self.model.forward(tokens, torch.tensor(positions, device=self.device), step)
+        # Logits only where a token is sampled: not after a chunk that leaves part of its prompt for later.
+        ends = [r.num_tokens for r in plan.decodes] + [end for _, end in plan.prefill_ranges]
+        rows = [row for row, r, end in zip(step.last_token_rows, requests, ends) if end == r.num_tokens]
+        if not rows:
+            return None
+        return self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+
+    def close(self) -> None:
+        """Drop the graphs (they hold the cache's addresses); the cache goes with the runner."""
+        if self.graphs is not None:
+            self.graphs.close()
+
