@@ -299,7 +299,7 @@ md(r"""
    128) to shape (b) (prefix 8192, new 1024)? Why?
 8. (GPU) The 16-byte K layout is what vLLM's CUDA kernels want. Does it help a Triton kernel that loads a whole
    `[BLOCK_N, head_dim]` tile (look at how consecutive threads' addresses fall in each layout)?
-9. The engine (`yaie/ops.py`, `_prefix_prefill`) sends every prefill that continues a cached context to your
+9. The engine (`_prefix_prefill` in `yaie/ops/attention_backends.py`) sends every prefill that continues a cached context to your
    kernel with `validate=False` (when decodes run in the same step, lesson 05's plan/run attention takes the
    whole step instead: notebook 05c). Why must the kernel never call `.item()` or read a tensor on the host?
 

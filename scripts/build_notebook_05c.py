@@ -413,9 +413,9 @@ md(r"""
     plan's order at both shapes.
 11. (Engine) The engine runs every step that mixes decodes and prefill chunks through your
     `FlashInferPagedAttention` (and your `CascadeAttention` when all of the step's sequences start with the
-    same cached blocks): read `_plan_step` in `yaie/ops.py`. Where do `qo_indptr` and `kv_indices` come from,
+    same cached blocks): read `_plan_step` in `yaie/ops/plan_run.py`. Where do `qo_indptr` and `kv_indices` come from,
     and why may a sequence's last page never be part of the shared level? Decode-only steps replay CUDA graphs,
-    which cannot plan per step: read `_cascade_decode` in `yaie/ops.py` and `shared_pages` in
+    which cannot plan per step: read `cascade_decode` in `yaie/ops/plan_run.py` and `shared_pages` in
     `yaie/engine/cuda_graphs.py`. What is planned once, while the graph warms up, and what changes from one
     replay to the next? Why is the shared length rounded down to a multiple of 256 tokens?
 

@@ -49,7 +49,8 @@ def section_same_tokens(device):
     hf = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).to(device).eval()
     hf_ids = [hf_greedy(hf, llm.tokenizer.encode(p), PARAMS.max_tokens, []) for p in PROMPTS]
     calls = {"prefix_prefill": 0, "plan_run": 0}
-    originals = {"prefix_prefill": ops._prefix_prefill, "plan_run": ops._plan_run_attention}
+    backends = {"prefix_prefill": ops.attention_backends.PREFIX_PREFILL, "plan_run": ops.attention_backends.PLAN_RUN}
+    originals = {name: backend.run for name, backend in backends.items()}
 
     def spy(name):
         def counted(*args, **kwargs):
@@ -57,7 +58,8 @@ def section_same_tokens(device):
             return originals[name](*args, **kwargs)
         return counted
 
-    ops._prefix_prefill, ops._plan_run_attention = spy("prefix_prefill"), spy("plan_run")
+    for name, backend in backends.items():
+        backend.run = spy(name)
     result = dict(whole_equals_transformers=whole == hf_ids, runs={})
     try:
         for budget in (7, 37):
@@ -68,7 +70,8 @@ def section_same_tokens(device):
                 result["runs"][key] = dict(equal=got == whole, prefix_prefill_calls=calls["prefix_prefill"],
                                            plan_run_calls=calls["plan_run"])
     finally:
-        ops._prefix_prefill, ops._plan_run_attention = originals["prefix_prefill"], originals["plan_run"]
+        for name, backend in backends.items():
+            backend.run = originals[name]
     ok = result["whole_equals_transformers"] and all(r["equal"] for r in result["runs"].values())
     if device == "cuda":
         ok = ok and all(r["prefix_prefill_calls"] + r["plan_run_calls"] > 0 for r in result["runs"].values())

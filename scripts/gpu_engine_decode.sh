@@ -39,8 +39,8 @@ ENGINE_ARGS="--size 1b --batches 1 --prompt-len 128 --new-tokens 128 --repeats 3
   fi
   if [ "${ENGINE:-1}" = "1" ]; then
   echo "== engine, batch 1, every op apart"; start=$SECONDS
-  timeout 150 python3 -c "import sys; from yaie import ops; ops._fused_rope_write_kv = lambda manager, q: None
-ops._one_row_kernel = lambda x, name: None
+  timeout 150 python3 -c "import sys; from yaie import ops; ops.kv.fused_rope_write_kv = lambda manager, q: None
+ops.layers.one_row_kernel = lambda x, name: None
 import yaie.engine.cuda_graphs as graphs; graphs.MIN_BOUND = 1024
 from yaie.bench.engine import main; sys.exit(main(sys.argv[1:]))" --out "$OUT/apart" $ENGINE_ARGS
   echo "== rc $? ($((SECONDS - start)) s)"

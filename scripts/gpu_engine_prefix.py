@@ -54,7 +54,8 @@ def sync(device: str) -> None:
 # ----------------------------------------------------------------------------- 1. check
 class Spy:
     """Counts the calls of ``module.name`` while active (the engine looks both spied functions up at call
-    time: lesson 05's ``prefix_prefill_attention``, the engine's ``ops._cascade_decode``)."""
+    time: lesson 05's ``prefix_prefill_attention``, and the ``run`` of the engine's cascade decode backend,
+    ``ops.attention_backends.CASCADE_DECODE``)."""
 
     def __init__(self, module, name: str):
         self.module, self.name, self.calls = module, name, 0
@@ -96,7 +97,7 @@ def check(device: str) -> dict:
         off = LLM(folder, device=device, dtype=torch.float32, block_size=16, prefix_caching=False)
         got_off = [o.token_ids for o in off.generate(prompts, params)]
         llm = LLM(folder, device=device, dtype=torch.float32, block_size=16)
-        with Spy(lesson05_kernel, "prefix_prefill_attention") as spy, Spy(ops, "_cascade_decode") as cascade:
+        with Spy(lesson05_kernel, "prefix_prefill_attention") as spy, Spy(ops.attention_backends.CASCADE_DECODE, "run") as cascade:
             first = llm.generate(prompts[0], params)[0].token_ids      # caches the prefix
             rest = [o.token_ids for o in llm.generate(prompts[1:], params)]
         got_on = [first] + rest

@@ -34,11 +34,11 @@ from tests.test_lesson05_prefill import _greedy
 
 switch.use_solutions("all")
 calls = []
-real_call_in = ops.call_in
+real_call_in = ops.lessons.call_in
 def spy(lesson, which, name, *args, **kwargs):
     calls.append(name)
     return real_call_in(lesson, which, name, *args, **kwargs)
-ops.call_in = spy
+ops.lessons.call_in = spy
 with tempfile.TemporaryDirectory() as path:
     save_random_model("llama", path, seed=5, num_hidden_layers=2, max_position_embeddings=512)
     llm = LLM(path, device="cuda")

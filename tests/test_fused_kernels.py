@@ -159,11 +159,11 @@ def _spy(monkeypatch, module, name):
 def test_rope_and_write_kv_fuses_only_for_the_reference(monkeypatch, student_lesson):
     """Where the reference serves lessons 02 and 03 the fused kernel runs; a student's lesson 02 (which has no
     fused kernel) or lesson 03 (whose write_kv must run) gets the two ops apart. Same results either way.
-    (``_use_gpu_kernels`` is forced on: the interpreter stands in for the GPU.)"""
+    (``use_gpu_kernels`` is forced on: the interpreter stands in for the GPU.)"""
     from yaie.kernels import gpu_elementwise as student02
     lessons = "all" if student_lesson is None else ",".join(str(n) for n in range(1, 9) if n != student_lesson)
     monkeypatch.setenv("YAIE_SOLUTIONS", lessons)
-    monkeypatch.setattr(ops, "_use_gpu_kernels", lambda t: True)
+    monkeypatch.setattr(ops.layers, "use_gpu_kernels", lambda t: True)
     ops.reset_auto_fallback()
     fused = _spy(monkeypatch, ref, "apply_rope_qk_store_kv")
     apart = _spy(monkeypatch, ref, "apply_rope_qk")
@@ -272,7 +272,7 @@ def test_one_row_ops_use_the_fused_kernels_only_for_the_reference(monkeypatch, s
     own norm and SwiGLU kernels; more than one row always gets the ops apart. Same values either way."""
     from yaie.kernels import gpu_elementwise as student02
     monkeypatch.setenv("YAIE_SOLUTIONS", "1,3-8" if student_lesson02 else "all")
-    monkeypatch.setattr(ops, "_use_gpu_kernels", lambda t: True)
+    monkeypatch.setattr(ops.layers, "use_gpu_kernels", lambda t: True)
     ops.reset_auto_fallback()
     if student_lesson02:      # a student's finished lesson 02 (the reference's math)
         monkeypatch.setattr(student02, "silu_and_mul", ref.silu_and_mul_reference)
@@ -332,13 +332,13 @@ def test_engine_tokens_with_and_without_the_fused_kernels(monkeypatch):
     with the fused decode-step kernels give the ids of the same run with every op apart."""
     from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
-    monkeypatch.setattr(ops, "_use_gpu_kernels", lambda t: True)
+    monkeypatch.setattr(ops.layers, "use_gpu_kernels", lambda t: True)
     calls = _spy(monkeypatch, ref, "add_rms_norm_matvec")
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     llm = LLM(DEFAULT_MODEL, device=DEVICE, dtype=torch.float32, block_size=8, num_blocks=16)
     fused = llm.generate("Once", params)[0].token_ids
     assert calls, "the one-row steps used the fused kernels"
-    monkeypatch.setattr(ops, "_one_row_kernel", lambda x, name: None)
-    monkeypatch.setattr(ops, "_fused_rope_write_kv", lambda manager, q: None)
+    monkeypatch.setattr(ops.layers, "one_row_kernel", lambda x, name: None)
+    monkeypatch.setattr(ops.kv, "fused_rope_write_kv", lambda manager, q: None)
     apart = llm.generate("Once", params)[0].token_ids
     assert fused == apart, (fused, apart)

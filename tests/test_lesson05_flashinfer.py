@@ -304,8 +304,8 @@ def test_engine_step_through_plan_run_matches_float64(monkeypatch):
 
     monkeypatch.setattr(fi, "FlashInferPagedAttention", Spy)
     others = []
-    real_call_in = ops.call_in
-    monkeypatch.setattr(ops, "call_in", lambda *a, **k: others.append(a[:3]) or real_call_in(*a, **k))
+    real_call_in = ops.lessons.call_in
+    monkeypatch.setattr(ops.lessons, "call_in", lambda *a, **k: others.append(a[:3]) or real_call_in(*a, **k))
     got = step.attend(0, q, k_new, v_new)
     again = ops.paged_attention(q, k_new, v_new, step, 0)        # a second "layer": the same plan
     assert len(plans) == 1 and len(runs) == 2 and not others, others     # no lesson 04/06 launch
@@ -357,8 +357,8 @@ def test_engine_mixed_steps_token_identical_with_and_without_plan_run(monkeypatc
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
     planned = []
-    real = ops._plan_run_attention
-    monkeypatch.setattr(ops, "_plan_run_attention", lambda *a: planned.append(1) or real(*a))
+    real = ops.attention_backends.PLAN_RUN.run
+    monkeypatch.setattr(ops.attention_backends.PLAN_RUN, "run", lambda *a: planned.append(1) or real(*a))
     save_random_model("llama", tmp_path, seed=7)
     with single_thread():
         llm = LLM(tmp_path, device="cpu")
@@ -383,7 +383,7 @@ def test_engine_shared_prefix_decodes_through_cascade(monkeypatch, tmp_path):
     from yaie.model.testing import save_random_model, single_thread
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
-    monkeypatch.setattr(ops, "CASCADE_MIN_SHARED_TOKENS", 16)
+    monkeypatch.setattr(ops.plan_run, "CASCADE_MIN_SHARED_TOKENS", 16)
     cascades = []
     real_run = fi.CascadeAttention.run
     monkeypatch.setattr(fi.CascadeAttention, "run", lambda self, *a: cascades.append(self._plan) or real_run(self, *a))

@@ -75,14 +75,14 @@ def test_engine_prefills_after_a_cached_context_through_the_kernel(monkeypatch, 
         gen = torch.Generator().manual_seed(seed)
         prompt = [1] + torch.randint(3, llm.config.vocab_size, (32,), generator=gen).tolist()
         calls = []
-        real_call_in = ops.call_in
+        real_call_in = ops.lessons.call_in
 
         def spy(lesson, which, name, *args, **kwargs):
             if lesson != 1:
                 calls.append((lesson, which, name, args))
             return real_call_in(lesson, which, name, *args, **kwargs)
 
-        monkeypatch.setattr(ops, "call_in", spy)
+        monkeypatch.setattr(ops.lessons, "call_in", spy)
         whole, whole_logits = _greedy(llm, [prompt], True, 4)
         assert [c[2] for c in calls if c[2] != "paged_attention_forward"] == \
             ["flash_attention_varlen_forward"] * llm.config.num_layers, "a whole prompt goes to lesson 06"
@@ -107,15 +107,15 @@ def test_engine_falls_back_to_lesson06_without_lesson05(monkeypatch):
 
     seed = fresh_seed()
     step, q, k_new, v_new, full_k, full_v = build_step(seed, [0, 9], [12, 7], 0, use_kernels=True)
-    monkeypatch.setattr(ops, "_prefix_prefill_available", lambda: False)
+    monkeypatch.setattr(ops.attention_backends.PREFIX_PREFILL, "accepts", lambda step, window: False)
     names = []
-    real_call_in = ops.call_in
+    real_call_in = ops.lessons.call_in
 
     def spy(lesson, which, name, *args, **kwargs):
         names.append(name)
         return real_call_in(lesson, which, name, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "call_in", spy)
+    monkeypatch.setattr(ops.lessons, "call_in", spy)
     got = step.attend(0, q, k_new, v_new)
     assert names == ["flash_attention_varlen_forward"]
     for i in range(2):

@@ -7,7 +7,7 @@ import torch
 
 import solutions.kernels.cpu_kernels as reference
 from yaie import ops
-from yaie.engine.kv_cache import ContiguousKVCache
+from yaie.engine import ContiguousKVCache
 from yaie.model.testing import fresh_seed
 
 

@@ -86,13 +86,13 @@ def test_sliding_window(monkeypatch, use_kernels, window):
     seed = fresh_seed()
     step, q, k_new, v_new, full_k, full_v = build_step(seed, [30, 10, 0, 9], [1, 1, 12, 7], 2, use_kernels=use_kernels)
     calls = []
-    real_call_in = ops.call_in
+    real_call_in = ops.lessons.call_in
 
-    def spy(lesson, which, name, *args, **kwargs):     # ops.call goes through ops.call_in too
+    def spy(lesson, which, name, *args, **kwargs):     # lessons.call goes through lessons.call_in too
         calls.append((lesson, name, kwargs.get("sliding_window")))
         return real_call_in(lesson, which, name, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "call_in", spy)
+    monkeypatch.setattr(ops.lessons, "call_in", spy)
     got = step.attend(0, q, k_new, v_new, sliding_window=window)
     for i in range(4):
         rows = slice(step.query_starts[i], step.query_starts[i + 1])
@@ -148,7 +148,7 @@ def test_mixed_steps_fall_back_to_lessons_04_and_06_when_lesson_05_is_unfinished
     """Strict mode (YAIE_SOLUTIONS set) with lesson 05 left to the student's stubs: the default plan/run of a
     mixed step turns itself off with one notice and the step runs lessons 04 and 06, same output; with
     YAIE_PLAN_RUN=1 the missing lesson is an error."""
-    monkeypatch.setattr(ops, "_default_plan_run_off", None)
+    monkeypatch.setattr(ops.plan_run, "default_off_reason", None)
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     manager = ops.kv_cache_manager(16, 4, 1, 2, 8, torch.float32, "cpu")
