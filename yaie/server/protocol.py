@@ -26,10 +26,14 @@ PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of l
 
 
 class APIError(Exception):
+    """An error answered as the OpenAI API answers it: ``status`` with :meth:`body` as JSON, and ``headers``
+    (e.g. ``Retry-After`` on a 429, ``Allow`` on a 405) on the response."""
+
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
