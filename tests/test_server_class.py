@@ -38,6 +38,7 @@ KEY = "class-key-7f3a"
 LIMITS = Limits(max_prompt_tokens=24, max_n=4, max_waiting=1)
 PROMPT = "Once upon a time, there was a little fox named"
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+COUNTED = {"stream": True, "stream_options": {"include_usage": True}, **GREEDY}    # a stream that ends with usage
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +72,17 @@ def wait_for(url: str, name: str, value: float, seconds: float = 10) -> None:
         time.sleep(0.02)
 
 
-def read_stream(stream) -> tuple[str, int, str | None]:
-    """A completions stream read to its end: (text, chunks with text, the last finish_reason)."""
-    text, pieces, finish = "", 0, None
+def read_stream(stream) -> tuple[str, int | None, str | None]:
+    """A completions stream read to its end: (text, completion_tokens from its usage chunk if it asked for
+    one, the last finish_reason)."""
+    text, tokens, finish = "", None, None
     for chunk in stream:
         for choice in chunk.choices:
             text += choice.text
-            pieces += bool(choice.text)
             finish = choice.finish_reason or finish
-    return text, pieces, finish
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return text, tokens, finish
 
 
 def assert_openai_error(response: httpx.Response, status: int, code: str) -> dict:
@@ -124,7 +127,7 @@ def test_the_key_is_needed_and_taken(live):
 # ----------------------------------------------------------------------------- the limits
 def test_too_long_a_prompt_and_too_many_choices_get_400_and_disturb_nothing(live):
     with client(live.url) as c:
-        running = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, stream=True, **GREEDY)
+        running = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, **COUNTED)
         wait_for(live.url, "yaie_requests_running", 1)
         long_prompt = " ".join(["and the fox ran"] * 10)          # more than 24 tokens, far less than the context
         with pytest.raises(openai.BadRequestError) as err:
@@ -140,8 +143,8 @@ def test_too_long_a_prompt_and_too_many_choices_get_400_and_disturb_nothing(live
         response = httpx.post(live.url + "/v1/chat/completions", headers=auth(), timeout=10, json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 5})
         assert assert_openai_error(response, 400, "invalid_value")["param"] == "n"
-        text, pieces, finish = read_stream(running)
-        assert finish == "length" and pieces >= 30, (text, pieces)   # (a piece may hold two tokens of a word)
+        text, tokens, finish = read_stream(running)
+        assert finish == "length" and tokens == 40, (text, tokens)
         alone = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, **GREEDY)
         assert text == alone.choices[0].text and alone.usage.completion_tokens == 40
         got = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=4, **GREEDY)   # the limit itself
@@ -152,9 +155,9 @@ def test_a_full_queue_gets_429_with_retry_after_and_disturbs_nothing(live):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
     with client(live.url) as c:
         before = metrics(live.url)["yaie_server_requests_refused_busy_total"]
-        first = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=450, stream=True, **GREEDY)
+        first = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=450, **COUNTED)
         wait_for(live.url, "yaie_requests_running", 1)
-        second = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, stream=True, **GREEDY)
+        second = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, **COUNTED)
         wait_for(live.url, "yaie_requests_waiting", 1)       # one waits: the queue (max_waiting=1) is full
         response = httpx.post(live.url + "/v1/completions", json=body, headers=auth(), timeout=10)
         error = assert_openai_error(response, 429, "server_busy")
@@ -163,9 +166,9 @@ def test_a_full_queue_gets_429_with_retry_after_and_disturbs_nothing(live):
             c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert err.value.code == "server_busy"
         assert metrics(live.url)["yaie_server_requests_refused_busy_total"] == before + 2
-        first_text, first_pieces, first_finish = read_stream(first)
-        second_text, _, second_finish = read_stream(second)
-        assert first_finish == second_finish == "length" and first_pieces >= 300, first_pieces
+        first_text, first_tokens, first_finish = read_stream(first)
+        second_text, second_tokens, second_finish = read_stream(second)
+        assert first_finish == second_finish == "length" and (first_tokens, second_tokens) == (450, 20)
         assert first_text.startswith(second_text) and len(second_text) > 20, (first_text[:80], second_text)
         wait_for(live.url, "yaie_requests_waiting", 0)
         assert httpx.post(live.url + "/v1/completions", json=body, headers=auth(), timeout=10).status_code == 200
@@ -208,6 +211,25 @@ def test_exposure_warning_and_key_checks():
             Limits(**bad)
 
 
+def test_yaie_serve_warns_at_start_when_exposed_without_a_key(tmp_path, monkeypatch, capsys):
+    """The warning comes before the model loads (here a folder that is no model: the start fails after it)."""
+    no_model = str(tmp_path / "no-model")
+    monkeypatch.delenv("YAIE_API_KEY", raising=False)
+    assert main(["--host", "0.0.0.0", "--model", no_model]) == 1
+    err = capsys.readouterr().err
+    assert "WARNING: listening on 0.0.0.0 without an API key" in err and "no-model" in err, err
+    for env, argv in (({"YAIE_API_KEY": KEY}, []), ({}, ["--api-key", KEY]), ({"YAIE_API_KEY": KEY}, ["--api-key", "x"])):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert main(["--host", "0.0.0.0", "--model", no_model, *argv]) == 1
+        err = capsys.readouterr().err
+        assert "WARNING" not in err and "no-model" in err and KEY not in err, err
+    monkeypatch.setenv("YAIE_API_KEY", "with space")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", no_model])
+    assert exit_.value.code == 2
+
+
 # ----------------------------------------------------------------------------- SIGTERM on yaie serve
 GRACE_S = 4
 
@@ -240,7 +262,7 @@ def test_sigterm_drains_then_ends_the_streams_left_and_exits_cleanly(tmp_path):
             # 32 choices of 400 tokens: far more than the grace period on a CPU (40 s on 2 busy cores).
             long = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, n=32, stream=True, **GREEDY)
             waiter.start()
-            short = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, stream=True, **GREEDY)
+            short = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, **COUNTED)
             first = next(iter(short))
             engine = child_pids(proc.pid) if Path("/proc").is_dir() else []
             proc.send_signal(signal.SIGTERM)
@@ -252,8 +274,8 @@ def test_sigterm_drains_then_ends_the_streams_left_and_exits_cleanly(tmp_path):
             with pytest.raises(openai.InternalServerError) as err:                 # no new requests
                 c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
             assert err.value.status_code == 503 and "shutting down" in err.value.message
-            text, pieces, finish = read_stream(short)                             # finishes within the grace
-            assert finish == "length" and pieces + bool(first.choices[0].text) >= 6, (text, pieces)
+            text, tokens, finish = read_stream(short)                             # finishes within the grace
+            assert finish == "length" and tokens == 8, (first, text, tokens)
             with pytest.raises(openai.APIError, match="shutting down") as err:     # ended: an error event
                 read_stream(long)
             assert err.value.body["code"] == "unavailable"
