@@ -160,3 +160,40 @@ def assert_unchanged(before: torch.Tensor, after: torch.Tensor, name: str) -> No
     if not torch.equal(before, after):
         raise GradingError(f"{name} was modified in place\n  hint:     work on a copy (x.float() makes one "
                            "for fp16/bf16 inputs but not for float32 ones!)")
+
+
+def assert_correctly_rounded(got, exact: torch.Tensor, *, name: str, case: str = "", hint: str = "",
+                             rel_margin: float = 1e-5) -> None:
+    """Bit-exact check: ``got`` must be ``exact`` (a float64 reference) rounded to ``got``'s dtype.
+
+    For results the specification fixes down to the rounding (computed in float32 from given low-precision
+    values, rounded once), where a tolerance would let a different rounding order through. Float32 math
+    differs from float64 in its last bits, so where ``exact`` lies within ``rel_margin`` (relative) of the
+    midpoint between two representable values either neighbour passes; everywhere else the bits must match.
+    """
+    context = [f"  case:     {case}"] if case else []
+    hint_line = [f"  hint:     {hint}"] if hint else []
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(exact.shape):
+        raise GradingError("\n".join([f"{name} is wrong", *context, f"  expected: shape {list(exact.shape)}",
+                                      f"  got:      {getattr(got, 'shape', type(got).__name__)}", *hint_line]))
+    dtype = got.dtype
+    e = exact.detach().to("cpu", torch.float64)
+    g = got.detach().to("cpu")
+    lo = (e - rel_margin * e.abs()).to(dtype).double()
+    hi = (e + rel_margin * e.abs()).to(dtype).double()
+    gd = g.double()
+    bad = ~((gd >= lo) & (gd <= hi))
+    if not bad.any():
+        return
+    want = e.to(dtype)
+    first = _index(int(bad.flatten().nonzero()[0]), tuple(g.shape))
+    bits = torch.int16 if dtype.itemsize == 2 else torch.int32 if dtype.itemsize == 4 else torch.int64
+    ulps = (g.view(bits).long() - want.view(bits).long()).abs()
+    raise GradingError("\n".join([
+        f"{name} is not bit-exact", *context,
+        f"  mismatch: {int(bad.sum())} of {g.numel()} elements are not the exact result rounded to {dtype} "
+        f"(the largest difference is {int(ulps[bad].max())} units in the last place)",
+        f"  first at: index {first}: expected {_fmt(float(want[first]))} (exact {float(e[first]):.10g}), "
+        f"got {_fmt(float(g[first]))}",
+        "  (a tolerance cannot see this: the result is close, but not computed from the values the "
+        "specification fixes)", *hint_line]))

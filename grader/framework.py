@@ -210,6 +210,7 @@ def pytest_runtest_makereport(item, call):
                                        f"  error:    {type(err).__name__}: {err}\n"
                                        + (f"  at:       {where}\n" if where else "")
                                        + "  hint:     run this check alone with -k and --tb=long for the full traceback"
+                                       + (f"\n{err.yaie_context}" if getattr(err, "yaie_context", "") else "")
                                        + replay)
     return report
 

@@ -121,3 +121,66 @@ def test_a_task_that_calls_an_unfinished_task_says_which():
     own_stub = "task 2 based_prefill: not implemented yet (lesson 08, task 2: implement based_prefill in ...)"
     assert _waiting_on(result(2, own_stub, calls_task4)) == ""
     assert _waiting_on(result(2, "lesson 07, task 4: another lesson's stub")) == ""
+
+
+PROGRAM_GRADER = '''
+import pytest
+
+from grader.checks import GradingError, task
+from grader.programs import run_programs
+
+
+@task(1, "crash_in_a_program")
+def test_crash(seed):
+    def body(pick):
+        for _ in range(pick(1, 4)):
+            n = pick(0, 9)
+            pick.log(f"append({n})")
+            if n >= 5:
+                {}[n]                      # the student's code crashes
+    run_programs(body, seed, 30, fixed=[[2, 1, 7]])
+
+
+@task(2, "random_failure")
+def test_random(seed):
+    def body(pick):
+        n = pick(0, 100)
+        pick.log(f"allocate({n})")
+        if n % 7 == 3:
+            raise GradingError(f"allocate({n}) took the wrong blocks\\n  expected: 1 block\\n  got:      2 blocks")
+    run_programs(body, seed, 200)
+
+
+@task(3, "endless_program")
+@pytest.mark.grader_timeout(2)
+def test_endless(seed):
+    import time
+
+    def body(pick):
+        if pick(0, 100) > 50:
+            while True:
+                time.sleep(0.01)
+    run_programs(body, seed, 50)
+'''
+
+
+def test_random_programs_report_the_program_not_hypothesis(tmp_path):
+    """A program that crashes or fails: the plugin shows the operations and a fixed case to replay it, no
+    traceback and none of hypothesis's own errors."""
+    lesson = tmp_path / "lesson01"
+    lesson.mkdir()
+    shutil.copy(ROOT / "grader" / "conftest.py", tmp_path / "conftest.py")
+    (lesson / "test_programs.py").write_text(textwrap.dedent(PROGRAM_GRADER))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc, data = run_pytest([str(lesson), "--rootdir", str(tmp_path)], out_dir,
+                            env_extra={"PYTHONPATH": str(ROOT)}, timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    # an endless program is stopped once: hypothesis does not go on shrinking it without a time limit
+    assert "task 3 endless_program: timed out" in out, out
+    assert "task 1 crash_in_a_program: check test_crash crashed" in out and "KeyError: 7" in out, out
+    assert "ran:      append(1) ; append(7)" in out and "fixed case 1 of 1" in out and "YAIE_PROGRAM=2,1,7" in out, out
+    assert "took the wrong blocks" in out and "expected: 1 block" in out and "YAIE_PROGRAM=" in out, out
+    for word in ("Traceback", "Flaky", "Inconsistent", "Falsifying", "ExceptionGroup"):
+        assert word not in out, out

@@ -13,44 +13,21 @@ step it checks the invariants of a paged cache, computed here from the public qu
 * a call that raises ``OutOfBlocks`` leaves everything as it was;
 * once every sequence is freed, every block is free again (nothing leaked).
 
-With ``hypothesis`` installed the programs come from hypothesis (which shrinks a failing program to a
-short one); without it, from Python's ``random`` (``pip install hypothesis`` for the better reports).
+The programs run through :func:`grader.programs.run_programs`: fixed cases first (each test names its
+own), then fresh programs from hypothesis (which shrinks a failing program to a short one) or, without
+it, from Python's ``random``.
 """
 
 from __future__ import annotations
 
-import os
-import random
-
 import torch
 
 from grader.checks import GradingError
+from grader.programs import run_programs  # noqa: F401  (the graders import it from here)
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def run_programs(body, seed: int, examples: int, derandomize: bool | None = None) -> None:
-    """Call ``body(pick)`` on ``examples`` random programs; ``pick(lo, hi)`` draws an int in [lo, hi]."""
-    if derandomize is None:
-        derandomize = os.environ.get("YAIE_HYPOTHESIS_DERANDOMIZE", "") == "1"
-    try:
-        from hypothesis import HealthCheck, given, settings
-        from hypothesis import strategies as st
-    except ImportError:
-        rng = random.Random(0 if derandomize else seed)
-        for _ in range(examples):
-            body(rng.randint)
-        return
-
-    @settings(max_examples=examples, deadline=None, derandomize=derandomize, database=None,
-              suppress_health_check=list(HealthCheck), print_blob=False)
-    @given(st.data())
-    def program(data):
-        body(lambda lo, hi: data.draw(st.integers(lo, hi)))
-
-    program()
 
 
 def fail(what: str, **details) -> None:
@@ -119,7 +96,8 @@ def check_data(m, rows: dict) -> None:
             bad = (got != expected).flatten(1).any(1).nonzero()
             fail(f"sequence {sid} does not read back what was written (token {int(bad[0])} of {expected.shape[0]})",
                  hint="copy-on-write must copy the shared block before the new token is written; swaps must "
-                      "copy every layer's K and V")
+                      "copy every layer's K and V, and swap_in must read the host blocks swap_out wrote (a host "
+                      "block id is not the device block id it comes back to)")
 
 
 class ProgramRunner:
@@ -136,7 +114,7 @@ class ProgramRunner:
         self.lengths: dict[int, int] = {}
         self.rows: dict[int, torch.Tensor] = {}
         self.next_id = 0
-        self.trace: list[str] = []
+        self.trace: list[str] = getattr(pick, "trace", [])   # shared with the runner's report of a crash
 
     # ---------------------------------------------------------------- helpers
 
@@ -270,8 +248,8 @@ class ProgramRunner:
     def run(self) -> None:
         m = self.m
         for _ in range(self.pick(1, self.max_steps)):
-            getattr(self, f"op_{self.ops[self.pick(0, len(self.ops) - 1)]}")()
             try:
+                getattr(self, f"op_{self.ops[self.pick(0, len(self.ops) - 1)]}")()
                 check_bookkeeping(m, self.lengths)
                 if self.with_data:
                     check_data(m, self.rows)

@@ -164,7 +164,8 @@ def test_pool_random_programs(device, seed):
         expect(list(pool.free_ranges) == [(0, pool.capacity)], "nothing may leak once everything is freed",
                [(0, pool.capacity)], list(pool.free_ranges))
 
-    run_programs(body, seed, examples(device, 60, 30))
+    # allocate 100, 60 (aligned 16), free the first, 90 into the hole, 200 (aligned 256) that does not fit
+    run_programs(body, seed, examples(device, 60, 30), fixed=[[4, 5, 100, 0, 1, 60, 4, 0, 0, 1, 90, 0, 1, 200, 8]])
 
 
 # ================================================================ task 2: block bookkeeping
@@ -269,7 +270,8 @@ def test_bookkeeping_random_programs(device, seed):
         ProgramRunner(L, pick, device, torch.float16, ("allocate", "append", "append", "free"),
                       with_data=False).run()
 
-    run_programs(body, seed, examples(device, 40, 15))
+    # block_size 4, 3 blocks: allocate 9, append 3 (fills the cache), allocate 1 (no room), free, allocate 12
+    run_programs(body, seed, examples(device, 40, 15), fixed=[[1, 3, 5, 0, 9, 1, 0, 3, 0, 1, 3, 0, 0, 12]])
 
 
 # ================================================================ task 3: data, block copies, fork
@@ -373,7 +375,8 @@ def test_data_random_programs_with_fork(device, seed):
         ProgramRunner(L, pick, device, torch.float16, ("allocate", "append", "fork", "append", "fork", "free"),
                       with_data=True).run()
 
-    run_programs(body, seed, examples(device, 60, 15))
+    # block_size 4: allocate 6, fork, the child appends into the shared half-full block, free the parent, append
+    run_programs(body, seed, examples(device, 60, 15), fixed=[[1, 6, 5, 0, 6, 1, 2, 0, 1, 1, 1, 2, 5, 0, 1, 0, 3, 3]])
 
 
 # ================================================================ task 4: swapping
@@ -437,6 +440,45 @@ def test_swap_out_and_in_a_sequence(device, seed):
            (m.num_free_blocks, m.num_free_cpu_blocks))
 
 
+@task(4, "swapping")
+def test_swap_in_reads_the_host_blocks_not_the_device_ids(device, seed):
+    """Host and device ids that differ: 4 device blocks, 8 host blocks, two full sequences swapped out.
+
+    The two sequences take all 8 host blocks, so at most one of them can have host ids equal to the
+    device ids it comes back to: a swap-in that reads host block ``device_id`` instead of the host block
+    the sequence was copied to gives at least one of them the other's data (or stale rows).
+    """
+    m = make_manager(device, torch.float16, num_blocks=4, block_size=4, num_cpu_blocks=8)
+    data = {}
+    for name in ("x", "y"):
+        slots = m.allocate(name, 16)
+        k, v = (randn(16, 2, 8, dtype=torch.float16, device=device, seed=seed + 10 * len(data) + i) for i in range(2))
+        for layer in range(2):
+            m.write_kv(layer, slots, k, v)
+        data[name] = (k, v)
+        m.swap_out(name)
+    for layer in range(2):                     # the device blocks may hold anything now
+        m.k_cache[layer].fill_(float("nan"))
+        m.v_cache[layer].fill_(float("nan"))
+    for name in ("y", "x"):
+        m.swap_in(name)
+        k, v = data[name]
+        for layer in range(2):
+            got_k, got_v = rows_of(m, name, layer)
+            if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
+                bad = int((got_k != k).flatten(1).any(1).float().argmax()) if not torch.equal(got_k, k) else 0
+                raise GradingError(
+                    f"sequence {name!r} does not come back bit identical after swap_in (layer {layer})\n"
+                    f"  case:     4 device blocks, 8 host blocks; 'x' and 'y' (16 tokens each, block_size 4) swapped "
+                    f"out in turn, then swapped in, 'y' first; device blocks now {m.block_ids(name)}\n"
+                    f"  expected: the rows written before swap_out\n"
+                    f"  got:      different rows from token {bad} on\n"
+                    "  hint:     copy host block cpu_ids[i] into the new device block ids[i]: a device id is not a "
+                    "host id (the two pools hand out ids independently)")
+        m.free(name)
+    expect(m.num_free_blocks == 4 and m.num_free_cpu_blocks == 8, "nothing leaks", (4, 8),
+           (m.num_free_blocks, m.num_free_cpu_blocks))
+
 
 @task(4, "swapping")
 def test_swap_out_of_host_blocks_changes_nothing(device):
@@ -460,5 +502,7 @@ def test_swap_random_programs(device, seed):
         ProgramRunner(L, pick, device, torch.bfloat16,
                       ("allocate", "append", "fork", "append", "free", "swap_out", "swap_in", "swap_in"), with_data=True).run()
 
-    run_programs(body, seed, examples(device, 30, 10))
+    # 4 device and 8 host blocks: two 4-block sequences swapped out, the second swapped back in: its host
+    # blocks are not the device blocks it comes back to
+    run_programs(body, seed, examples(device, 30, 10), fixed=[[1, 4, 8, 5, 0, 13, 1, 5, 0, 0, 13, 2, 5, 0, 6, 1]])
 

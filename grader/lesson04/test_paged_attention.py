@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from grader.checks import GradingError, assert_close, expect_value_error, randn, task, tolerances
+from grader.edges import around, tile
 from yaie.switch import LessonProxy
 
 L = LessonProxy(4)
@@ -258,6 +259,30 @@ def test_split_k_low_precision(device, seed, dtype):
                  hint="keep the partial outputs and lse in float32; cast once at the end")
 
 
+def tile_n(device: str, head_dim: int) -> int:
+    """Keys per tile of the decode kernel (the module's ``_decode_config``, as the reference has it)."""
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    return tile(4, 0, lambda m: m._decode_config(block_d, 4, 1, 8)["TILE_N"], 64 if device == "cuda" else 16)
+
+
+EDGE_HINT = ("a context that fills its last tile (or block) exactly has no partial tile: the loop must stop "
+             "there, not run one tile more (those rows are NaN) or one less")
+
+
+@task(3, "merge_split_results")
+@pytest.mark.parametrize("num_splits", [1, 2, None])
+def test_contexts_on_tile_edges(device, seed, num_splits):
+    """Contexts of exactly 1 and 2 tiles of keys, one key less and one more; 2 splits cut them on a tile edge."""
+    tn = tile_n(device, 32)
+    lens = around(tn, 2 * tn)
+    case = (lens, 4, 2, 32, tn)
+    q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, device, seed)
+    got = L.paged_attention_forward(q, kc, vc, bt, cl, max(lens), num_splits=num_splits)
+    assert_close(got, ref_decode(q, ks, vs), name="paged_attention_forward output (contexts on tile edges)",
+                 dtype=torch.float32, case=case_text(case, torch.float32, num_splits) + f"; tiles of {tn} keys",
+                 atol=2e-5, rtol=1e-5, hint=EDGE_HINT)
+
+
 # ================================================================ task 4: sliding windows
 
 # (case, window): windows that start inside a block and a tile, cover a whole short context, or hold one token.
@@ -329,6 +354,25 @@ def test_window_forward_low_precision(device, seed, dtype):
     atol, rtol = lowp_bound(got, exact, q, ks, vs, dtype)
     assert_close(got, exact, name=f"paged_attention_forward(sliding_window={window})", dtype=dtype,
                  case=case_text(case, dtype), atol=atol, rtol=rtol, hint=WINDOW_HINT)
+
+
+@task(4, "sliding window")
+@pytest.mark.parametrize("num_splits", [1, 2, None])
+def test_window_starts_on_a_tile_edge(device, seed, num_splits):
+    """A window of 2 tiles: its first key falls exactly on a tile (and block) edge, one key before or after
+    it, at 0, or before the context's start."""
+    tn = tile_n(device, 32)
+    window = 2 * tn
+    lens = [3 * tn, 4 * tn, 3 * tn + 1, 3 * tn - 1, 2 * tn, tn]       # first visible keys tn, 2tn, tn+1, tn-1, 0, 0
+    case = (lens, 4, 2, 32, tn)
+    q, kc, vc, bt, cl, ks, vs = build_windowed(case, window, torch.float32, device, seed)
+    got = L.paged_attention_forward(q, kc, vc, bt, cl, max(lens), num_splits=num_splits, sliding_window=window)
+    assert_close(got, ref_decode(q, ks, vs), name=f"paged_attention_forward(sliding_window={window})",
+                 dtype=torch.float32, case=case_text(case, torch.float32, num_splits)
+                 + f"; tiles of {tn} keys, first visible keys {[max(0, n - window) for n in lens]}",
+                 atol=2e-5, rtol=1e-5,
+                 hint=WINDOW_HINT + "; when the first visible key is a tile's first key, start at that tile "
+                      "(the tile before it is all NaN) and mask nothing in it")
 
 
 @task(4, "sliding window")

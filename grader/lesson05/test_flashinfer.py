@@ -24,6 +24,7 @@ import torch
 
 from grader.checks import GradingError, assert_close, expect_value_error, randn, task, tolerances
 from yaie.switch import LessonProxy
+from yaie.switch import module as lesson_module
 
 L = LessonProxy(5, 2)
 
@@ -353,6 +354,52 @@ def test_paged_split_kv(device, seed, chunk):
                            "position is empty for that row (lse -inf)") from None
 
 
+def small_chunk_heuristic(monkeypatch):
+    """Make the module's split heuristic choose CPU-sized chunks (it never splits at CPU shapes: its
+    chunks are at least MIN_CHUNK = 256 keys, whole tiles of 64); returns the chunks it chose."""
+    mod = lesson_module(5, 2)
+    real = mod.choose_kv_chunk
+    chosen: list[int] = []
+
+    def small(tile_kv_lens, num_kv_heads, sms, granule=64, min_chunk=None):
+        chunk = real(tile_kv_lens, num_kv_heads, 4 * sms, granule=4, min_chunk=4)
+        chosen.append(chunk)
+        return chunk
+
+    monkeypatch.setattr(mod, "choose_kv_chunk", small)
+    return chosen
+
+
+def expect_heuristic_split(chosen, batch, what):
+    if not chosen:
+        raise GradingError(f"{what}: plan(kv_chunk_size=None) never called choose_kv_chunk\n"
+                           f"  case:     {case_text(batch.case, batch.dtype)}\n"
+                           "  hint:     with kv_chunk_size None, ask choose_kv_chunk(tile_kv_lens, num_kv_heads, "
+                           "num_sms(device), BLOCK_N) for the chunk, then cut each tile into "
+                           "max(1, round(length / chunk)) equal chunks")
+
+
+SPLIT_HINT = ("kv_chunk_size None: the chunk comes from choose_kv_chunk and each tile's keys are cut into "
+              "max(1, round(length / chunk)) EQUAL chunks of ceil(length / count) keys (the last one shorter): "
+              "not every chunk keys as with an explicit kv_chunk_size; merge the chunks' states (task 5)")
+
+
+@task(6, "FlashInferPagedAttention")
+@pytest.mark.parametrize("case_index", [0, 1])
+def test_paged_split_kv_by_the_heuristic(device, seed, case_index, monkeypatch):
+    """The planner's own split (kv_chunk_size None), forced to split at CPU shapes."""
+    chosen = small_chunk_heuristic(monkeypatch)
+    batch = Batch(cases(device)[case_index], torch.float32, device, seed)
+    wrapper = L.FlashInferPagedAttention()
+    wrapper.plan(*batch.csr(), *batch.sizes(), causal=True)
+    expect_heuristic_split(chosen, batch, "FlashInferPagedAttention")
+    out, lse = wrapper.run(batch.q, batch.k_cache, batch.v_cache)
+    try:
+        check_plan_run(batch, (out, lse), True, f"FlashInferPagedAttention.run split by the heuristic (chunk {chosen[-1]})")
+    except GradingError as err:
+        raise GradingError(f"{err}\n  note:     {SPLIT_HINT}") from None
+
+
 @task(6, "FlashInferPagedAttention")
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
                          ids=["fp16", "bf16"])
@@ -457,6 +504,24 @@ def test_ragged_plan_run_float32(device, seed, case_index, causal, chunk):
     wrapper.plan(batch.qo_indptr, kv_indptr, h, hk, d, causal=causal,
                  kv_chunk_size=chunk if device == "cpu" or chunk is None else chunk * 16)
     check_plan_run(batch, wrapper.run(batch.q, k, v), causal, "FlashInferAttention.run")
+
+
+@task(7, "FlashInferAttention")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ragged_split_kv_by_the_heuristic(device, seed, causal, monkeypatch):
+    """The planner's own split (kv_chunk_size None), forced to split at CPU shapes."""
+    chosen = small_chunk_heuristic(monkeypatch)
+    batch = Batch(cases(device)[1], torch.float32, device, seed)
+    k, v, kv_indptr = batch.contiguous_kv()
+    h, hk, d, _ = batch.sizes()
+    wrapper = L.FlashInferAttention()
+    wrapper.plan(batch.qo_indptr, kv_indptr, h, hk, d, causal=causal)
+    expect_heuristic_split(chosen, batch, "FlashInferAttention")
+    try:
+        check_plan_run(batch, wrapper.run(batch.q, k, v), causal,
+                       f"FlashInferAttention.run split by the heuristic (chunk {chosen[-1]})")
+    except GradingError as err:
+        raise GradingError(f"{err}\n  note:     {SPLIT_HINT}") from None
 
 
 @task(7, "FlashInferAttention")

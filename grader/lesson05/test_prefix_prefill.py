@@ -12,7 +12,8 @@ that no new token sees. A kernel that reads one row it should not turns its outp
 
 Batches are ragged: one new token (a decode step), a few, many; prefixes of 0 tokens and of many blocks.
 On a CPU the kernel runs in the Triton interpreter: small shapes, float32 and float16 (the interpreter's
-bf16 tl.dot is broken). On a GPU: bf16, fp8 caches, and the shapes of real models.
+bf16 tl.dot is broken; fp8 caches with float16 q). On a GPU: bf16, fp8 caches with bf16 q, and the shapes
+of real models.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from grader.checks import GradingError, assert_close, expect_value_error, poisoned, randn, task, tolerances
+from grader.edges import tile
 from yaie.switch import LessonProxy
 
 L = LessonProxy(5, 1)
@@ -263,6 +265,32 @@ def test_kernel_sliding_window(device, seed, window_index):
           case=case_text(case, dtype, window=window), hint=WINDOW_HINT)
 
 
+def kernel_tiles(device: str, head_dim: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the kernel at this shape (the module's ``_fixed_config``, as the reference has it)."""
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    default = 64 if device == "cuda" else 16
+    return tuple(tile(5, 1, lambda m: m._fixed_config(block_d, False, max_query_len)[name], default)
+                 for name in ("BLOCK_M", "BLOCK_N"))
+
+
+@task(4, "prefix_prefill_attention")
+@pytest.mark.parametrize("window", [None, "tile", "tile+1"])
+def test_kernel_tile_edges(device, seed, window):
+    """Prefixes and query lengths of whole tiles (and one more or less); windows whose first key is a tile's."""
+    block_m, block_n = kernel_tiles(device, 32, 64)
+    t = max(block_m, block_n)
+    ctx, new = [2 * t, t, 0, 3 * t, t - 1], [t, 2 * t, t + 1, 1, t]
+    block_m, block_n = kernel_tiles(device, 32, max(new))
+    w = {None: None, "tile": block_n, "tile+1": block_n + 1}[window]
+    case = (ctx, new, 4, 2, 32, min(t, 16))
+    batch = Batch(case, torch.float32, device, seed, window=w)
+    got = L.prefix_prefill_attention(*batch.args(), batch.max_query_len, sliding_window=w)
+    check(got, batch, torch.float32, name="prefix_prefill_attention" + (f"(sliding_window={w})" if w else ""),
+          case=case_text(case, torch.float32, window=w) + f"; tiles of {block_m} queries x {block_n} keys",
+          hint=(WINDOW_HINT if w else HINT) + "; a prefix or a query block that ends exactly on a tile edge has no "
+               "partial tile, and a window whose first key is a tile's first key starts at that tile")
+
+
 @task(4, "prefix_prefill_attention")
 def test_kernel_sinks_with_window_and_strided_q(device, seed):
     case_index, window = windows(device)[0]
@@ -318,6 +346,19 @@ def test_kernel_fp8_cache(device, seed, case_index):
     check(got, batch, torch.bfloat16, name="prefix_prefill_attention(fp8 cache)",
           case=case_text(case, torch.bfloat16, k_scale=Batch.K_SCALE, v_scale=Batch.V_SCALE),
           hint="convert the fp8 tiles to q's dtype; multiply the scores by k_scale and p by v_scale (not l)")
+
+
+@task(4, "prefix_prefill_attention")
+def test_kernel_fp8_cache_fp16(device, seed):
+    """The fp8 scales on any device: float16 q over an e4m3 cache (the interpreter runs fp8 with float16 dots)."""
+    case = cases(device)[0]
+    batch = Batch(case, torch.float16, device, seed, cache_dtype=torch.float8_e4m3fn)
+    got = L.prefix_prefill_attention(*batch.args(), batch.max_query_len, k_scale=Batch.K_SCALE,
+                                     v_scale=Batch.V_SCALE)
+    check(got, batch, torch.float16, name="prefix_prefill_attention(fp8 cache, float16 q)",
+          case=case_text(case, torch.float16, k_scale=Batch.K_SCALE, v_scale=Batch.V_SCALE),
+          hint="convert the fp8 tiles to q's dtype; multiply the scores by k_scale and p by v_scale (not l); "
+               "the new tokens' k and v are never scaled")
 
 
 @task(4, "prefix_prefill_attention")

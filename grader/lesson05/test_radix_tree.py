@@ -5,8 +5,8 @@ Two kinds of checks:
 
 * hand-written cases with exact expectations (matched lengths, block ids, the shape of the tree after a
   split, the order of eviction, reference counts), and
-* random programs of operations (``run_programs`` of lesson 03: hypothesis when it is installed, which
-  shrinks a failing program to a short one) checked after every step against an independent shadow of
+* random programs of operations (``grader/programs.py``: fixed cases first, then hypothesis when it is
+  installed, which shrinks a failing program to a short one) checked after every step against an independent shadow of
   what must hold: every block owned by the tree or a sequence, reference counts equal to owners, locked
   prefixes never evicted, cached data read back bit for bit, nothing leaked once every sequence ends.
 
@@ -17,12 +17,11 @@ glue's attention against a float64 reference on a NaN-poisoned cache.
 from __future__ import annotations
 
 import math
-import os
-import random
 
 import torch
 
 from grader.checks import GradingError, assert_close, expect_value_error, randn, task, tolerances
+from grader.programs import run_programs
 from yaie import ops
 from yaie.switch import LessonProxy
 
@@ -36,44 +35,6 @@ def expect(condition: bool, what: str, expected, got, hint: str = "") -> None:
 
 def examples(device: str, cpu: int, gpu: int) -> int:
     return gpu if device == "cuda" else cpu
-
-
-def run_programs(body, seed: int, examples: int) -> None:
-    """Call ``body(pick)`` on ``examples`` random programs; ``pick(lo, hi)`` draws an int in [lo, hi].
-
-    With hypothesis installed it draws the programs (and shrinks a failing one to a short one); else
-    Python's ``random``. ``YAIE_HYPOTHESIS_DERANDOMIZE=1`` makes the programs the same on every run.
-    """
-    derandomize = os.environ.get("YAIE_HYPOTHESIS_DERANDOMIZE", "") == "1"
-    try:
-        from hypothesis import HealthCheck, given, settings
-        from hypothesis import strategies as st
-    except ImportError:
-        rng = random.Random(0 if derandomize else seed)
-        for _ in range(examples):
-            body(rng.randint)
-        return
-
-    # One failure reported (the shortest program), as an ordinary exception: an unfinished method is
-    # "not implemented", not a group of failures.
-    @settings(max_examples=examples, deadline=None, derandomize=derandomize, database=None,
-              suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False)
-    @given(st.data())
-    def program(data):
-        body(lambda lo, hi: data.draw(st.integers(lo, hi)))
-
-    try:
-        program()
-    except Exception as err:  # noqa: BLE001 - hypothesis's Flaky* errors: it could not replay its failure
-        if "Flaky" not in type(err).__name__:
-            raise
-        # Show a failure that replays: the same kind of programs from Python's random.
-        rng = random.Random(seed)
-        for _ in range(5 * examples):
-            body(rng.randint)
-        raise GradingError("a random program failed under hypothesis, which could not replay it, and no plain "
-                           "random program fails\n  hint:     does your code keep state between objects (class "
-                           "attributes, module globals)? Rerun with YAIE_HYPOTHESIS_DERANDOMIZE=1") from err
 
 
 def seq(*blocks: str) -> list[int]:
@@ -263,6 +224,7 @@ def test_random_programs_on_the_tree(device, seed):
                 count = len(tokens) // size
                 blocks = list(range(next_block[0], next_block[0] + count))
                 next_block[0] += count
+                pick.log(f"insert({tokens}, {blocks})")
                 taken = list(tree.insert(tokens, blocks))
                 expect(taken == blocks[before.num_tokens // size:], "insert takes exactly the blocks past the cached prefix",
                        blocks[before.num_tokens // size:], taken)
@@ -275,14 +237,18 @@ def test_random_programs_on_the_tree(device, seed):
                 sequences.append(tokens)
             elif op == 2 and sequences:    # lock what a request would read
                 found = tree.match_prefix(sequences[pick(0, len(sequences) - 1)])
+                pick.log(f"lock(match_prefix(...).node holding {list(found.blocks)})")
                 tree.lock(found.node)
                 locks.append((found.node, list(found.blocks)))
             elif op == 3 and locks:
-                node, _ = locks.pop(pick(0, len(locks) - 1))
+                node, held = locks.pop(pick(0, len(locks) - 1))
+                pick.log(f"unlock(node holding {held})")
                 tree.unlock(node)
             else:
                 protected = {b for _, blocks in locks for b in blocks}
-                freed = list(tree.evict(pick(0, 6)))
+                count = pick(0, 6)
+                pick.log(f"evict({count})")
+                freed = list(tree.evict(count))
                 expect(not set(freed) & protected, "evict must never take a block of a locked prefix",
                        "none of " + str(sorted(protected)), freed)
                 expect(set(freed) <= owned and len(set(freed)) == len(freed),
@@ -302,7 +268,9 @@ def test_random_programs_on_the_tree(device, seed):
         expect(sorted(freed) == sorted(owned) and tree.num_cached_blocks == 0,
                "nothing leaked: with every lock released, evict gives back every block", sorted(owned), sorted(freed))
 
-    run_programs(body, seed, examples(device, 25, 60))
+    # block_size 2: insert 'aabbcc', insert 'aabbdd' (a split), lock 'aabbcc', evict 6, unlock, evict 6
+    run_programs(body, seed, examples(device, 25, 60),
+                 fixed=[[2, 6, 0, 6, 0, 0, 1, 1, 2, 2, 0, 1, 0, 4, 2, 3, 3, 2, 0, 4, 6, 3, 0, 4, 6]])
 
 
 # ================================================================ task 2: the glue with lesson 03's cache
@@ -396,6 +364,62 @@ def test_eviction_makes_room_but_spares_prefixes_in_use(device):
     expect(manager.num_free_blocks == manager.num_blocks, "nothing leaked", manager.num_blocks, manager.num_free_blocks)
 
 
+def _cached_prefix_held_by_a_fork(device):
+    """8 blocks of 2 tokens: 'aabbcc' cached and still held by a fork of the request that computed it (the
+    least recently used prefix: evicting it frees nothing), then 'xxyy' cached by nobody but the tree.
+    Two blocks are free."""
+    manager, cache = make_cache(device, num_blocks=8, block_size=2)
+    a = seq("aa", "bb", "cc", "d")
+    cache.allocate("a", a)                  # 4 blocks
+    cache.cache_sequence("a", a)            # the tree takes the 3 whole ones
+    manager.fork("a", "a2")                 # a second sample of the same prompt shares all 4
+    cache.free("a", a)                      # the parent ends: 'aabbcc' is unlocked, but a2 still holds its blocks
+    b = seq("xx", "yy", "z")
+    cache.allocate("b", b)
+    cache.free("b", b)                      # 'xxyy' cached, held by the tree only
+    expect(manager.num_free_blocks == 2, "free blocks after the set-up (4 held by the fork, 2 by the tree)", 2,
+           manager.num_free_blocks)
+    return manager, cache, a
+
+
+MAKE_ROOM_HINT = ("evicting a block the tree caches frees it only when nobody else holds it: a fork of the "
+                  "request that cached it keeps it. Evict, look at manager.num_free_blocks, and evict again "
+                  "until enough blocks are free or the tree has nothing left to evict")
+
+
+@task(2, "RadixAttentionWithPagedKVCache")
+def test_make_room_keeps_evicting_until_blocks_are_free(device):
+    """Eviction in more than one round: the least recently used cached blocks are still held by a fork."""
+    manager, cache, a = _cached_prefix_held_by_a_fork(device)
+    case = ("8 blocks of 2 tokens; 'aabbcc' cached, least recently used, and still held by a fork 'a2' of the "
+            "request that cached it; 'xxyy' cached by the tree only; 2 blocks free")
+    ok = cache.make_room(4)
+    expect(ok is True and manager.num_free_blocks >= 4, f"make_room(4) must free blocks until 4 are free\n  case:     {case}",
+           "True, at least 4 free blocks (evict 'aabbcc', which frees nothing, then 'xxyy')",
+           f"{ok!r}, {manager.num_free_blocks} free blocks", MAKE_ROOM_HINT)
+    check_owners(cache, {"a2": a})
+    expect(cache.match(a) == 0 and cache.match(seq("xx", "yy", "z")) == 0, "both prefixes were evicted to make room",
+           "match() 0 for both", (cache.match(a), cache.match(seq("xx", "yy", "z"))))
+    manager.free("a2")
+    expect(manager.num_free_blocks == 8, "nothing leaked", 8, manager.num_free_blocks)
+
+    manager, cache, a = _cached_prefix_held_by_a_fork(device)
+    c = seq("mm", "nn", "oo", "p")          # 4 new blocks: only 'xxyy' can free the 2 missing
+    try:
+        got = cache.allocate("c", c)
+    except Exception as err:  # noqa: BLE001 - the manager's OutOfBlocks, whichever module made it
+        raise GradingError(f"allocate of a 7-token prompt (4 blocks) raised {type(err).__name__}\n  case:     {case}\n"
+                           "  expected: it fits once the tree evicts 'aabbcc' (frees nothing) and 'xxyy' (frees 2)\n"
+                           f"  got:      {type(err).__name__}: {err}\n  hint:     {MAKE_ROOM_HINT}") from None
+    expect(got.num_cached == 0 and len(manager.block_ids("c")) == 4, "allocate after making room", "4 new blocks",
+           manager.block_ids("c"))
+    check_owners(cache, {"a2": a, "c": c})
+    cache.free("c")
+    manager.free("a2")
+    cache.clear()
+    expect(manager.num_free_blocks == 8, "nothing leaked", 8, manager.num_free_blocks)
+
+
 @task(2, "RadixAttentionWithPagedKVCache")
 def test_glue_rejects_bad_input(device):
     manager, cache = make_cache(device)
@@ -437,6 +461,7 @@ def test_random_programs_share_blocks_correctly(device, seed):
                 seq_id = f"s{counter[0]}"
                 counter[0] += 1
                 before = cache.match(tokens)
+                pick.log(f"allocate({seq_id!r}, {tokens})")
                 try:
                     got = cache.allocate(seq_id, tokens)
                 except Exception as err:  # noqa: BLE001
@@ -458,13 +483,18 @@ def test_random_programs_share_blocks_correctly(device, seed):
                 live[seq_id] = tokens
                 prompts.append(tokens)
                 if pick(0, 1):
+                    pick.log(f"cache_sequence({seq_id!r}, ...)")
                     cache.cache_sequence(seq_id, tokens)
             elif op == 2 and live:
                 seq_id = list(live)[pick(0, len(live) - 1)]
                 tokens = live.pop(seq_id)
-                cache.free(seq_id, tokens if pick(0, 1) else None)
+                keep = pick(0, 1)
+                pick.log(f"free({seq_id!r}{', tokens' if keep else ''})")
+                cache.free(seq_id, tokens if keep else None)
             else:
-                cache.evict(pick(0, 4))
+                count = pick(0, 4)
+                pick.log(f"evict({count})")
+                cache.evict(count)
             check_owners(cache, live)
             for seq_id in live:
                 node = cache.locked_node(seq_id)
@@ -479,7 +509,11 @@ def test_random_programs_share_blocks_correctly(device, seed):
                "nothing leaked once every request ended and the cache was cleared",
                f"{manager.num_blocks} free blocks", manager.num_free_blocks)
 
-    run_programs(body, seed, examples(device, 20, 50))
+    # block_size 2, 6 blocks: a 7-token request, cached; one sharing its first 2 blocks; free both; evict 2;
+    # a new 8-token request, cached
+    run_programs(body, seed, examples(device, 20, 50),
+                 fixed=[[2, 6, 6, 0, 7, 0, 0, 1, 1, 2, 2, 0, 1, 1, 1, 0, 4, 1, 1, 0, 2, 0, 1, 2, 0, 0, 3, 2,
+                         0, 0, 8, 2, 2, 2, 2, 1, 1, 1, 1, 1]])
 
 
 @task(2, "RadixAttentionWithPagedKVCache")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from grader.checks import GradingError, assert_close, describe, expect_value_error, randn, task
+from grader.edges import tile
 from yaie.switch import LessonProxy
 
 L = LessonProxy(6)
@@ -165,6 +166,37 @@ def test_forward_low_precision_flash_rule(device, seed, dtype, case_index):
                      hint="accumulate scores, l and acc in float32; cast P to the input dtype only for P @ V")
     assert_close(lse, exact_lse, name="flash_attention_forward lse", dtype=torch.float32, case=text,
                  atol=1e-3, rtol=1e-3, hint="keep m and l in float32")
+
+
+def kernel_tiles(device: str, kind: str, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the kernel (the module's ``_fixed_config``, as the reference has it)."""
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    defaults = {"BLOCK_M": 128 if device == "cuda" else 32, "BLOCK_N": 64 if device == "cuda" else 32}
+    return tuple(tile(6, 0, lambda m: m._fixed_config(kind, block_d)[name], defaults[name])
+                 for name in ("BLOCK_M", "BLOCK_N"))
+
+
+EDGE_HINT = ("a length that fills its last tile exactly has no partial tile: the loops must stop there (not "
+             "one tile later, not one tile sooner); the causal diagonal may fall on a tile edge")
+
+
+@task(1, "flash_attention_forward")
+@pytest.mark.parametrize("shape", ["q=k=2 tiles", "q=1 tile, k=3 tiles", "q=k=2 tiles + 1"])
+def test_forward_lengths_on_tile_edges(device, seed, shape):
+    """Query and key lengths of whole tiles (the kernel's own), and one more."""
+    block_m, block_n = kernel_tiles(device, "fwd", 32)
+    t = max(block_m, block_n)
+    sq, sk = {"q=k=2 tiles": (2 * t, 2 * t), "q=1 tile, k=3 tiles": (t, 3 * t),
+              "q=k=2 tiles + 1": (2 * t + 1, 2 * t + 1)}[shape]
+    case = (1, 2, 1, sq, sk, 32, True)
+    q, k, v = make_inputs(case, torch.float32, device, seed)
+    out, lse = L.flash_attention_forward(q, k, v, causal=True)
+    ref_out, ref_lse = ref_attention(q.double(), k.double(), v.double(), True)
+    text = f"{case_id(case)}, causal=True; tiles of {block_m} queries x {block_n} keys"
+    assert_close(out, ref_out, name="flash_attention_forward output", dtype=torch.float32, case=text,
+                 atol=2e-5, rtol=1e-5, hint=EDGE_HINT)
+    assert_close(lse, ref_lse, name="flash_attention_forward lse", dtype=torch.float32, case=text,
+                 atol=2e-5, rtol=1e-5, hint=EDGE_HINT)
 
 
 @task(1, "flash_attention_forward")
@@ -380,6 +412,38 @@ def test_varlen_window_matches_reference(device, seed, window):
                              case=seq_text, hint=WINDOW_HINT)
         assert_close(lse[:, rq][None], ref_lse, name="varlen lse with a window", dtype=torch.float32, case=seq_text,
                      atol=1e-4, rtol=1e-4, hint=WINDOW_HINT)
+
+
+@task(5, "sliding window (varlen)")
+@pytest.mark.parametrize("edge", ["tile", "tile+1"])
+def test_varlen_window_starts_on_a_tile_edge(device, seed, edge):
+    """Windows of one key tile (and one key more): the first row of every query tile then sees a first key
+    that is exactly a key tile's first key (or the last one of the tile before); lengths of whole tiles."""
+    block_m, block_n = kernel_tiles(device, "fwd", 32)
+    t = max(block_m, block_n)
+    window = block_n + (edge == "tile+1")
+    lens_k, lens_q = [2 * t, 3 * t, 2 * t + 1], [2 * t, t, t - 1]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 2, 1, 32, torch.float32, device, seed)
+    exact = (k.clone(), v.clone())
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):          # keys no query sees: NaN
+        hidden = max(0, lk - lq - window + 1)
+        k[int(cu_k[b]): int(cu_k[b]) + hidden] = float("nan")
+        v[int(cu_k[b]): int(cu_k[b]) + hidden] = float("nan")
+    out, lse = L.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                sliding_window=window)
+    k, v = exact
+    text = (f"lens_q={lens_q}, lens_k={lens_k}, heads 2, kv_heads 1, head_dim 32, float32, sliding_window={window}; "
+            f"tiles of {block_m} queries x {block_n} keys")
+    for b in range(len(lens_q)):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[rq], k[rk], v[rk]))
+        ref_out, ref_lse = ref_attention(qs.double(), ks.double(), vs.double(), True, window=window)
+        hint = WINDOW_HINT + "; when that first key is a key tile's first key, start at that tile, not the one before"
+        assert_close(out[rq].transpose(0, 1)[None], ref_out, name="varlen output with a window", dtype=torch.float32,
+                     case=f"{text}; sequence {b}", atol=2e-5, rtol=1e-5, hint=hint)
+        assert_close(lse[:, rq][None], ref_lse, name="varlen lse with a window", dtype=torch.float32,
+                     case=f"{text}; sequence {b}", atol=1e-4, rtol=1e-4, hint=hint)
 
 
 @task(5, "sliding window (varlen)")

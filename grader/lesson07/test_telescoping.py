@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from grader.checks import GradingError, assert_close, assert_unchanged, describe, expect_value_error, randn, task
+from grader.edges import tile
 from yaie.switch import LessonProxy
 
 L = LessonProxy(7)
@@ -335,6 +336,27 @@ def test_pv_forward(device, seed, dtype, case_index):
                  case=f"{case_id(case)}, {describe(p=p, v=v)}",
                  hint="out[b,l,h,e] = sum_c p[b,l,h,e,c] * v[b, M[l,c], h]; an unused slot adds nothing "
                       "even where p is not 0 there")
+
+
+@task(3, TASK3)
+@pytest.mark.parametrize("which", ["qk", "pv"])
+@pytest.mark.parametrize("extra", [0, 1], ids=["whole blocks", "one more"])
+def test_forward_on_block_edges(device, seed, which, extra):
+    """Positions and slots of whole blocks of the kernel's own (its ``_block_c``), then one more of each."""
+    block_c = tile(7, 0, lambda m: m._block_c(1 << 20), 64)
+    block_l = 32                                     # a multiple of every position block the kernels take
+    case = (1, block_l + extra, 2, 2, 32, 2 * block_c + extra, 40)
+    if which == "qk":
+        x, buf, index_map = make_qk_inputs(case, torch.float32, device, seed)
+        out, ref = L.indexed_qk_forward(x, buf, index_map), ref_qk(x, buf, index_map)
+    else:
+        x, buf, index_map = make_pv_inputs(case, torch.float32, device, seed)
+        out, ref = L.indexed_pv_forward(x, buf, index_map), ref_pv(x, buf, index_map)
+    atol, rtol = tol(torch.float32, case[4])
+    assert_close(out, ref, name=f"indexed_{which}_forward output", dtype=torch.float32, atol=atol, rtol=rtol,
+                 case=f"{case_id(case)}; blocks of {block_c} slots",
+                 hint="slot and position counts that fill their last block exactly leave no partial block: "
+                      "cdiv(c, BLOCK_C) blocks, masks on c and l, not on the block size")
 
 
 @task(3, TASK3)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from grader.checks import GradingError, assert_close, describe, expect_value_error, randn, task
+from grader.edges import tile
 from yaie.switch import LessonProxy
 
 L = LessonProxy(8)
@@ -185,6 +186,27 @@ def test_prefill_default_route_gpu(device, seed, dtype, seq, value_dim):
     scale = float(seq) ** 0.5
     check_state(state, k, v, case, atol=(1e-2 if low else 1e-3) * scale, rtol=2e-2 if low else 1e-4,
                 hint="the default route must return the state too")
+
+
+EDGES = ["1 segment", "2 segments", "2 segments + 1", "2 chunks of 16", "2 chunks of 32", "4 chunks of 64"]
+
+
+@task(2, "based_prefill")
+@pytest.mark.parametrize("edge", EDGES)
+def test_prefill_lengths_on_chunk_and_segment_edges(device, seed, edge):
+    """Lengths of exactly whole chunks and segments (the module's DEFAULT_SEGMENT): no partial last piece, so
+    a state kept for the piece after the last one would be stored past the end of its buffer."""
+    segment = tile(8, 0, lambda m: m.DEFAULT_SEGMENT, 256)
+    seq, chunk = {"1 segment": (segment, None), "2 segments": (2 * segment, None),
+                  "2 segments + 1": (2 * segment + 1, None), "2 chunks of 16": (32, 16),
+                  "2 chunks of 32": (64, 32), "4 chunks of 64": (256, 64)}[edge]
+    q, k, v, out, state, case = _prefill_case(device, seed, torch.float32, seq, 32, chunk)
+    case += f" ({edge}; DEFAULT_SEGMENT = {segment})"
+    hint = ("a length that fills its last chunk (or segment) exactly has no partial piece: no state is carried "
+            "into, or stored for, a piece after the last one")
+    assert_close(out, ref_based(q, k, v), name="based_prefill output", dtype=torch.float32, case=case,
+                 atol=2e-5, rtol=1e-4, hint=hint)
+    check_state(state, k, v, case, atol=1e-3 * (seq / 64) ** 0.5, rtol=1e-4, hint=hint)
 
 
 @task(2, "based_prefill")

@@ -183,6 +183,10 @@ def fused_add_rms_norm(input_tensor: torch.Tensor, residual: torch.Tensor, weigh
     the call ``residual`` holds the sum (rounded to its dtype) and ``input_tensor`` holds the normalised
     sum. Each row is read once and written once; no temporary tensor.
 
+    The rounding is part of the specification, as two separate ops would do it: the sum is computed in
+    float32 and rounded once to the dtype, and the norm is taken of exactly those stored values (not of the
+    float32 sum), in float32, then rounded once. For float16 and bfloat16 the result is checked bit for bit.
+
     Args:
         input_tensor: ``[..., hidden]``, float32/float16/bfloat16; rows may be strided.
         residual: same shape, dtype and device as ``input_tensor``, and a different tensor.

@@ -178,8 +178,9 @@ def check_prefix_prefill_inputs(q, k, v, k_cache, v_cache, block_tables, cu_seql
         raise ValueError(f"empty caches are not allowed: {tuple(v_cache.shape)}")
     fp8 = k_cache.dtype in FP8_DTYPES
     if fp8:
-        if for_kernel and q.device.type != "cuda":
-            raise ValueError("an fp8 KV cache needs a CUDA GPU (the Triton interpreter has no fp8)")
+        if for_kernel and q.device.type != "cuda" and q.dtype != torch.float16:
+            raise ValueError("an fp8 KV cache needs a CUDA GPU (float16 or bfloat16 q, k, v), or float16 q, k, v "
+                             "in the Triton interpreter (whose bfloat16 dot products are wrong)")
         if q.dtype == torch.float32 and for_kernel:
             raise ValueError("with an fp8 cache, q, k, v must be float16 or bfloat16")
     elif k_cache.dtype != q.dtype:
@@ -321,7 +322,8 @@ def prefix_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         k_cache, v_cache: ONE layer's cache, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (lesson 03's
             layout), or for ``k_cache`` the 16-byte vector layout ``[num_blocks, num_kv_heads, head_dim // x,
             block_size, x]`` of :func:`to_vector_k_layout`. Same dtype as q, or ``torch.float8_e4m3fn``
-            (GPU only) with ``k_scale`` / ``v_scale``.
+            with ``k_scale`` / ``v_scale`` (on a GPU with float16 or bfloat16 q; in the Triton interpreter
+            with float16 q).
         block_tables: int32 ``[batch, max_blocks]``: cached token ``t`` of sequence ``b`` is row
             ``t % block_size`` of block ``block_tables[b, t // block_size]``. Entries past the prefix may
             hold anything (they are never followed).
