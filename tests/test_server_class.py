@@ -30,7 +30,7 @@ from yaie import ops
 from yaie.engine import DEFAULT_MODEL, LLM
 from yaie.model.testing import single_thread
 from yaie.server import create_app
-from yaie.server.app import RETRY_AFTER_S, Lifecycle, Limits, parse_prometheus
+from yaie.server.app import RETRY_AFTER_S, Lifecycle, Limits, parse_prometheus, shutdown_error
 from yaie.server.cli import build_parser, check_api_key, exposure_warning, main
 
 MODEL = DEFAULT_MODEL.name
@@ -280,7 +280,7 @@ def test_sigterm_drains_then_ends_the_streams_left_and_exits_cleanly(tmp_path):
                 read_stream(long)
             assert err.value.body["code"] == "unavailable"
             waiter.join(15)
-            assert whole and "did not finish within its grace period" in assert_openai_error(
+            assert whole and f"did not finish within its grace period ({GRACE_S} s)" in assert_openai_error(
                 whole[0], 503, "unavailable")["message"]
         returncode = proc.wait(GRACE_S + 15)
         took = time.monotonic() - signalled
@@ -327,5 +327,6 @@ def test_drain_waits_for_the_requests_in_flight_and_a_second_signal_cuts_it_shor
         started = time.monotonic()
         await cut.drain()
         assert cut.ending and ended == [True] and cut.in_flight == 0 and time.monotonic() - started < 3
+        assert "cut short" in shutdown_error(cut).message and "30 s" in shutdown_error(Lifecycle(30)).message
 
     asyncio.run(scenario())

@@ -368,8 +368,10 @@ async def batches(request: Request, group: RequestGroup, lifecycle: "Lifecycle")
 def shutdown_error(lifecycle: "Lifecycle") -> APIError:
     """What a request still running at the end of the grace period gets: a 503, or this error as a
     stream's last event."""
-    return APIError(f"the server is shutting down and this request did not finish within its grace period "
-                    f"({lifecycle.grace_s:g} s)", None, "unavailable", status=503, type="server_error")
+    why = ("its grace period was cut short" if lifecycle.cut else
+           f"it did not finish within its grace period ({lifecycle.grace_s:g} s)")
+    return APIError(f"the server is shutting down and ended this request: {why}", None, "unavailable", status=503,
+                    type="server_error")
 
 
 # ---------------------------------------------------------------------------- responses
@@ -554,6 +556,11 @@ class Lifecycle:
         """End the grace period now (a second SIGTERM or Ctrl-C)."""
         self._cut.set()
 
+    @property
+    def cut(self) -> bool:
+        """Whether the grace period was cut short."""
+        return self._cut.is_set()
+
     async def drain(self) -> None:
         """The graceful shutdown, before the server stops: new requests get 503 (``/health`` too); the
         requests in flight get up to ``grace_s`` to finish (less if :meth:`cut_short`); then the generations
@@ -566,7 +573,8 @@ class Lifecycle:
                 "(signal again to end them now); new requests get 503")
             await _first(self._idle.wait(), self._cut.wait(), timeout=self.grace_s)
         if self.in_flight:
-            say(f"ending {len(self.enders)} generation(s) still running after the grace period")
+            when = "the grace period was cut short" if self.cut else "the grace period is over"
+            say(f"ending {len(self.enders)} generation(s) still running: {when}")
             self.ending = True
             for end in list(self.enders):
                 end()
