@@ -157,3 +157,12 @@ def test_strict_mode_still_stops_at_a_stub(monkeypatch):
     assert ops.lessons.reference_only(1, "cpu_rms_norm", ("build_rope_cache",)) is None
     monkeypatch.setenv("YAIE_SOLUTIONS", "1")
     assert ops.lessons.reference_only(1, "cpu_rms_norm", ("build_rope_cache",)) is reference.cpu_rms_norm
+
+
+def test_a_call_to_no_such_lesson_function_is_a_value_error():
+    with pytest.raises(ValueError, match="lesson 01: yaie.kernels.cpu_kernels has no 'cpu_rms_nrom'"):
+        ops.call(1, "cpu_rms_nrom", torch.ones(2, 4), torch.ones(4))
+    with pytest.raises(ValueError, match="lesson 05 has modules 0-2, not 3"):
+        ops.call_in(5, 3, "merge_state")
+    with pytest.raises(ValueError, match="no lesson 42"):
+        ops.call(42, "cpu_rms_norm")

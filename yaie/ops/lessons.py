@@ -57,6 +57,9 @@ def lesson_module(lesson: int, which: int = 0) -> ModuleType:
     """The module the switch picks for ``lesson`` (the student's, or the reference's where the switch says
     so). ``which`` picks among a lesson's modules (``switch.LESSONS[lesson].modules``; lesson 05 has three).
     Auto mode's fallbacks are per function: :func:`serving_module` applies them."""
+    if lesson in switch.LESSONS and not 0 <= which < len(switch.LESSONS[lesson].modules):
+        raise ValueError(f"{switch.LESSONS[lesson].label} has modules 0-{len(switch.LESSONS[lesson].modules) - 1}, "
+                         f"not {which}")
     return switch.module(lesson, which)
 
 
@@ -135,6 +138,8 @@ def run_with_fallback(lesson: int, which: int, name: str, use: Callable):
     :class:`KernelMissing` is raised.
     """
     module = serving_module(lesson, name, which)
+    if not hasattr(module, name):
+        raise ValueError(f"{switch.LESSONS[lesson].label}: {module.__name__} has no {name!r}")
     try:
         return use(getattr(module, name))
     except NotImplementedError as err:
