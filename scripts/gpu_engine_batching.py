@@ -71,7 +71,7 @@ def section_spies():
         # Without CUDA graphs: a replayed graph calls no Python, so the spies would miss its steps.
         llm = LLM(DEFAULT_MODEL, device=DEVICE, block_size=16, cuda_graphs=False)
         llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-        steps = llm.last_scheduler.stats.steps
+        steps = llm.last_core.scheduler.stats.steps
     finally:
         for r in restore:
             r()
@@ -95,14 +95,14 @@ def section_fp32_bundled():
         got = [o.token_ids for o in llm.generate(PROMPTS, params)]
         want = [hf_greedy(hf, llm.tokenizer.encode(p), sp.max_tokens, llm.eos_token_ids)
                 for p, sp in zip(PROMPTS, params)]
-        scheduler = llm.last_scheduler
-        stats, manager, graphs = scheduler.stats, scheduler.manager, llm.last_graphs
+        scheduler = llm.last_core.scheduler
+        stats, manager, graphs = scheduler.stats, scheduler.manager, llm.last_core.runner.graphs
         # Prefix caching (on by default) keeps finished prompts' blocks in the radix tree, unlocked: they count
         # as free. blocks: the ones requests may use (with CUDA graphs the cache has one more, the graphs' scratch).
         cached = scheduler.prefix_cache.tree.num_evictable_blocks if scheduler.prefix_cache else 0
         results[label] = dict(equal=[g == w for g, w in zip(got, want)], tokens=[len(w) for w in want],
                               stats=vars(stats), blocks_free_after=manager.num_free_blocks + cached,
-                              blocks=llm.num_blocks,
+                              blocks=llm.settings.num_blocks,
                               cuda_graph_buckets=sorted(graphs.graphs) if graphs else None,
                               cuda_graph_failure=graphs.failed if graphs else None)
     assert all(all(r["equal"]) for r in results.values()), results
@@ -126,11 +126,11 @@ def section_graphs_vs_eager():
     want = [o.token_ids for o in eager.generate(PROMPTS, params)]
     llm = LLM(DEFAULT_MODEL, device=DEVICE, dtype=torch.float32)
     first = [o.token_ids for o in llm.generate(PROMPTS, params)]
-    runner = llm.last_graphs
+    runner = llm.last_core.runner.graphs
     second = [o.token_ids for o in llm.generate(PROMPTS, params)]
     result = dict(equal_first=[g == w for g, w in zip(first, want)], equal_second=[g == w for g, w in zip(second, want)],
                   buckets=sorted(runner.graphs) if runner else None, failure=runner.failed if runner else None,
-                  same_runner=llm.last_graphs is runner)
+                  same_runner=llm.last_core.runner.graphs is runner)
     assert all(result["equal_first"]) and all(result["equal_second"]), result
     if DEVICE == "cuda":
         assert result["buckets"] and result["failure"] is None and result["same_runner"], result
@@ -150,7 +150,7 @@ def _random_model_vs_transformers(kind: str, **overrides) -> dict:
                    for n in torch.randint(4, 40, (6,), generator=gen)]
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))]
         want = [hf_greedy(hf, ids, 24, [2]) for ids in prompts]
-    graphs = llm.last_graphs
+    graphs = llm.last_core.runner.graphs
     return dict(seed=seed, windows=llm.config.sliding_windows, equal=[g == w for g, w in zip(got, want)],
                 tokens=[len(w) for w in want], cuda_graph_buckets=sorted(graphs.graphs) if graphs else None,
                 cuda_graph_failure=graphs.failed if graphs else None)

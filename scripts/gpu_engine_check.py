@@ -34,7 +34,7 @@ os.environ.setdefault("YAIE_SOLUTIONS", "all")
 from gpu_sections import run_sections  # noqa: E402
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams  # noqa: E402
 from yaie.model.testing import hf_greedy  # noqa: E402
-from yaie.engine.kv_cache import ContiguousKVCache  # noqa: E402
+from yaie.model.contiguous_cache import ContiguousKVCache  # noqa: E402
 
 DEVICE = "cuda"  # --device cpu runs the same checks on the CPU (a dry run of this script)
 PROMPTS = ["Once upon a time, there was a little fox named",

@@ -85,7 +85,7 @@ def section_preemption(device):
     result = {}
     for preemption in ("recompute", "swap"):
         got, llm = generate(device, num_blocks=10, preemption=preemption, max_num_batched_tokens=11)
-        stats = llm.last_scheduler.stats
+        stats = llm.last_core.scheduler.stats
         result[preemption] = dict(equal=got == whole, preempted=stats.preempted_by_recompute + stats.preempted_by_swap)
         if not (result[preemption]["equal"] and result[preemption]["preempted"]):
             raise AssertionError(f"{preemption}: {result[preemption]}")

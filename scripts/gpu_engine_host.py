@@ -68,11 +68,11 @@ def throughput(args) -> dict:
             del llm
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    llm.max_num_batched_tokens = int(args.max_num_batched_tokens.split(",")[0])   # profiled: the first budget
+    llm.settings.max_num_batched_tokens = int(args.max_num_batched_tokens.split(",")[0])   # profiled: the first budget
     batch = args.profile_batch or max(batches)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     wall = timed(lambda: llm.generate(prompts[:batch], params), args.device)
-    steps = llm.last_scheduler.stats.steps
+    steps = llm.last_core.scheduler.stats.steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
         outs = llm.generate(prompts[:batch], params)
@@ -82,7 +82,7 @@ def throughput(args) -> dict:
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     with profile(activities=activities) as prefill:
         prefill_wall = timed(lambda: llm.generate(prompts[:batch], first), args.device)
-    prefill_steps = llm.last_scheduler.stats.steps
+    prefill_steps = llm.last_core.scheduler.stats.steps
     return dict(rows=rows, token_ids=[o.token_ids for o in outs],
                 profile=dict(batch=batch, steps=steps, wall_ms_per_step=wall * 1e3 / steps,
                              kernel_ms_per_step=kernel_us / 1e3 / steps,
@@ -99,8 +99,8 @@ def host_cost(args) -> dict:
 
     from yaie.bench.engine import build_model
     from yaie.engine import LLM, SamplingParams
-    from yaie.engine import llm as engine_module
     from yaie.engine.cuda_graphs import DecodeGraphs
+    from yaie.engine.launched_step import LaunchedStep
 
     torch.set_num_threads(1)
     results = {}
@@ -108,9 +108,7 @@ def host_cost(args) -> dict:
         build_model("tiny", Path(folder), "cpu", torch.float32)
         for batch in [int(b) for b in args.batches.split(",")]:
             llm = LLM(folder, device="cpu", block_size=16, prefix_caching=False, num_blocks=batch * 20 + 64)
-            llm.cuda_graphs = True
-            llm._graph_runner = lambda manager, llm=llm: DecodeGraphs(llm.model, manager, llm.max_num_seqs,
-                                                                      capture=False)
+            llm.settings.cuda_graphs, llm.settings.graph_capture = True, False
             logits = {}
 
             def fixed_logits(self, buf, bound, cascade=None):
@@ -121,13 +119,13 @@ def host_cost(args) -> dict:
 
             DecodeGraphs._forward = fixed_logits
             stamps = []
-            tokens = engine_module._Launched.tokens
+            tokens = LaunchedStep.tokens
 
             def stamped(self):
                 stamps.append(time.thread_time())
                 return tokens(self)
 
-            engine_module._Launched.tokens = stamped
+            LaunchedStep.tokens = stamped
             gen = torch.Generator().manual_seed(1)
             prompts = [torch.randint(3, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist()
                        for _ in range(batch)]
@@ -139,7 +137,7 @@ def host_cost(args) -> dict:
                 # The last new_tokens - 8 loop iterations: decode steps only (the prefills come first).
                 steps = [b - a for a, b in zip(stamps, stamps[1:])][-(args.new_tokens - 8):]
                 medians.append(statistics.median(steps))
-            engine_module._Launched.tokens = tokens
+            LaunchedStep.tokens = tokens
             step_us = 1e6 * min(medians)
             results[batch] = dict(step_us=step_us, per_request_us=step_us / batch)
             print(f"host, batch {batch}: {step_us:.0f} us per decode step, {step_us / batch:.2f} us per request",

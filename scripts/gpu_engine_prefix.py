@@ -74,7 +74,7 @@ class Spy:
 
 
 def leak_report(llm) -> dict:
-    scheduler = llm.last_scheduler
+    scheduler = llm.last_core.scheduler
     manager, cache = scheduler.manager, scheduler.prefix_cache
     sequences = [s for s in manager.seq_ids() if s != SCRATCH_SEQ]
     cached = cache.tree.num_evictable_blocks
@@ -102,7 +102,7 @@ def check(device: str) -> dict:
             rest = [o.token_ids for o in llm.generate(prompts[1:], params)]
         got_on = [first] + rest
         stats = llm.prefix_cache_stats()
-        graphs = llm.last_graphs
+        graphs = llm.last_core.runner.graphs
         result["random_llama_fp32"] = dict(
             transformers_equal=got_on == want, caching_off_equal=got_off == want,
             requests_equal_to_transformers=sum(g == w for g, w in zip(got_on, want)), requests=len(prompts),
@@ -133,9 +133,9 @@ def run_workload(llm, prompts, new_tokens: int, device: str) -> dict:
     first, outputs = {}, {}
     sync(device)
     start = time.perf_counter()
-    for request, _, _ in llm._run(prompts, params):
+    for request, _, _, finish_reason in llm._run(prompts, params):
         first.setdefault(request.request_id, time.perf_counter() - start)
-        if request.state == "finished":
+        if finish_reason is not None:
             outputs[request.request_id] = list(request.output_ids)
     sync(device)
     total = time.perf_counter() - start
@@ -147,8 +147,12 @@ def run_workload(llm, prompts, new_tokens: int, device: str) -> dict:
 
 
 def clear_prefix_cache(llm) -> None:
-    if llm._kept is not None and llm._kept.prefix_cache is not None:
-        llm._kept.prefix_cache.clear()
+    core = llm.open_core()                      # the kept runner's prefix cache
+    try:
+        if core.scheduler.prefix_cache is not None:
+            core.scheduler.prefix_cache.clear()
+    finally:
+        core.close()
 
 
 def benchmark(args) -> dict:
@@ -182,7 +186,7 @@ def benchmark(args) -> dict:
             stats = llm.prefix_cache_stats()
             row = summarize(mode + " (cold cache)", runs)
             row["cached_tokens_last_run"] = (stats.cached_tokens // (args.repeats + 1)) if stats else 0
-            graphs = llm.last_graphs
+            graphs = llm.last_core.runner.graphs
             row["cascade_graphs"] = sorted(k for k in graphs.graphs if k[2]) if graphs else []
             rows.append(row)
             outputs[mode] = runs[-1]["outputs"]

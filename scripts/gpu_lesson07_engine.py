@@ -45,6 +45,12 @@ from yaie.switch import use_solutions  # noqa: E402
 DEFAULT_MODELS = [ROOT / "yaie" / "assets" / "tiny-telescoping", ROOT / "yaie" / "assets" / "tiny-stories"]
 
 
+def block_bytes(llm) -> int:
+    """Bytes of one KV-cache block of the paged model: keys and values of every layer."""
+    cfg = llm.config
+    return 2 * cfg.num_layers * llm.settings.block_size * cfg.num_kv_heads * cfg.head_dim * llm.model.dtype.itemsize
+
+
 def _rss_bytes() -> int | None:
     """The process's resident memory (Linux), for CPU runs."""
     try:
@@ -80,7 +86,7 @@ def measure(model_dir: Path, tokens: int, device: str, prompt: str, save) -> dic
                   telescoping_capacity=cfg.telescoping_capacity, layers=cfg.num_layers, kv_heads=cfg.num_kv_heads,
                   head_dim=cfg.head_dim, context=cfg.max_position_embeddings, prompt=prompt, records=[])
     if not telescoping:
-        result.update(block_size=llm.block_size, block_bytes=llm._block_bytes(), pool_blocks=llm.num_blocks)
+        result.update(block_size=llm.settings.block_size, block_bytes=block_bytes(llm), pool_blocks=llm.settings.num_blocks)
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -89,7 +95,7 @@ def measure(model_dir: Path, tokens: int, device: str, prompt: str, save) -> dic
     params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
     text = ""
     t0 = time.time()
-    for request, piece, _ in llm._run([llm.tokenizer.encode(prompt)], [params]):
+    for request, piece, _, _ in llm._run([llm.tokenizer.encode(prompt)], [params]):
         text += piece
         generated = len(request.output_ids)
         if generated not in checkpoints or any(r["generated"] == generated for r in result["records"]):
@@ -98,11 +104,11 @@ def measure(model_dir: Path, tokens: int, device: str, prompt: str, save) -> dic
         row = dict(generated=generated, seconds=round(time.time() - t0, 1),
                    full_kv_cache_bf16_bytes=cfg.num_layers * 2 * length * cfg.num_kv_heads * cfg.head_dim * 2)
         if telescoping:
-            cache = llm.last_caches[0]
+            cache = llm.last_core.runner.rows.caches[0]
             row.update(entries_per_layer=int(cache.keys[0].shape[0]), cache_bytes=cache.nbytes())
         else:
-            blocks = len(llm.last_scheduler.manager.block_ids(request.request_id))
-            row.update(blocks_held=blocks, cache_bytes=blocks * llm._block_bytes())
+            blocks = len(llm.last_core.scheduler.manager.block_ids(request.request_id))
+            row.update(blocks_held=blocks, cache_bytes=blocks * block_bytes(llm))
         if cuda:
             torch.cuda.synchronize()
             row["allocated_above_start_bytes"] = torch.cuda.memory_allocated() - base

@@ -3,7 +3,7 @@
     python scripts/gpu_lesson08_memory.py MODEL_DIR [--out memory.json]
 
 For prompts of 1k and 16k random token ids: the bytes one sequence holds in the engine (its row of the
-batched Based states and its window rings: ``llm.last_caches[0].nbytes()``) after a generate call, and
+batched Based states and its window rings: ``llm.state_bytes_per_sequence()``) after a generate call, and
 again on a :class:`BasedCache` of the script's own, where the prompt and then 64 decode steps (batch 1,
 eager) are timed apart (prefill seconds, decode ms per token; on a GPU also the peak of allocated memory
 over what was allocated before). Beside it, the bf16 KV cache a full-attention model of the same shape
@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from yaie.engine.llm import LLM  # noqa: E402
 from yaie.engine.sampling import SamplingParams  # noqa: E402
-from yaie.model.based import BasedCache  # noqa: E402
+from yaie.model.based_rows import BasedCache  # noqa: E402
 
 
 def main() -> None:
@@ -70,7 +70,7 @@ def main() -> None:
         ids = torch.randint(2, cfg.vocab_size - 64, (n,), generator=gen).tolist()
         # The engine's path: one generate call (prefill, then decode steps) ...
         llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        engine_bytes = llm.last_caches[0].nbytes()
+        engine_bytes = llm.state_bytes_per_sequence()
         # ... and the same two phases timed apart, on a cache of the model's own.
         cache = BasedCache(cfg, llm.device)
         if cuda:
@@ -110,7 +110,7 @@ def main() -> None:
             del full
         result["engine_decode"] = dict(
             based_model=str(args.model), full_attention_model=str(args.full), decode_steps=args.decode_steps,
-            based_cuda_graphs=llm.cuda_graphs,
+            based_cuda_graphs=llm.settings.cuda_graphs,
             rows=[dict(prompt_tokens=n, batch=b, based_tokens_per_s=decode["based"][n, b],
                        full_attention_tokens_per_s=decode["full_attention"][n, b],
                        based_over_full=round(decode["based"][n, b] / decode["full_attention"][n, b], 3))

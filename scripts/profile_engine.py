@@ -68,7 +68,7 @@ def profile(args) -> str:
                   num_blocks=per_request * args.requests + 64)
         timed_run(llm, prompts, params, args.device)                 # warm-up
         wall = timed_run(llm, prompts, params, args.device)
-        steps = llm.last_scheduler.stats.steps
+        steps = llm.last_core.scheduler.stats.steps
         lines.append(f"wall {wall * 1e3:.1f} ms over {steps} steps: {wall * 1e3 / steps:.3f} ms per step")
 
         profiler = cProfile.Profile()

@@ -299,7 +299,7 @@ def _yaie_model(path):
 def test_attention_layers_give_the_reference_logits(tmp_path, fmt, monkeypatch):
     """A checkpoint of linear and sliding-window layers only (the layer kinds the engine's Based model runs
     without BaseConv): prefill logits, then prefill + decode, against the float64 reference."""
-    from yaie.model.based import BasedCache
+    from yaie.model.based_rows import BasedCache
     from yaie.model.testing import single_thread
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
@@ -336,7 +336,7 @@ MIXED = dict(layers=5, linear=[1], sliding=[3])          # BaseConv in layers 0,
 def test_all_layer_kinds_give_the_reference_logits(tmp_path, monkeypatch):
     """BaseConv, linear and sliding-window layers: prefill logits; prompt + one token at a time; prompt +
     a block of tokens + single tokens (each layer kind carries its state across calls)."""
-    from yaie.model.based import BasedCache
+    from yaie.model.based_rows import BasedCache
     from yaie.model.testing import single_thread
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
@@ -369,7 +369,7 @@ def test_all_layer_kinds_give_the_reference_logits(tmp_path, monkeypatch):
 def test_batched_serving_rows_give_the_reference_logits(tmp_path, monkeypatch, fixed_buffers):
     """Two sequences in the rows of one BasedSlots (the engine's batched path; ``fixed_buffers``: the CUDA
     graphs' bucket-padded step run eagerly): every decode step's logits equal the reference's."""
-    from yaie.model.based import BasedSlots
+    from yaie.model.based_rows import BasedSlots
     from yaie.model.testing import single_thread
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")

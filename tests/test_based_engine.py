@@ -1,5 +1,5 @@
 """Serving Based models (lesson 08) in the engine: every sequence of a ``generate`` call decodes in the same
-steps (:class:`yaie.model.based.BasedSlots`, :func:`yaie.engine.sequential.run_batched`).
+steps (:class:`yaie.model.based_rows.BasedSlots`, through the engine core's row runner).
 
 The reference is a float64 forward over the whole sequence written here from the weights: the Based
 layers in the quadratic form, the window layers as exact softmax attention over the last ``window`` tokens
@@ -126,7 +126,7 @@ def test_batched_decode_logits_equal_the_float64_reference(llm, static):
     """Rows prefilled with prompts of different lengths (before, at and past the window), then decoded
     together: every row's logits equal the reference's at its position, through a row moving down after
     another one leaves (``move``). ``static``: the CUDA graphs' bucket-padded fixed-buffer steps, run eagerly."""
-    from yaie.model.based import BasedSlots
+    from yaie.model.based_rows import BasedSlots
 
     seed = fresh_seed()
     model = llm.model
@@ -157,7 +157,7 @@ def test_a_prompt_prefilled_into_a_row_that_was_bucket_padding(llm):
     """Three rows decode in the bucket of 4 (its fourth row padding: context 0, the scratch pages), then a new
     prompt is prefilled into that fourth row and all four decode together: every row keeps the reference's
     logits, so a padding row's steps leave nothing behind in the row a later prompt takes."""
-    from yaie.model.based import BasedSlots
+    from yaie.model.based_rows import BasedSlots
 
     seed = fresh_seed()
     model = llm.model
@@ -194,7 +194,7 @@ def test_decode_next_equals_decode_with_the_tokens_one_position_further(llm, sta
     """A looked-ahead step (``decode_next``: token ids from the device, positions advanced in the input
     buffer) gives the logits of ``decode`` with the same tokens from the host; after a ``move`` it is
     refused (the rows changed), and ``decode`` works again."""
-    from yaie.model.based import BasedSlots
+    from yaie.model.based_rows import BasedSlots
 
     seed = fresh_seed()
     prompts = _prompts(seed, (WINDOW - 1, 4, 2 * WINDOW + 3))
@@ -230,7 +230,7 @@ def test_decode_next_equals_decode_with_the_tokens_one_position_further(llm, sta
 def test_based_cache_prefill_decode_and_continuation_equal_the_reference(llm):
     """One sequence's :class:`BasedCache`: a prompt, single tokens, then a block of several tokens (the
     continuation path) give the reference's logits at every position."""
-    from yaie.model.based import BasedCache
+    from yaie.model.based_rows import BasedCache
 
     seed = fresh_seed()
     model = llm.model
@@ -284,31 +284,40 @@ def test_per_request_params_and_rows_freed_as_requests_end(model_dir, reference_
         expected = want.token_ids if i != 4 else want.token_ids[:want.token_ids.index(stop)]
         assert got.token_ids == expected, f"seed={seed}, request {i}"
     assert [o.outputs[0].finish_reason for o in together] == ["length"] * 4 + ["stop"]
-    assert llm.based_slots.capacity == 2
+    assert llm.last_core.runner.capacity == 2
 
 
 def _run_batched(llm, prompts, params, capacity: int, static: bool, look_ahead: bool,
                  capture: bool = False) -> tuple[dict, int]:
-    """Drive :func:`run_batched` on rows of the test's own: ``{request id: (tokens, finish reason, text
-    from the pieces, tokens read)}`` and how many steps were looked ahead (``decode_next`` calls)."""
-    from yaie.engine.sequential import run_batched
-    from yaie.model.based import BasedSlots
+    """Run an engine core on rows of the test's own: ``{request id: (tokens, finish reason, text from the
+    pieces)}`` and how many steps were looked ahead (``decode_next`` calls)."""
+    from yaie.engine.core import EngineCore
+    from yaie.engine.row_runner import RowRunner
+    from yaie.engine.settings import EngineSettings
 
-    slots = BasedSlots(llm.model, capacity, graphs=static, capture=capture)
+    settings = EngineSettings(max_num_seqs=capacity, cuda_graphs=static, graph_capture=capture)
+    settings.resolve(llm.config, llm.model.dtype, llm.device, llm.num_parameters())
+    runner = RowRunner(llm.model, settings, capacity)
     calls = {"decode_next": 0}
-    decode_next = slots.decode_next
+    decode_next = runner.rows.decode_next
 
     def counted(tokens):
         calls["decode_next"] += 1
         return decode_next(tokens)
 
-    slots.decode_next = counted
-    texts, out = {}, {}
-    for request, piece, text in run_batched(llm, prompts, params, slots, look_ahead=look_ahead):
-        texts[request.request_id] = texts.get(request.request_id, "") + piece
-        if request.state == "finished":
-            out[request.request_id] = (list(request.output_ids), text.finish_reason, texts[request.request_id])
-    out = {i: (*v, len(llm.last_caches[i])) for i, v in out.items()}
+    runner.rows.decode_next = counted
+    core = EngineCore(runner, llm.tokenizer, llm.eos_token_ids)
+    if not look_ahead:
+        core._look_ahead = lambda pending: None
+    requests = [core.add(ids, p) for ids, p in zip(prompts, params)]
+    events = []
+    while core.has_unfinished():
+        events += core.step()
+    events += core.flush()
+    out = {}
+    for request in requests:
+        mine = [e for e in events if e.request is request]
+        out[request.request_id] = (list(request.output_ids), mine[-1].finish_reason, "".join(e.text for e in mine))
     return out, calls["decode_next"]
 
 
@@ -319,7 +328,7 @@ def test_look_ahead_gives_the_tokens_of_steps_read_one_at_a_time(llm, static, mo
     every request the tokens, finish reason and text of the loop that reads each step before the next,
     with all prompts in rows at once and with prompts waiting for a row."""
     from yaie.engine import SamplingParams
-    from yaie.engine.llm import _Launched
+    from yaie.engine.launched_step import LaunchedStep as _Launched
 
     seed = fresh_seed()
     prompts = _prompts(seed, (5, WINDOW + 2, 1, 2 * WINDOW, 9, WINDOW))
@@ -344,8 +353,8 @@ def test_look_ahead_gives_the_tokens_of_steps_read_one_at_a_time(llm, static, mo
         assert none == 0
         assert sorted(want) == list(range(len(prompts)))
         for i in range(len(prompts)):
-            assert got[i] == want[i], (f"seed={seed}, {capacity} rows, request {i}: looked ahead got (tokens, finish, "
-                                       f"text, tokens read) {got[i]}, read step by step {want[i]}")
+            assert got[i] == want[i], (f"seed={seed}, {capacity} rows, request {i}: looked ahead got (tokens, finish, text) "
+                                       f"{got[i]}, read step by step {want[i]}")
         assert want[4][1] == "stop" and want[5][1] == "stop", f"seed={seed}: {want[4][1:3]}, {want[5][1:3]}"
         assert ahead > 0, f"seed={seed}, {capacity} rows: no step was looked ahead"
     assert dropped, f"seed={seed}: no request ended while a looked-ahead step ran with it (the test misses that case)"
@@ -355,16 +364,14 @@ def test_memory_per_sequence_is_constant_and_as_computed(llm):
     from yaie.engine import SamplingParams
 
     cfg = llm.config
-    sizes, lengths = [], []
+    sizes = []
     for prompt_len in (WINDOW + 1, 6 * WINDOW):
         ids = [3 + i % 90 for i in range(prompt_len)]
         llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        sizes.append(llm.last_caches[0].nbytes())
-        lengths.append(len(llm.last_caches[0]))
+        sizes.append(llm.state_bytes_per_sequence())
     states = len(cfg.based_layers) * cfg.num_heads * 273 * (cfg.head_dim + 1) * 4
     rings = (cfg.num_layers - len(cfg.based_layers)) * 2 * WINDOW * cfg.num_kv_heads * cfg.head_dim * 4
     assert sizes == [states + rings] * 2
-    assert lengths == [WINDOW + 1 + 3, 6 * WINDOW + 3]      # the last sampled token is never read
 
 
 def test_stream_and_a_kept_batch_of_rows(llm):
@@ -374,14 +381,14 @@ def test_stream_and_a_kept_batch_of_rows(llm):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompt = "w5 w6 w7 w8"
     text = "".join(llm.stream(prompt, params))
-    slots = llm.based_slots
+    runner = llm.last_core.runner
     assert text == llm.generate(prompt, params)[0].text
-    assert llm.based_slots is slots and not slots.in_use
+    assert llm.last_core.runner is runner and not runner.in_use
 
 
 def test_bad_input_gets_a_value_error_and_corrupts_nothing(llm):
     from yaie.engine import SamplingParams
-    from yaie.model.based import BasedSlots
+    from yaie.model.based_rows import BasedSlots
 
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     before = llm.generate([[5, 6, 7]], params)[0].token_ids
@@ -406,7 +413,7 @@ def test_cuda_graphs_give_the_eager_tokens_and_the_cpu_logits(model_dir, referen
     """On CUDA (lessons 04, 06, 08 kernels): batched decode replayed from graphs gives the tokens of the
     eager steps and of one sequence at a time; the kernels' logits match the PyTorch path's."""
     from yaie.engine import LLM, SamplingParams
-    from yaie.model.based import BasedSlots
+    from yaie.model.based_rows import BasedSlots
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -416,7 +423,7 @@ def test_cuda_graphs_give_the_eager_tokens_and_the_cpu_logits(model_dir, referen
     graphed = LLM(model_dir, device="cuda", dtype=torch.float32)
     eager = LLM(model_dir, device="cuda", dtype=torch.float32, cuda_graphs=False)
     together = [o.token_ids for o in graphed.generate(prompts, params)]
-    assert graphed.based_slots.graphs and graphed.based_slots.failed is None
+    assert graphed.last_core.runner.rows.graphs and graphed.last_core.runner.rows.failed is None
     assert together == [o.token_ids for o in eager.generate(prompts, params)], f"seed={seed}"
     assert together == [graphed.generate([p], params)[0].token_ids for p in prompts], f"seed={seed}"
     kernels = BasedSlots(graphed.model, len(prompts), use_kernels=True, graphs=False)
@@ -449,7 +456,7 @@ def test_bundled_model_in_bf16_graphs_give_the_eager_tokens(reference_lessons):
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     graphed = LLM(model, device="cuda")
     got = [o.token_ids for o in graphed.generate(prompts, params)]
-    assert graphed.based_slots.graphs and graphed.based_slots.failed is None
+    assert graphed.last_core.runner.rows.graphs and graphed.last_core.runner.rows.failed is None
     want = [o.token_ids for o in LLM(model, device="cuda", cuda_graphs=False).generate(prompts, params)]
     assert got == want, f"seed={seed}"
 
@@ -462,7 +469,7 @@ def test_look_ahead_replayed_from_cuda_graphs_gives_the_tokens_of_steps_read_one
     greedy and seeded rows ending at different steps (some while a looked-ahead step runs with them) get
     the tokens of the loop that reads every step first."""
     from yaie.engine import LLM, SamplingParams
-    from yaie.engine.llm import _Launched
+    from yaie.engine.launched_step import LaunchedStep as _Launched
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

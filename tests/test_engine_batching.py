@@ -54,7 +54,7 @@ def test_more_requests_than_the_cache_holds(preemption, alone):
     # 20 blocks of 4 tokens = 80 slots; one request needs up to ~14 blocks, all seven together ~80.
     llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=20, preemption=preemption)
     got = [out.token_ids for out in llm.generate(PROMPTS, params)]
-    stats, manager = llm.last_scheduler.stats, llm.last_scheduler.manager
+    stats, manager = llm.last_core.scheduler.stats, llm.last_core.scheduler.manager
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"seed={seed} {preemption}: request {i} differs from running alone:\n{g}\n{w}"
     assert stats.max_running >= 3, stats                    # requests really ran together
@@ -64,7 +64,7 @@ def test_more_requests_than_the_cache_holds(preemption, alone):
         assert stats.preempted_by_swap > 0 and stats.swapped_in == stats.preempted_by_swap, stats
     # No block leaked, on the device or the host: what is not free is cached prefixes, unlocked.
     held = manager.num_blocks - manager.num_free_blocks
-    assert llm.last_scheduler.prefix_cache.clear() == held
+    assert llm.last_core.scheduler.prefix_cache.clear() == held
     assert manager.num_free_blocks == manager.num_blocks
     assert manager.num_free_cpu_blocks == manager.num_cpu_blocks and manager.seq_ids() == []
 
@@ -95,7 +95,7 @@ def test_lesson03_cache_is_what_runs(monkeypatch):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     llm.generate(PROMPTS[:3], params)
     layers = llm.config.num_layers
-    steps = llm.last_scheduler.stats.steps
+    steps = llm.last_core.scheduler.stats.steps
     # Once per layer per step, plus once by the probe that checks the class before serving (ops).
     assert calls["write_kv"] == layers * steps + 1, calls
     assert calls["allocate"] >= 3 + 1 and calls["free"] >= 3 + 1 and calls["append_slots"] > 0

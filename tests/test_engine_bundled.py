@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
-from yaie.engine.kv_cache import ContiguousKVCache
+from yaie.model.contiguous_cache import ContiguousKVCache
 from yaie.model.testing import fresh_seed, single_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

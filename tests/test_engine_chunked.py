@@ -56,7 +56,7 @@ def spy_steps(monkeypatch) -> list[tuple[int, list[int]]]:
 
 
 def check_nothing_leaked(llm) -> None:
-    scheduler = llm.last_scheduler
+    scheduler = llm.last_core.scheduler
     manager, cache = scheduler.manager, scheduler.prefix_cache
     assert manager.seq_ids() == [] and not scheduler.has_unfinished()
     assert manager.num_free_cpu_blocks == manager.num_cpu_blocks
@@ -100,7 +100,7 @@ def test_chunked_prefill_through_preemption(whole, monkeypatch, preemption):
               max_num_batched_tokens=11)
     got = [o.token_ids for o in llm.generate(PROMPTS, make_params(seed))]
     assert got == want, preemption
-    stats = llm.last_scheduler.stats
+    stats = llm.last_core.scheduler.stats
     assert any(mid_prefill) and not all(mid_prefill), mid_prefill   # both kinds were preempted
     if preemption == "swap":
         assert stats.preempted_by_swap > 0 and stats.swapped_in == stats.preempted_by_swap, stats

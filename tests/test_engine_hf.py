@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
-from yaie.engine.kv_cache import ContiguousKVCache
+from yaie.model.contiguous_cache import ContiguousKVCache
 from yaie.model.testing import fresh_seed, hf_greedy, save_random_model, single_thread
 
 transformers = pytest.importorskip("transformers")

@@ -37,7 +37,7 @@ def spy_prefill_lengths(monkeypatch) -> list[list[int]]:
 
 
 def check_nothing_leaked(llm) -> None:
-    scheduler = llm.last_scheduler
+    scheduler = llm.last_core.scheduler
     manager, cache = scheduler.manager, scheduler.prefix_cache
     assert manager.seq_ids() == []
     # Every block is free or cached (unlocked); clearing the cache frees them all.
@@ -80,7 +80,7 @@ def test_eviction_and_preemption_with_a_small_cache(preemption):
     llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=40, preemption=preemption)
     got = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert got == want, preemption
-    sched = llm.last_scheduler
+    sched = llm.last_core.scheduler
     assert sched.stats.preempted_by_recompute + sched.stats.preempted_by_swap > 0, sched.stats
     assert llm.prefix_cache_stats().evicted_blocks > 0 and llm.prefix_cache_stats().cached_tokens > 0
     assert sched.manager.num_free_cpu_blocks == sched.manager.num_cpu_blocks

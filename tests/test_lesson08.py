@@ -218,7 +218,7 @@ def test_engine_generates_from_the_bundled_based_model(based_llm, monkeypatch):
     """Greedy generation through the engine (prefill, then the recurrent state) picks the same tokens as
     greedy decoding that reruns the whole sequence through a fresh prefill at every step."""
     from yaie.engine import SamplingParams
-    from yaie.model.based import BasedCache
+    from yaie.model.based_rows import BasedCache
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
     prompt = "Once upon a time, there was a little cat named Mia."
@@ -235,7 +235,7 @@ def test_engine_generates_from_the_bundled_based_model(based_llm, monkeypatch):
 def test_recurrent_decode_logits_equal_the_parallel_forward(based_llm, monkeypatch):
     """Prompt in one prefill (the chunked algorithm), then token by token (the recurrent state, the window
     ring): the logits of every position equal those of one forward over the whole sequence."""
-    from yaie.model.based import BasedCache
+    from yaie.model.based_rows import BasedCache
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
     model = based_llm.model
@@ -254,7 +254,8 @@ def test_recurrent_decode_logits_equal_the_parallel_forward(based_llm, monkeypat
 
 def test_based_layers_match_the_quadratic_form(based_llm, monkeypatch):
     """The prefill's Based layer output equals the quadratic form (an independent check of the engine path)."""
-    from yaie.model.based import BasedCache, based_parallel
+    from yaie.model.based import based_parallel
+    from yaie.model.based_rows import BasedCache
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
     gen = torch.Generator().manual_seed(0)
@@ -273,7 +274,7 @@ def test_memory_per_sequence_is_constant(based_llm, monkeypatch):
     for prompt_len in (window + 1, 4 * window):    # past the window, the window layers keep `window` tokens
         ids = list(range(5, 5 + prompt_len))
         based_llm.generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        sizes.append(based_llm.last_caches[0].nbytes())
+        sizes.append(based_llm.state_bytes_per_sequence())
     assert sizes[0] == sizes[1] > 0
 
 

@@ -1,11 +1,11 @@
-"""The engine that serves the constant-state models: Based (lesson 08) and telescoping (lesson 07).
+"""The engine core over the constant-state models: Based (lesson 08) and telescoping (lesson 07).
 
-:class:`yaie.engine.slot_engine.SlotEngine`: each request holds one row of the model's batched state (Based:
-``BasedSlots``; telescoping: one row, one sequence at a time), requests beyond the rows wait. Its answers are
-compared with ``LLM.generate`` on an engine of its own (greedy and seeded sampled requests), step by step and
-through the server's engine loop (the bundled tiny models, two rows, more requests than rows). The server
-itself over these models: ``tests/test_serve_based.py``. No ``openai`` or ``httpx`` here, so the GPU test
-runs where only the engine's packages are.
+A :class:`yaie.engine.row_runner.RowRunner` gives each request one row of the model's state (Based:
+``BasedSlots``; telescoping: a cache per row), requests beyond the rows wait. The core's answers are compared
+with ``LLM.generate`` on an engine of its own (greedy and seeded sampled requests), step by step and through
+the server's engine loop (the bundled tiny models, more requests than rows), with look-ahead and chunked
+prefill. The server itself over these models: ``tests/test_serve_based.py``. No ``openai`` or ``httpx``
+here, so the GPU test runs where only the engine's packages are.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 
 from tests.helpers import fail_once
 from yaie.engine import LLM, SamplingParams
-from yaie.engine.async_engine import AsyncEngine, StepEngine
+from yaie.engine.async_engine import AsyncEngine
+from yaie.engine.core import EngineCore
 from yaie.engine.llm import DEFAULT_MODEL
-from yaie.engine.slot_engine import SlotEngine
-from yaie.model.based import BasedSlots
+from yaie.engine.row_runner import RowRunner
+from yaie.model.based_rows import BasedSlots
 from yaie.model.testing import fresh_seed, single_thread
 
 BASED = DEFAULT_MODEL.parent / "tiny-based"
@@ -40,7 +41,7 @@ def sampled(seed: int, max_tokens: int) -> SamplingParams:
 
 
 def texts_of(events, request) -> str:
-    return "".join(piece for r, piece, _ in events if r is request)
+    return "".join(event.text for event in events if event.request is request)
 
 
 @pytest.fixture(scope="module")
@@ -58,38 +59,36 @@ def generate(llm, prompts, params):
 
 # ----------------------------------------------------------------------------- the engine, step by step
 @pytest.mark.parametrize("graph_buffers", [False, True], ids=["plain", "graph-buffers"])
-def test_slot_engine_gives_generates_tokens_with_arrivals_waits_and_an_abort(reference, reference_lessons,
-                                                                              graph_buffers):
+def test_rows_give_generates_tokens_with_arrivals_waits_and_an_abort(reference, reference_lessons, graph_buffers):
     """Seven requests through four rows, arriving at different steps: the ones beyond the rows wait, one is
     aborted mid-way (its row goes to a waiting one), the others get exactly ``LLM.generate``'s tokens and text
     (greedy, a stop string, seeded sampling, logprobs). ``graph-buffers``: the decode steps of CUDA graphs'
     fixed, bucket-padded buffers (run eagerly here): three rows decode in the bucket of four while a prompt
     goes into the fourth, the padding row."""
-    llm = LLM(BASED, device="cpu", max_num_seqs=4)
-    rows = BasedSlots(llm.model, 4, graphs=True, capture=False) if graph_buffers else None
-    engine = SlotEngine(llm, rows)
+    graphs = dict(cuda_graphs=True, graph_capture=False) if graph_buffers else {}
+    llm = LLM(BASED, device="cpu", max_num_seqs=4, **graphs)
+    engine = llm.open_core()
     if graph_buffers:                   # as served: every bucket's step first (recorded on a GPU)
-        assert engine.warm_up() == 3 and sorted(rows.graphs) == [1, 2, 4]
+        assert engine.warm_up() == 3 and sorted(engine.runner.rows.graphs) == [1, 2, 4]
         assert engine.requests == {} and engine.scheduler.running == [] and not engine.flush()
-    arrivals_waits_and_an_abort(engine, reference["based"], logprob_atol=1e-4)
+    arrivals_waits_and_an_abort(llm, engine, reference["based"], logprob_atol=1e-4)
 
 
 @pytest.mark.gpu
-def test_slot_engine_on_cuda_graphs_gives_generates_tokens(reference_lessons):
+def test_rows_on_cuda_graphs_give_generates_tokens(reference_lessons):
     """The same on CUDA as served (every bucket's graph recorded by the warm-up first), float32, beside
     ``LLM.generate`` on the GPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     llm = LLM(BASED, device="cuda", dtype=torch.float32, max_num_seqs=4)
-    engine = SlotEngine(llm)
-    assert engine.warm_up() == 3 and engine.rows.failed is None          # buckets 1, 2, 4
+    engine = llm.open_core()
+    assert engine.warm_up() == 3 and engine.runner.rows.failed is None          # buckets 1, 2, 4
     assert engine.requests == {} and engine.scheduler.running == [] and not engine.flush()
-    arrivals_waits_and_an_abort(engine, LLM(BASED, device="cuda", dtype=torch.float32), logprob_atol=2e-3)
+    arrivals_waits_and_an_abort(llm, engine, LLM(BASED, device="cuda", dtype=torch.float32), logprob_atol=2e-3)
 
 
-def arrivals_waits_and_an_abort(engine: SlotEngine, reference_llm: LLM, logprob_atol: float) -> None:
+def arrivals_waits_and_an_abort(llm: LLM, engine: EngineCore, reference_llm: LLM, logprob_atol: float) -> None:
     """The scenario of the two tests above, on a four-row engine."""
-    llm = engine.llm
     seed = fresh_seed()
     params = [greedy(14), sampled(seed, 12),
               greedy(40),                                                         # aborted
@@ -98,7 +97,7 @@ def arrivals_waits_and_an_abort(engine: SlotEngine, reference_llm: LLM, logprob_
               greedy(10), sampled(seed + 1, 9)]
     prompts = PROMPTS + ["The sun was hot", "Ella saw a fox"]
     want = generate(reference_llm, prompts, params)
-    ids = [llm._prompt_ids(p)[1] for p in prompts]
+    ids = [llm.tokenizer.encode(p) for p in prompts]
     arrivals = {0: [0, 1, 2], 2: [3], 4: [4, 5, 6]}
     requests, events, scored, waited = {}, [], [], 0
     aborted_at = None
@@ -124,11 +123,11 @@ def arrivals_waits_and_an_abort(engine: SlotEngine, reference_llm: LLM, logprob_
     for i in (0, 1, 3, 4, 5, 6):
         assert requests[i].output_ids == want[i].token_ids, f"request {i} (seed={seed})"
         assert texts_of(events, requests[i]) == want[i].text, f"request {i} (seed={seed})"
-        assert [e[2].finish_reason for e in events if e[0] is requests[i]][-1] == want[i].outputs[0].finish_reason
+        assert [e.finish_reason for e in events if e.request is requests[i]][-1] == want[i].outputs[0].finish_reason
     assert aborted_at is not None and 5 <= len(requests[2].output_ids) < 40
     assert waited > 0, "no request ever waited for a row"
     assert engine.scheduler.running == [] and not engine.scheduler.waiting
-    assert engine.requests == {} and engine.texts == {} and engine.logprobs == {}
+    assert engine.requests == {} and engine.states == {} and engine.logprobs == {}
     # Logprobs: the sampled token's log-probability under the model, each one checked against a prompt
     # prefilled up to it (the prefill path, not the decode step that produced it).
     assert [token for token, _, _ in scored] == want[4].token_ids
@@ -140,15 +139,15 @@ def arrivals_waits_and_an_abort(engine: SlotEngine, reference_llm: LLM, logprob_
         assert top[0] == (token, logprob)
 
 
-def test_slot_engine_refuses_bad_prompts_without_touching_the_rows(reference, reference_lessons):
+def test_rows_refuse_bad_prompts_without_touching_the_rows(reference, reference_lessons):
     """A prompt the model cannot read gets a ValueError at ``add`` (never a failed step beside others), and a
     request aborted while it waits for a row leaves the queue; the requests running meanwhile finish as
     ``LLM.generate`` gives them."""
     llm = LLM(BASED, device="cpu", max_num_seqs=ROWS)
-    engine = SlotEngine(llm)
+    engine = llm.open_core()
     params = greedy(8)
     want = generate(reference["based"], PROMPTS[:2], params)
-    requests = [engine.add(llm._prompt_ids(p)[1], params) for p in PROMPTS[:3]]
+    requests = [engine.add(llm.tokenizer.encode(p), params) for p in PROMPTS[:3]]
     events = engine.step()
     assert list(engine.scheduler.waiting) == [requests[2]]
     assert engine.abort(requests[2].request_id) and not engine.scheduler.waiting
@@ -175,37 +174,38 @@ def test_a_failure_while_freeing_a_row_leaves_nothing_stuck(reference, reference
     still known, so the engine loop's failure path (``AsyncEngine._fail``: abort each one) frees every row; a
     request added afterwards finishes as ``LLM.generate`` gives it."""
     llm = LLM(BASED, device="cpu", max_num_seqs=ROWS)
-    engine = SlotEngine(llm)
-    short = engine.add(llm._prompt_ids(PROMPTS[0])[1], greedy(1))
-    long = engine.add(llm._prompt_ids(PROMPTS[1])[1], greedy(6))
-    move = fail_once(engine.rows.move, "a device fault while moving a row")
-    monkeypatch.setattr(engine.rows, "move", move)
+    engine = llm.open_core()
+    short = engine.add(llm.tokenizer.encode(PROMPTS[0]), greedy(1))
+    long = engine.add(llm.tokenizer.encode(PROMPTS[1]), greedy(6))
+    move = fail_once(engine.scheduler.move, "a device fault while moving a row")
+    monkeypatch.setattr(engine.scheduler, "move", move)
     with pytest.raises(RuntimeError, match="moving a row"):
         engine.step()           # both prefilled; the short one ends at its first token and its row must go
     assert move.calls == [(1, 0)]
     assert engine.abort(short.request_id) and engine.abort(long.request_id), "both requests still known"
-    assert engine.scheduler.running == [] and engine.requests == {} and engine.texts == {}
+    assert engine.scheduler.running == [] and engine.requests == {} and engine.states == {}
     engine.flush()              # the failed step's events: the engine loop drops those of failed requests
-    third = engine.add(llm._prompt_ids(PROMPTS[2])[1], greedy(4))
+    third = engine.add(llm.tokenizer.encode(PROMPTS[2]), greedy(4))
     while engine.has_unfinished():
         engine.step()
     assert third.output_ids == generate(reference["based"], PROMPTS[2:3], greedy(4))[0].token_ids
     assert engine.scheduler.running == [] and engine.requests == {}
 
 
-def test_telescoping_model_is_served_one_sequence_at_a_time(reference, reference_lessons):
-    """A telescoping model's caches do not batch: one row, the others wait; each gets ``LLM.generate``'s tokens."""
-    llm = LLM(TELESCOPING, device="cpu")
-    engine = SlotEngine(llm)
-    assert engine.scheduler.capacity == 1
+def test_telescoping_rows_each_hold_a_cache_of_their_own(reference, reference_lessons):
+    """A telescoping model's caches do not batch: each row holds its own, a decode step runs each row's forward
+    pass; beyond the rows, requests wait; each gets ``LLM.generate``'s tokens."""
+    llm = LLM(TELESCOPING, device="cpu", max_num_seqs=ROWS)
+    engine = llm.open_core()
+    assert engine.scheduler.capacity == ROWS
     seed = fresh_seed()
     params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), sampled(seed, 8),
               SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
     want = generate(reference["telescoping"], PROMPTS[:3], params)
-    requests = [engine.add(llm._prompt_ids(p)[1], q) for p, q in zip(PROMPTS[:3], params)]
+    requests = [engine.add(llm.tokenizer.encode(p), q) for p, q in zip(PROMPTS[:3], params)]
     events = []
     while engine.has_unfinished():
-        assert len(engine.scheduler.running) <= 1
+        assert len(engine.scheduler.running) <= ROWS
         events += engine.step()
     events += engine.flush()
     for i, (request, w) in enumerate(zip(requests, want)):
@@ -213,12 +213,10 @@ def test_telescoping_model_is_served_one_sequence_at_a_time(reference, reference
 
 
 @pytest.mark.parametrize("kind", ["based", "telescoping"])
-def test_the_async_engine_serves_them_through_the_slot_engine(kind, reference, reference_lessons):
-    """The server's engine loop runs these models (the paged step engine still refuses them itself): three
-    requests submitted at once through two rows (one for telescoping) answer as ``LLM.generate``."""
+def test_the_async_engine_serves_them_through_rows(kind, reference, reference_lessons):
+    """The server's engine loop runs these models: three requests submitted at once through two rows answer
+    as ``LLM.generate``."""
     llm = LLM(BASED if kind == "based" else TELESCOPING, device="cpu", max_num_seqs=ROWS)
-    with pytest.raises(ValueError, match="SlotEngine"):
-        StepEngine(llm)
     seed = fresh_seed()
     params = [greedy(8), sampled(seed, 8), greedy(5)]
     want = generate(reference[kind], PROMPTS[:3], params)
@@ -226,7 +224,7 @@ def test_the_async_engine_serves_them_through_the_slot_engine(kind, reference, r
     engine.start()
 
     async def answers():
-        group = await engine.submit([(llm._prompt_ids(p)[1], q) for p, q in zip(PROMPTS[:3], params)])
+        group = await engine.submit([(llm.tokenizer.encode(p), q) for p, q in zip(PROMPTS[:3], params)])
         texts = ["", "", ""]
         async for event in group.events():
             assert event.error is None, event.error
@@ -234,8 +232,63 @@ def test_the_async_engine_serves_them_through_the_slot_engine(kind, reference, r
         return texts
 
     try:
-        assert isinstance(engine.core, SlotEngine) and engine.alive
+        assert isinstance(engine.core.runner, RowRunner) and engine.alive
         assert engine.stats.blocks_total == engine.core.scheduler.capacity     # rows, in the metrics
         assert asyncio.run(asyncio.wait_for(answers(), timeout=30)) == [w.text for w in want], f"seed={seed}"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["based", "telescoping"])
+def test_long_prompts_are_prefilled_in_chunks_beside_running_decodes(kind, reference, reference_lessons):
+    """With a budget of 8 tokens a step, prompts longer than that grow chunk by chunk in the staging row while
+    the running rows keep decoding (steps that decode and feed a partial chunk), then move down to a running
+    row; every request gets ``LLM.generate``'s tokens (whole prompts, one step each)."""
+    llm = LLM(BASED if kind == "based" else TELESCOPING, device="cpu", max_num_seqs=ROWS, max_num_batched_tokens=8)
+    prompts = ["Sam ran", PROMPTS[2] + " She saw a big red ball.", PROMPTS[4] + " under the old tree."]
+    params = [greedy(30), greedy(10), greedy(8)]
+    want = generate(reference[kind], prompts, params)
+    engine = llm.open_core()
+    steps = []
+    execute = engine.runner.execute
+
+    def spy(plan, device_tokens=None):
+        steps.append((len(plan.decodes), [(end - start, end < len(r.prompt_ids))
+                                          for r, (start, end) in zip(plan.prefills, plan.prefill_ranges)]))
+        return execute(plan, device_tokens)
+
+    engine.runner.execute = spy
+    requests = [engine.add(llm.tokenizer.encode(p), q) for p, q in zip(prompts, params)]
+    assert all(len(r.prompt_ids) > 8 for r in requests[1:])
+    with single_thread():
+        while engine.has_unfinished():
+            engine.step()
+    for i, (request, w) in enumerate(zip(requests, want)):
+        assert request.output_ids == w.token_ids, f"request {i}"
+    assert any(decodes and any(partial for _, partial in chunks) for decodes, chunks in steps), steps
+    assert all(decodes + sum(n for n, _ in chunks) <= 8 for decodes, chunks in steps), steps
+    assert engine.scheduler.staged is None and engine.scheduler.running == []
+    engine.close()
+
+
+def test_rows_look_ahead_and_give_the_tokens_of_steps_read_one_at_a_time(reference_lessons, monkeypatch):
+    """While the rows stay the same, the next decode step is launched before this one's tokens are read (fed
+    from the device): requests ending by length, by a stop string and by a stop id (each ran one looked-ahead
+    step too many) get the tokens of a core that never looks ahead."""
+    llm = LLM(BASED, device="cpu", max_num_seqs=4)
+    prompts = PROMPTS[:4]
+    params = [greedy(20), SamplingParams(max_tokens=20, temperature=0, stop=[" the"]), greedy(12),
+              sampled(fresh_seed(), 16)]
+    real, ahead = EngineCore._look_ahead, []
+    with single_thread():
+        monkeypatch.setattr(EngineCore, "_look_ahead", lambda self, pending: None)
+        want = llm.generate(prompts, params)
+        stop_id = want[0].token_ids[7]                       # request 0 ends at a stop id the 8th time
+        params[0] = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id])
+        want = llm.generate(prompts, params)
+        monkeypatch.setattr(EngineCore, "_look_ahead", lambda self, pending: ahead.append(real(self, pending))
+                            or ahead[-1])
+        got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.outputs[0].finish_reason for o in got][:2] == ["stop", "stop"]
+    assert sum(a is not None for a in ahead) >= 5, "decode steps were looked ahead"

@@ -16,7 +16,6 @@ import torch
 
 from yaie.device import triton_interpreted
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
-from yaie.engine.cuda_graphs import DecodeGraphs
 from yaie.engine.sampling import StepTable, filter_logits, filtered_probs, make_generator, sample, sample_batch
 from yaie.model.testing import fresh_seed, single_thread
 
@@ -252,7 +251,7 @@ def test_engine_samples_on_the_device_and_looks_ahead_over_sampled_steps(monkeyp
     """Seeded requests give the same tokens alone and batched, with and without the CUDA-graph path (run
     eagerly on the CPU), whose decode steps are looked ahead now that sampled tokens stay on the device
     (each looked-ahead step with the sampling table of the step before it)."""
-    from yaie.engine.llm import LLM as Engine
+    from yaie.engine.core import EngineCore as Engine
     seed = fresh_seed()
     params = engine_params(seed)
     with single_thread():
@@ -260,13 +259,13 @@ def test_engine_samples_on_the_device_and_looks_ahead_over_sampled_steps(monkeyp
         alone = [plain.generate(p, sp)[0] for p, sp in zip(PROMPTS, params)]
         batched = plain.generate(PROMPTS, params)
         llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=256)
-        llm.cuda_graphs = True
-        llm._graph_runner = lambda manager: DecodeGraphs(llm.model, manager, llm.max_num_seqs, capture=False)
+        llm.settings.cuda_graphs = True
+        llm.settings.graph_capture = False
         ahead, tables = [], []
         real = Engine._look_ahead
 
-        def look_ahead(self, scheduler, pending, *rest):
-            ahead.append(real(self, scheduler, pending, *rest))
+        def look_ahead(self, pending):
+            ahead.append(real(self, pending))
             if ahead[-1] is not None:
                 tables.append((pending.table, ahead[-1].table))
             return ahead[-1]

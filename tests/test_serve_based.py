@@ -2,7 +2,7 @@
 
 Through the real ``openai`` client against a live server on 127.0.0.1 over the tiny Based model (two rows,
 more requests than rows), and ``yaie serve`` in its own process: the answers equal ``LLM.generate``'s. The
-engine underneath, :class:`yaie.engine.slot_engine.SlotEngine`, step by step: ``tests/test_slot_engine.py``.
+engine core over these models (:class:`yaie.engine.row_runner.RowRunner`), step by step: ``tests/test_row_engine.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from tests.helpers import fail_once
 from tests.test_server import (LiveServer, concurrent_streams, interrupt, metrics, start_server, wait_idle,
                                wait_until_healthy)
-from tests.test_slot_engine import BASED, PROMPTS, ROWS, generate, greedy, reference  # noqa: F401 (a fixture)
+from tests.test_row_engine import BASED, PROMPTS, ROWS, generate, greedy, reference  # noqa: F401 (a fixture)
 from yaie import ops
 from yaie.engine import LLM, SamplingParams
 from yaie.model.testing import fresh_seed, single_thread
@@ -115,7 +115,7 @@ def test_logprobs_and_bad_requests(live):
 def test_engine_failure_fails_its_requests_and_the_rows_serve_on(live, reference, monkeypatch):
     """A step that fails (a prefill here) fails the requests in flight, not the server; their rows are
     freed, and the next requests answer as ``LLM.generate``."""
-    rows = live.app.state.engine.core.rows
+    rows = live.app.state.engine.core.runner.rows
     monkeypatch.setattr(rows, "prefill", fail_once(rows.prefill, "a kernel fell over"))
     with openai.OpenAI(base_url=live.url + "/v1", api_key="none", timeout=30, max_retries=0) as client:
         with pytest.raises(openai.InternalServerError, match="a kernel fell over"):

@@ -203,22 +203,21 @@ def test_step_engine_looks_ahead_with_arrivals_and_aborts(reference_lessons, mon
     ``LLM.generate`` does (CUDA graphs' fixed-buffer steps, run eagerly here): requests that arrive, leave
     and end meanwhile get exactly ``LLM.generate``'s tokens, a request asking for logprobs gets them
     (looking ahead pauses for it), and every block comes back."""
-    from yaie.engine.async_engine import StepEngine
-    from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
-    from yaie.engine.llm import LLM as Engine
+    from yaie.engine.core import EngineCore as Engine
+    from yaie.engine.cuda_graphs import SCRATCH_SEQ
     prompts = [f"One day, {name} the {kind} went to the park." for name, kind in zip(NAMES, KINDS * 2)][:5]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (20, 9, 28, 12, 6)]
     params[1] = SamplingParams(max_tokens=20, temperature=0, stop=[" the"])
     plain = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=256)
     want = plain.generate(prompts, params)
     llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=256)
-    llm.cuda_graphs = True
-    llm._graph_runner = lambda manager: DecodeGraphs(llm.model, manager, llm.max_num_seqs, capture=False)
+    llm.settings.cuda_graphs = True
+    llm.settings.graph_capture = False
     ahead = []
     real = Engine._look_ahead
     monkeypatch.setattr(Engine, "_look_ahead", lambda self, *a: ahead.append(real(self, *a)) or ahead[-1])
-    engine = StepEngine(llm)
-    ids = [llm._prompt_ids(p)[1] for p in prompts]
+    engine = llm.open_core()
+    ids = [llm.tokenizer.encode(p) for p in prompts]
     requests, events, scored = {}, [], []
     for i in range(3):
         requests[i] = engine.add(ids[i], params[i])
@@ -239,7 +238,7 @@ def test_step_engine_looks_ahead_with_arrivals_and_aborts(reference_lessons, mon
             scored += engine.take_logprobs(requests[4].request_id) or []
     events += engine.flush()
     scored += engine.take_logprobs(requests[4].request_id) or []
-    texts = {i: "".join(piece for r, piece, _ in events if r is request) for i, request in requests.items()}
+    texts = {i: "".join(event.text for event in events if event.request is request) for i, request in requests.items()}
     for i in (0, 1, 3, 4):
         assert requests[i].output_ids == want[i].token_ids, f"request {i}"
         assert texts[i] == want[i].text, f"request {i}"
@@ -257,10 +256,9 @@ def test_step_engine_looks_ahead_with_arrivals_and_aborts(reference_lessons, mon
 def graph_engine_llm() -> LLM:
     """An engine whose decode-only steps go through the CUDA-graph runner's fixed buffers (run eagerly on
     the CPU), so the server's engine sees what it sees on a GPU: decode steps apart from prefill steps."""
-    from yaie.engine.cuda_graphs import DecodeGraphs
     llm = LLM(DEFAULT_MODEL, device="cpu", block_size=4, num_blocks=256)
-    llm.cuda_graphs = True
-    llm._graph_runner = lambda manager: DecodeGraphs(llm.model, manager, llm.max_num_seqs, capture=False)
+    llm.settings.cuda_graphs = True
+    llm.settings.graph_capture = False
     return llm
 
 
@@ -274,7 +272,7 @@ def test_admission_window_gives_a_burst_one_prefill_step(reference_lessons):
     params = [SamplingParams(max_tokens=5 + i, temperature=0, ignore_eos=True) for i in range(4)]
     llm = graph_engine_llm()
     want = llm.generate(prompts, params)
-    ids = [llm._prompt_ids(p)[1] for p in prompts]
+    ids = [llm.tokenizer.encode(p) for p in prompts]
     with pytest.raises(ValueError, match="admission window"):
         AsyncEngine(llm, window_s=-1.0)
     engine = AsyncEngine(llm, warm_up=False, window_s=10.0, gap_s=0.3)
@@ -305,7 +303,7 @@ def test_admission_window_gives_a_burst_one_prefill_step(reference_lessons):
     finally:
         engine.shutdown()
     cached = core.scheduler.prefix_cache.tree.num_evictable_blocks
-    assert core.manager.num_free_blocks + cached == core.scheduler.usable_blocks
+    assert core.scheduler.num_free_blocks + cached == core.scheduler.usable_blocks
 
 
 def test_admission_window_rules(reference_lessons):
@@ -313,11 +311,11 @@ def test_admission_window_rules(reference_lessons):
     as long as a step with prompts takes while clients that just finished have not come back; beside
     running decodes, that step's cost shared out over running and held requests; at once when the prompts
     fill the step's budget or the next step launches eagerly anyway."""
-    from yaie.engine.async_engine import AsyncEngine, StepEngine
+    from yaie.engine.async_engine import AsyncEngine
     llm = graph_engine_llm()
     engine = AsyncEngine(llm, warm_up=False, window_s=1.0, gap_s=0.1)
-    engine.core = StepEngine(llm)
-    prompt = llm._prompt_ids("Once upon a time")[1]
+    engine.core = llm.open_core()
+    prompt = llm.tokenizer.encode("Once upon a time")
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
 
     class Group:            # what the window reads of a group: its items
@@ -338,7 +336,7 @@ def test_admission_window_rules(reference_lessons):
     assert 0.05 < wait_after([Group()], owed=1) <= 0.1                        # the one awaited came
     assert 0.9 < wait_after([Group()], owed=2) <= 1.0                         # one more awaited: the window
     assert 0.25 < wait_after([Group()], owed=2, step_s=0.2) <= 0.3            # ... or 1.5 prefill steps
-    assert wait_after([Group(length=llm.max_num_batched_tokens)]) == 0        # fills the step
+    assert wait_after([Group(length=llm.settings.max_num_batched_tokens)]) == 0        # fills the step
     for _ in range(6):                                                        # 6 running, decoding
         engine.core.add(prompt, params)
     engine.core.step()
@@ -474,7 +472,7 @@ def test_dropped_stream_frees_its_blocks(live, client):
     assert after["yaie_generation_tokens_total"] - before["yaie_generation_tokens_total"] < 300
     core = live.app.state.engine.core
     cached = core.scheduler.prefix_cache.tree.num_evictable_blocks     # earlier prompts, cached, unlocked
-    assert core.requests == {} and core.manager.num_free_blocks + cached == core.manager.num_blocks
+    assert core.requests == {} and core.scheduler.num_free_blocks + cached == core.scheduler.manager.num_blocks
 
 
 def test_dropped_logprobs_stream_leaves_nothing_behind(live, client):
@@ -639,8 +637,8 @@ def test_a_huge_prompt_does_not_stall_other_clients(live):
 
 
 def test_engine_failure_fails_its_requests_not_the_server(live, client, monkeypatch):
-    llm = live.app.state.llm
-    monkeypatch.setattr(llm, "_launch", fail_once(llm._launch, "a kernel fell over"))    # the loop's forward pass
+    runner = live.app.state.engine.core.runner
+    monkeypatch.setattr(runner, "execute", fail_once(runner.execute, "a kernel fell over"))    # the loop's forward pass
     with pytest.raises(openai.InternalServerError, match="a kernel fell over"):
         client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
     assert wait_idle(live)["yaie_kv_cache_blocks_used"] == 0
@@ -795,14 +793,3 @@ def running(pid: int) -> bool:
 def test_malformed_prompts_raise_value_error(reference, prompts):
     with pytest.raises(ValueError, match="prompt"):
         reference.generate(prompts, SamplingParams(max_tokens=2))
-
-
-@pytest.mark.parametrize("model", ["tiny-based", "tiny-telescoping"])
-def test_models_with_a_constant_size_state_are_refused_by_the_step_engine_with_a_clear_error(model):
-    """The paged step engine schedules the paged KV cache; a Based or telescoping model keeps a state of its own
-    per sequence: refused at start with a ValueError that says so, not a failure per request (`yaie serve` serves
-    these models through SlotEngine: tests/test_slot_engine.py, tests/test_serve_based.py)."""
-    from yaie.engine.async_engine import StepEngine
-    llm = LLM(DEFAULT_MODEL.parent / model, device="cpu")
-    with pytest.raises(ValueError, match="constant-size state per sequence"):
-        StepEngine(llm)

@@ -117,11 +117,10 @@ def decode_step_bytes(config: dict, context: float, element: int) -> dict:
 def inter_token_latency(llm, prompts: list[list[int]], long_prompt: list[int], chunked: bool, device: str,
                         before_steps: int = 24) -> dict:
     """Step times of running decodes before and while a long prompt is ingested (see the module docstring)."""
-    from yaie.engine.async_engine import StepEngine
     from yaie.engine.sampling import SamplingParams
 
-    llm.chunked_prefill = chunked
-    engine = StepEngine(llm)
+    llm.settings.chunked_prefill = chunked
+    engine = llm.open_core()
     try:
         params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
         for ids in prompts:
@@ -138,7 +137,7 @@ def inter_token_latency(llm, prompts: list[list[int]], long_prompt: list[int], c
         ttft = time.perf_counter() - start
     finally:
         engine.close()
-    row = dict(chunked_prefill=chunked, max_num_batched_tokens=llm.max_num_batched_tokens if chunked else None,
+    row = dict(chunked_prefill=chunked, max_num_batched_tokens=llm.settings.max_num_batched_tokens if chunked else None,
                running_requests=len(prompts), long_prompt_tokens=len(long_prompt),
                itl_before_median_ms=1e3 * statistics.median(before), itl_during_median_ms=1e3 * statistics.median(during),
                itl_during_max_ms=1e3 * max(during), itl_during_mean_ms=1e3 * statistics.mean(during),
@@ -263,8 +262,8 @@ def main(argv=None) -> int:
                 # Once untimed (kernels compiled for these shapes, graphs recorded), then measured.
                 inter_token_latency(llm, prompts[:args.itl_batch], long_prompt, chunked, args.device)
                 latency.append(inter_token_latency(llm, prompts[:args.itl_batch], long_prompt, chunked, args.device))
-            llm.chunked_prefill = True
-        llm.max_num_batched_tokens = args.throughput_batched_tokens    # read when each generate starts
+            llm.settings.chunked_prefill = True
+        llm.settings.max_num_batched_tokens = args.throughput_batched_tokens    # read when each generate starts
         if args.profile:
             try:
                 profiled = profile_decode(llm, prompts[0], 64, out / f"engine_profile_{slug}.txt", args.device)
@@ -279,11 +278,11 @@ def main(argv=None) -> int:
                 assert all(len(o.token_ids) == n for o in outs)
 
             rows.append(measure("yaie engine", engine, batch, args.new_tokens, args.repeats, args.device))
-            if llm.cuda_graphs and batch == 1:     # the same engine with every step run eagerly, side by side
-                llm.cuda_graphs = False
+            if llm.settings.cuda_graphs and batch == 1:     # the same engine with every step run eagerly, side by side
+                llm.settings.cuda_graphs = False
                 rows.append(measure("yaie engine (no CUDA graphs)", engine, batch, args.new_tokens, args.repeats,
                                     args.device))
-                llm.cuda_graphs = True
+                llm.settings.cuda_graphs = True
         # transformers after every engine row: its compiled path records CUDA graphs of its own
         # (torch.compile's cudagraph trees), and the engine's graphs recorded before are not replayed
         # after that in this process (an illegal memory access was seen on the H100 when they were).

@@ -68,22 +68,14 @@ def run_offline(llm, prompts: list[list[int]], warm: list[list[int]], new_tokens
     llm.generate(warm, SamplingParams(max_tokens=min(new_tokens, 8), temperature=0, ignore_eos=True))
     _sync(device)
     counts = dict(steps=0, prefill_steps=0)
-    launch = llm._start
-
-    def counted(manager, plan, *args, **kwargs):     # every step of a generate call launches through _start
-        counts["steps"] += 1
-        counts["prefill_steps"] += bool(plan.prefills)
-        return launch(manager, plan, *args, **kwargs)
-
-    llm._start = counted
     start = time.perf_counter()
     tokens = 0
-    try:
-        for batch in rounds:
-            tokens += sum(len(o.token_ids) for o in llm.generate(batch, params))
-        _sync(device)
-    finally:
-        del llm._start                                # the class's method again
+    for batch in rounds:
+        tokens += sum(len(o.token_ids) for o in llm.generate(batch, params))
+        core = llm.last_core                          # each generate call runs one core: its counters
+        counts["steps"] += core.scheduler.stats.steps
+        counts["prefill_steps"] += core.prefill_steps
+    _sync(device)
     elapsed = time.perf_counter() - start
     return dict(tokens=tokens, seconds=elapsed, tokens_per_s=tokens / elapsed, **counts)
 

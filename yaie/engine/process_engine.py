@@ -22,6 +22,7 @@ from pathlib import Path
 from yaie.engine.async_engine import AsyncEngine
 from yaie.engine.llm import DEFAULT_MODEL, LLM, read_generation_config
 from yaie.engine.sampling import SamplingParams
+from yaie.engine.settings import EngineSettings
 from yaie.engine.serving import (Event, EngineStats, RequestGroup, RATE_WINDOW_S, post_events, settle_group,
                                  wait_accepted)
 from yaie.model.config import load_config
@@ -82,7 +83,7 @@ class ProcessEngine:
         if self._proc is not None:
             self._proc.join(timeout)
             if self._proc.is_alive():
-                self._proc.terminate()
+                self._proc.kill()                         # it ignores SIGTERM (see _child_main)
                 self._proc.join(5)
         if self._reader is not None:
             self._reader.join(5)
@@ -263,7 +264,10 @@ class _ChildEngine(AsyncEngine):
 
 def _child_main(conn, llm_args: dict, warm_up: bool, window_s: float = 0.0) -> None:
     """The engine process: load the model, then run the loop until the server says stop (or is gone)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to the server, which stops the engine
+    # Ctrl-C and SIGTERM (also when sent to the whole process group) go to the server, which drains its
+    # requests and then stops the engine through the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         llm = LLM(**llm_args)
     except BaseException as err:  # noqa: BLE001 (reported to the server process, which exits with it)
@@ -276,8 +280,9 @@ class Frontend:
     """A model's tokenizer, config and generation defaults, without its weights: what the server process
     needs to check and tokenize requests while a :class:`ProcessEngine` holds the model."""
 
-    def __init__(self, model: str | Path | None = None):
+    def __init__(self, model: str | Path | None = None, block_size: int = 16):
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
+        self.settings = EngineSettings(block_size=block_size)     # what the server reads of the engine's
         self.config = load_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.generation_config = read_generation_config(self.model_dir)

@@ -51,7 +51,7 @@ class RequestGroup:
         engine's next step). Safe to call more than once, from the loop's thread."""
         if not self.aborted and self.unfinished:
             self.aborted = True
-            self.engine._abort(self)
+            self.engine.abort_group(self)
 
     async def batches(self):
         """Lists of events, until every request of the group has finished: all that arrived since the last
