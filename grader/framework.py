@@ -95,6 +95,13 @@ def pytest_configure(config):
     except ValueError as err:
         raise pytest.UsageError(str(err)) from None
     config.stash[STATUS_KEY] = {}
+    config.pluginmanager.register(_QuickFailureReports(), "yaie-quick-failure-reports")
+    # The graders call hypothesis inside their checks (grader/programs.py), without its pytest integration,
+    # whose end-of-run summary alone imports all of hypothesis: most of a second on every grader run.
+    hypothesis_plugin = config.pluginmanager.get_plugin("hypothesispytest")
+    if hypothesis_plugin is not None and hasattr(hypothesis_plugin, "pytest_sessionstart"):
+        hypothesis_plugin.pytest_sessionstart(None)      # its own start-of-session bookkeeping, done once
+        config.pluginmanager.unregister(hypothesis_plugin)
 
 
 def _lesson_of(path: Path) -> int | None:
@@ -173,6 +180,27 @@ def _student_frame(excinfo) -> str:
             rel = norm[norm.rfind("/yaie/kernels/") + 1:] if "/yaie/kernels/" in norm else norm[norm.rfind("/solutions/") + 1:]
             found = f"{rel}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
     return found
+
+
+class _QuickFailureReports:
+    """Builds the report of a failure the plugin rewrites anyway (a stub, a check's message, a timeout, a crash
+    shown as one line) without pytest's traceback formatting: pytest reads the source of every frame for it,
+    about 0.1 s a failure, most of a grader's run on the stubs."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_makereport(self, item, call):
+        from _pytest.reports import TestReport
+
+        if call.when == "teardown" or call.excinfo is None or not isinstance(call.excinfo.value, Exception):
+            return None
+        err = call.excinfo.value
+        rewritten = isinstance(err, (NotImplementedError, GradingError, GraderTimeout))
+        if not rewritten and item.config.getoption("tbstyle") == "long":
+            return None                       # --tb=long: pytest's own traceback, formatted as usual
+        sections = [(f"Captured {key} {when}", content) for when, key, content in item._report_sections]
+        return TestReport(item.nodeid, item.location, {x: 1 for x in item.keywords}, "failed",
+                          f"{type(err).__name__}: {err}", call.when, sections, call.duration, call.start, call.stop,
+                          user_properties=item.user_properties)
 
 
 @pytest.hookimpl(wrapper=True)
