@@ -117,6 +117,21 @@ def test_lesson05_make_room_that_evicts_once(monkeypatch):
     must_fail(g.test_make_room_keeps_evicting_until_blocks_are_free, "cpu", expect="evict again")
 
 
+def test_lesson05_append_slots_that_evicts_once(monkeypatch):
+    import grader.lesson05.test_radix_tree as g
+    import solutions.kernels.radix_attention as ref
+
+    def append_slots_once(self, seq_id, n=1):
+        try:
+            return self.manager.append_slots(seq_id, n)
+        except self._out_of_blocks:
+            self.evict(1 + n // self.manager.block_size)                   # BUG: one round, then give up
+            return self.manager.append_slots(seq_id, n)
+
+    monkeypatch.setattr(ref.RadixAttentionWithPagedKVCache, "append_slots", append_slots_once)
+    must_fail(g.test_make_room_keeps_evicting_until_blocks_are_free, "cpu", expect="append_slots('d', 4) raised")
+
+
 # ---------------------------------------------------------------- lesson 05b/05c: paths the CPU never took
 
 def test_lesson05_fp8_cache_without_k_scale(monkeypatch):

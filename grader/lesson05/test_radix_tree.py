@@ -419,6 +419,23 @@ def test_make_room_keeps_evicting_until_blocks_are_free(device):
     cache.clear()
     expect(manager.num_free_blocks == 8, "nothing leaked", 8, manager.num_free_blocks)
 
+    manager, cache, a = _cached_prefix_held_by_a_fork(device)
+    d = seq("mm", "nn")                     # the 2 free blocks; then 4 more tokens need 2 more
+    cache.allocate("d", d)
+    try:
+        cache.append_slots("d", 4)
+    except Exception as err:  # noqa: BLE001 - the manager's OutOfBlocks, whichever module made it
+        raise GradingError(f"append_slots('d', 4) raised {type(err).__name__}\n  case:     {case}; 'd' took the 2 "
+                           "free blocks\n  expected: 2 more blocks once the tree evicts 'aabbcc' (frees nothing) and "
+                           f"'xxyy' (frees 2)\n  got:      {type(err).__name__}: {err}\n  hint:     {MAKE_ROOM_HINT}") from None
+    expect(manager.num_tokens("d") == 8 and len(manager.block_ids("d")) == 4, "append_slots after evicting",
+           "8 tokens in 4 blocks", (manager.num_tokens("d"), manager.block_ids("d")))
+    check_owners(cache, {"a2": a, "d": d})
+    cache.free("d")
+    manager.free("a2")
+    cache.clear()
+    expect(manager.num_free_blocks == 8, "nothing leaked", 8, manager.num_free_blocks)
+
 
 @task(2, "RadixAttentionWithPagedKVCache")
 def test_glue_rejects_bad_input(device):
