@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from grader.checks import GradingError, assert_close, expect_value_error, randn, task, tolerances
+from grader.edges import tile
 from yaie.switch import LessonProxy
 from yaie.switch import module as lesson_module
 
@@ -398,6 +399,34 @@ def test_paged_split_kv_by_the_heuristic(device, seed, case_index, monkeypatch):
         check_plan_run(batch, (out, lse), True, f"FlashInferPagedAttention.run split by the heuristic (chunk {chosen[-1]})")
     except GradingError as err:
         raise GradingError(f"{err}\n  note:     {SPLIT_HINT}") from None
+
+
+def plan_tiles(device: str, group: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, WIDE_M) of the plan's tiles (the module's ``_tile_config``, as the reference has it)."""
+    return tuple(tile(5, 2, lambda m: m._tile_config(group, head_dim)[name], default)
+                 for name, default in (("BLOCK_N", 64 if device == "cuda" else 16),
+                                       ("WIDE_M", 128 if device == "cuda" else 32)))
+
+
+@task(6, "FlashInferPagedAttention")
+@pytest.mark.parametrize("chunk", [None, "tile"])
+def test_paged_lengths_on_tile_edges(device, seed, chunk):
+    """Key counts of whole key tiles (and one less), prefill rows (tokens x group) of whole wide tiles (and
+    one more); with ``kv_chunk_size`` one key tile, every chunk ends on a tile edge."""
+    block_n, wide_m = plan_tiles(device, 2, 32)
+    rows = wide_m // 2                                   # tokens whose rows (x 2 query heads) fill a wide tile
+    case = ([1, rows, rows + 1, 1, rows], [block_n, 2 * block_n, rows + 2 * block_n, 2 * block_n - 1, rows],
+            4, 2, 32, 16)
+    batch = Batch(case, torch.float32, device, seed)
+    size = None if chunk is None else block_n
+    wrapper = L.FlashInferPagedAttention()
+    wrapper.plan(*batch.csr(), *batch.sizes(), causal=True, kv_chunk_size=size)
+    try:
+        check_plan_run(batch, wrapper.run(batch.q, batch.k_cache, batch.v_cache), True,
+                       f"FlashInferPagedAttention.run (lengths on tile edges, kv_chunk_size={size})")
+    except GradingError as err:
+        raise GradingError(f"{err}\n  note:     tiles of {block_n} keys, wide tiles of {wide_m} rows: a length that "
+                           "fills its last tile exactly has no partial tile (no extra tile, no extra chunk)") from None
 
 
 @task(6, "FlashInferPagedAttention")

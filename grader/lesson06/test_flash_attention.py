@@ -263,6 +263,27 @@ def test_backward_low_precision_flash_rule(device, seed, dtype, case_index):
 
 
 @task(2, "flash_attention_backward")
+@pytest.mark.parametrize("shape", ["q=k=2 tiles", "q=1 tile, k=2 tiles"])
+def test_backward_lengths_on_tile_edges(device, seed, shape):
+    """The backward's own tiles (its ``_fixed_config("bwd")``): lengths of whole tiles, causal."""
+    block_m, block_n = kernel_tiles(device, "bwd", 32)
+    t = max(block_m, block_n)
+    sq, sk = {"q=k=2 tiles": (2 * t, 2 * t), "q=1 tile, k=2 tiles": (t, 2 * t)}[shape]
+    case = (1, 2, 1, sq, sk, 32, True)
+    q, k, v = make_inputs(case, torch.float32, device, seed)
+    dout = randn(*q.shape, dtype=torch.float32, device=device, seed=seed + 3)
+    out, lse = ref_attention(q.double(), k.double(), v.double(), True)
+    grads = L.flash_attention_backward(dout, q, k, v, out.float(), lse.float(), causal=True)
+    _, dq, dk, dv = ref_grads(q, k, v, dout, True)
+    if not isinstance(grads, tuple) or len(grads) != 3:
+        raise GradingError("flash_attention_backward must return a tuple (dq, dk, dv)")
+    text = f"{case_id(case)}, causal=True; tiles of {block_m} x {block_n}"
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (dq, dk, dv)):
+        assert_close(got, ref, name=f"flash_attention_backward {name}", dtype=torch.float32, case=text,
+                     atol=5e-5, rtol=1e-4, hint=EDGE_HINT)
+
+
+@task(2, "flash_attention_backward")
 def test_backward_rejects_bad_input(device, seed):
     q, k, v = make_inputs((1, 2, 2, 8, 8, 16, False), torch.float32, device, seed)
     out = randn(*q.shape, device=device, seed=seed + 4)
