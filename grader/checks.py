@@ -191,8 +191,8 @@ def assert_correctly_rounded(got, exact: torch.Tensor, *, name: str, case: str =
     ulps = (g.view(bits).long() - want.view(bits).long()).abs()
     raise GradingError("\n".join([
         f"{name} is not bit-exact", *context,
-        f"  mismatch: {int(bad.sum())} of {g.numel()} elements are not the exact result rounded to {dtype} "
-        f"(the largest difference is {int(ulps[bad].max())} units in the last place)",
+        f"  mismatch: {int(bad.sum())} of {g.numel()} elements are not the exact result rounded to "
+        f"{str(dtype).replace('torch.', '')} (off by up to {int(ulps[bad].max())} in the last place)",
         f"  first at: index {first}: expected {_fmt(float(want[first]))} (exact {float(e[first]):.10g}), "
         f"got {_fmt(float(g[first]))}",
         "  (a tolerance cannot see this: the result is close, but not computed from the values the "
