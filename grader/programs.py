@@ -60,10 +60,6 @@ class _Failure:
         self.err, self.draws, self.trace = err, list(pick.draws), list(pick.trace)
 
 
-def _short(values: list, limit: int = 60) -> str:
-    return ",".join(map(str, values[:limit])) + (",..." if len(values) > limit else "")
-
-
 def _where() -> str:
     current = os.environ.get("PYTEST_CURRENT_TEST", "")
     return current.rsplit(" (", 1)[0] if current else "<this test>"
@@ -76,7 +72,7 @@ def _report(failure: _Failure, label: str) -> BaseException:
     if failure.trace and not any(op in str(err) for op in failure.trace[-1:]):
         lines.append(f"  ran:      {' ; '.join(failure.trace)}")
     lines.append(f"  program:  {label}; replay it alone (its draws are a fixed case): "
-                 f"{PROGRAM_ENV}={_short(failure.draws, 10**6)} pytest {_where()}")
+                 f"{PROGRAM_ENV}={','.join(map(str, failure.draws))} pytest {_where()}")
     context = "\n".join(lines)
     if isinstance(err, GradingError):
         new = GradingError(f"{err}\n{context}")
