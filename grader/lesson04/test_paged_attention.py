@@ -23,6 +23,7 @@ import torch
 from grader.checks import GradingError, assert_close, expect_value_error, randn, task, tolerances
 from grader.edges import around, tile
 from yaie.switch import LessonProxy
+from yaie.switch import module as lesson_module
 
 L = LessonProxy(4)
 
@@ -281,6 +282,43 @@ def test_contexts_on_tile_edges(device, seed, num_splits):
     assert_close(got, ref_decode(q, ks, vs), name="paged_attention_forward output (contexts on tile edges)",
                  dtype=torch.float32, case=case_text(case, torch.float32, num_splits) + f"; tiles of {tn} keys",
                  atol=2e-5, rtol=1e-5, hint=EDGE_HINT)
+
+
+def small_split_heuristic(monkeypatch):
+    """Make the module's split heuristic split at CPU shapes (it wants 512 keys a split: CPU contexts never
+    split); returns the split counts it chose."""
+    mod = lesson_module(4)
+    real = mod.choose_num_splits
+    chosen: list[int] = []
+
+    def small(batch, num_kv_heads, max_context_len, num_sms=None, min_tokens_per_split=512):
+        splits = real(batch, num_kv_heads, max_context_len, num_sms, min_tokens_per_split=8)
+        chosen.append(splits)
+        return splits
+
+    monkeypatch.setattr(mod, "choose_num_splits", small)
+    return chosen
+
+
+@task(3, "merge_split_results")
+@pytest.mark.parametrize("window", [None, 40], ids=["whole context", "window 40"])
+def test_split_k_by_the_heuristic(device, seed, window, monkeypatch):
+    """num_splits=None splitting, as on a GPU: the heuristic forced to split at CPU shapes."""
+    chosen = small_split_heuristic(monkeypatch)
+    case = cases(device)[0]
+    q, kc, vc, bt, cl, ks, vs = (build_paged(case, torch.float32, device, seed) if window is None
+                                 else build_windowed(case, window, torch.float32, device, seed))
+    got = L.paged_attention_forward(q, kc, vc, bt, cl, max(case[0]), sliding_window=window)
+    if not chosen:
+        raise GradingError("paged_attention_forward(num_splits=None) never called choose_num_splits\n"
+                           f"  case:     {case_text(case, torch.float32)}\n"
+                           "  hint:     with num_splits None, ask choose_num_splits(batch, num_kv_heads, span, "
+                           "num_sms) (span: the window when there is one, else max_context_len)")
+    assert_close(got, ref_decode(q, ks, vs), name=f"paged_attention_forward with {chosen[-1]} splits (chosen)",
+                 dtype=torch.float32, case=case_text(case, torch.float32, chosen[-1])
+                 + (f", sliding_window={window}" if window else ""), atol=2e-5, rtol=1e-5,
+                 hint="each split handles its own range (of the window's keys, with a window) and writes o_i and "
+                      "lse_i; a split beyond a short context is empty (lse -inf)")
 
 
 # ================================================================ task 4: sliding windows

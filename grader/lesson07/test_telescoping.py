@@ -468,6 +468,33 @@ def test_pv_backward(device, seed, dtype, case_index):
 
 
 @task(4, TASK4)
+@pytest.mark.parametrize("which", ["qk", "pv"])
+def test_backward_on_block_edges(device, seed, which):
+    """The backward kernels over positions and slots of whole blocks (the module's ``_block_c``)."""
+    block_c = tile(7, 0, lambda m: m._block_c(1 << 20), 64)
+    case = (1, 32, 2, 2, 32, 2 * block_c, 40)
+    text = f"{case_id(case)}; blocks of {block_c} slots"
+    hint = ("slot and position counts that fill their last block exactly leave no partial block; rows no slot "
+            "uses get 0, and every slot adds into its row once")
+    if which == "qk":
+        x, buf, index_map = make_qk_inputs(case, torch.float32, device, seed)
+        dout = randn(*x.shape[:4], case[5], device=device, seed=seed + 5)
+        got = L.indexed_qk_backward(dout, x, buf, index_map)
+        want = ref_grads(ref_qk, x, buf, index_map, dout)
+        names, sizes = ("dq", "dk"), (case[5], 4 * case[3])
+    else:
+        x, buf, index_map = make_pv_inputs(case, torch.float32, device, seed)
+        dout = randn(*x.shape[:4], case[4], device=device, seed=seed + 5)
+        got = L.indexed_pv_backward(dout, x, buf, index_map)
+        want = ref_grads(ref_pv, x, buf, index_map, dout)
+        names, sizes = ("dp", "dv"), (case[4], 4 * case[3])
+    for name, g, w, size in zip(names, got, want, sizes):
+        atol, rtol = tol(torch.float32, size)
+        assert_close(g, w, name=f"indexed_{which}_backward {name}", dtype=torch.float32, atol=atol, rtol=rtol,
+                     case=text, hint=hint)
+
+
+@task(4, TASK4)
 def test_autograd_through_both_products(device, seed):
     """scores -> softmax -> weights x values: gradients of q, the key buffer and the value buffer."""
     b, l, h, e, d, c, n = cases(device)[0]
