@@ -65,6 +65,22 @@ def test_lesson02_fused_norm_of_the_unrounded_sum(monkeypatch):
     assert "normalise exactly what you stored" in message and "expected" in message
 
 
+def test_lesson02_silu_rounded_before_the_product(monkeypatch):
+    import grader.lesson02.test_gpu_elementwise as g
+    import solutions.kernels.gpu_elementwise as ref
+
+    seed = fresh_seed()
+    g.test_silu_and_mul_matches_float64(torch.float16, 64, "cpu", seed)
+
+    def silu_rounded_twice(x):
+        d = x.shape[-1] // 2
+        gate = torch.nn.functional.silu(x[..., :d].float()).to(x.dtype)     # BUG: rounded before the product
+        return (gate.float() * x[..., d:].float()).to(x.dtype)
+
+    monkeypatch.setattr(ref, "silu_and_mul", silu_rounded_twice)
+    must_fail(g.test_silu_and_mul_matches_float64, torch.float16, 64, "cpu", seed, expect="not bit-exact")
+
+
 # ---------------------------------------------------------------- lesson 03: ids that coincide
 
 def _swap_in_by_device_id(monkeypatch):
