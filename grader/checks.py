@@ -163,13 +163,14 @@ def assert_unchanged(before: torch.Tensor, after: torch.Tensor, name: str) -> No
 
 
 def assert_correctly_rounded(got, exact: torch.Tensor, *, name: str, case: str = "", hint: str = "",
-                             rel_margin: float = 1e-5) -> None:
+                             rel_margin: float = 1e-5, magnitude: torch.Tensor | None = None) -> None:
     """Bit-exact check: ``got`` must be ``exact`` (a float64 reference) rounded to ``got``'s dtype.
 
     For results the specification fixes down to the rounding (computed in float32 from given low-precision
     values, rounded once), where a tolerance would let a different rounding order through. Float32 math
-    differs from float64 in its last bits, so where ``exact`` lies within ``rel_margin`` (relative) of the
-    midpoint between two representable values either neighbour passes; everywhere else the bits must match.
+    differs from float64 in its last bits, so where ``exact`` lies within ``rel_margin`` times its size (or
+    times ``magnitude``, the size of the terms it sums, where they cancel) of the midpoint between two
+    representable values, either neighbour passes; everywhere else the bits must match.
     """
     context = [f"  case:     {case}"] if case else []
     hint_line = [f"  hint:     {hint}"] if hint else []
@@ -179,8 +180,9 @@ def assert_correctly_rounded(got, exact: torch.Tensor, *, name: str, case: str =
     dtype = got.dtype
     e = exact.detach().to("cpu", torch.float64)
     g = got.detach().to("cpu")
-    lo = (e - rel_margin * e.abs()).to(dtype).double()
-    hi = (e + rel_margin * e.abs()).to(dtype).double()
+    size = e.abs() if magnitude is None else torch.maximum(e.abs(), magnitude.detach().to("cpu", torch.float64))
+    lo = (e - rel_margin * size).to(dtype).double()
+    hi = (e + rel_margin * size).to(dtype).double()
     gd = g.double()
     bad = ~((gd >= lo) & (gd <= hi))
     if not bad.any():

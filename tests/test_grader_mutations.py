@@ -81,6 +81,35 @@ def test_lesson02_silu_rounded_before_the_product(monkeypatch):
     must_fail(g.test_silu_and_mul_matches_float64, torch.float16, 64, "cpu", seed, expect="not bit-exact")
 
 
+def test_lesson02_norm_and_rope_that_round_twice(monkeypatch):
+    import grader.lesson02.test_gpu_elementwise as g
+    import solutions.kernels.gpu_elementwise as ref
+
+    seed = fresh_seed()
+    g.test_rms_norm_matches_float64(torch.float16, 100, "cpu", seed)
+    g.test_rope_ragged_batch(torch.float16, 4, 2, 16, "cpu", seed)
+
+    def norm_then_weight_in_storage_dtype(x, w, epsilon=1e-6):
+        xf = x.float()
+        normed = (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + epsilon)).to(x.dtype)
+        return normed * w.to(x.dtype)                                        # BUG: a second rounding
+
+    def rope_with_rounded_products(q, k, cos, sin, position_ids):
+        for x in (q, k):
+            half = x.shape[-1] // 2
+            c, s_ = cos[position_ids.long(), None, :half], sin[position_ids.long(), None, :half]
+            x1, x2 = x[..., :half].float(), x[..., half:].float()
+            first = (x1 * c).to(x.dtype).float() - (x2 * s_).to(x.dtype).float()  # BUG: products rounded first
+            second = (x2 * c).to(x.dtype).float() + (x1 * s_).to(x.dtype).float()
+            x.copy_(torch.cat([first, second], -1).to(x.dtype))
+        return q, k
+
+    monkeypatch.setattr(ref, "rms_norm", norm_then_weight_in_storage_dtype)
+    monkeypatch.setattr(ref, "apply_rope_qk", rope_with_rounded_products)
+    must_fail(g.test_rms_norm_matches_float64, torch.float16, 100, "cpu", seed, expect="not bit-exact")
+    must_fail(g.test_rope_ragged_batch, torch.float16, 4, 2, 16, "cpu", seed, expect="not bit-exact")
+
+
 # ---------------------------------------------------------------- lesson 03: ids that coincide
 
 def _swap_in_by_device_id(monkeypatch):

@@ -48,6 +48,17 @@ def ref_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
     return torch.cat([z.real, z.imag], dim=-1)
 
 
+def rope_term_sizes(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """|x1 cos| + |x2 sin| and |x2 cos| + |x1 sin|: the size of the two products each rotated element sums
+    (where they cancel, float32's error is relative to these, not to the small result)."""
+    half = x.shape[-1] // 2
+    x = x.double().cpu().abs()
+    pos = positions.cpu().long()
+    c, s = cos.double().cpu()[pos, None, :half].abs(), sin.double().cpu()[pos, None, :half].abs()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c + x2 * s, x2 * c + x1 * s], dim=-1)
+
+
 def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.double().cpu()
     d = x.shape[-1] // 2
@@ -61,6 +72,9 @@ def _tol(dtype: torch.dtype) -> tuple[float, float]:
 
 # ---------------------------------------------------------------- task 1: rms_norm
 
+ROUND_ONCE_HINT = ("the module's convention: math in float32 (load, convert, compute), one rounding to the "
+                   "output dtype at the store; a multiplication in the storage dtype (the weight before it is "
+                   "converted, say) rounds twice")
 RMS_HINT = ("one program per row: load the row (mask the tail when hidden is not a power of two), "
             "sum of squares in float32 divided by hidden (not BLOCK_SIZE), then x * rsqrt(mean + eps) * w")
 
@@ -77,6 +91,9 @@ def test_rms_norm_matches_float64(dtype, hidden, device, seed):
     assert_close(got, ref_rms_norm(x, w, 1e-6), name="rms_norm output", dtype=dtype, atol=atol, rtol=rtol,
                  case=describe(x=x, weight=w), hint=RMS_HINT)
     assert_unchanged(before, x, "input_tensor")
+    if dtype in (torch.float16, torch.bfloat16):     # math in float32, rounded once: the spec fixes the rounding
+        assert_correctly_rounded(got, ref_rms_norm(x, w, 1e-6), name="rms_norm output", case=describe(x=x, weight=w),
+                                 hint=ROUND_ONCE_HINT)
 
 
 @task(1, "rms_norm")
@@ -100,6 +117,8 @@ def test_rms_norm_large_values_and_fp32_weight(device, seed):
     assert_close(got, ref_rms_norm(x, w, 1e-6), name="rms_norm of large fp16 values", dtype=torch.float16,
                  case=describe(x=x, weight=w) + ", |x| ~ 300",
                  hint="convert the loaded values to float32 before squaring (x.to(tl.float32))")
+    assert_correctly_rounded(got, ref_rms_norm(x, w, 1e-6), name="rms_norm of large fp16 values",
+                             case=describe(x=x, weight=w) + ", |x| ~ 300, a float32 weight", hint=ROUND_ONCE_HINT)
 
 
 @task(1, "rms_norm")
@@ -238,6 +257,10 @@ def _check_rope(qkv, q, k, cos, sin, pos, case):
                  case=case, hint=ROPE_HINT)
     assert_close(k, ref_rope(k0, pos, cos, sin), name="k after apply_rope_qk", dtype=dtype, atol=atol, rtol=rtol,
                  case=case, hint=ROPE_HINT + "; k has its own number of heads (grouped-query attention)")
+    if dtype in (torch.float16, torch.bfloat16):     # math in float32, rounded once: the spec fixes the rounding
+        for name, got, before in (("q", q, q0), ("k", k, k0)):
+            assert_correctly_rounded(got, ref_rope(before, pos, cos, sin), name=f"{name} after apply_rope_qk",
+                                     case=case, hint=ROUND_ONCE_HINT, magnitude=rope_term_sizes(before, pos, cos, sin))
     assert_unchanged(v0, qkv[:, v_cols], "the v part of the fused qkv buffer (outside q and k)")
 
 
