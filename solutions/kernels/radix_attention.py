@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yaie import ops
+from yaie.ops import lessons     # the switch: lesson 05b's kernel, the student's or the reference
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -624,7 +624,7 @@ class RadixAttentionWithPagedKVCache:
         ``query_lens[i]`` are new (after :meth:`allocate`: ``len(tokens) - num_cached``); their rows of
         ``q, k, v`` are packed sequence after sequence. The new keys and values are written into the cache
         (``manager.write_kv`` at the sequence's slots, for the decode steps that follow), then lesson 05's
-        ``prefix_prefill_attention`` (task 4, called through :func:`yaie.ops.call_in`; keep its output, not
+        ``prefix_prefill_attention`` (task 4, called through :func:`yaie.ops.lessons.call_in`; keep its output, not
         its log-sum-exp) attends each new query to its sequence's cached tokens, read through the block
         table, and causally to the new tokens.
 
@@ -665,9 +665,9 @@ class RadixAttentionWithPagedKVCache:
         args = (q, k, v, self.manager.k_cache[layer], self.manager.v_cache[layer], self.manager.block_table(seq_ids),
                 cu_seqlens_q, context_lens, max(query_lens))
         # Every check the kernel would make, BEFORE the cache is written: bad input changes nothing.
-        ops.call_in(5, 1, "check_prefix_prefill_inputs", *args, scale=scale)
+        lessons.call_in(5, 1, "check_prefix_prefill_inputs", *args, scale=scale)
         self.manager.write_kv(layer, torch.cat(slots).to(self.manager.device), k, v)
-        out, _ = ops.call_in(5, 1, "prefix_prefill_attention", *args, scale=scale)
+        out, _ = lessons.call_in(5, 1, "prefix_prefill_attention", *args, scale=scale)
         return out
 
 

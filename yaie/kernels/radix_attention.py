@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yaie import ops
+from yaie.ops import lessons     # the switch: lesson 05b's kernel, the student's or the reference
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -463,7 +463,7 @@ class RadixAttentionWithPagedKVCache:
         ``query_lens[i]`` are new (after :meth:`allocate`: ``len(tokens) - num_cached``); their rows of
         ``q, k, v`` are packed sequence after sequence. The new keys and values are written into the cache
         (``manager.write_kv`` at the sequence's slots, for the decode steps that follow), then lesson 05's
-        ``prefix_prefill_attention`` (task 4, called through :func:`yaie.ops.call_in`; keep its output, not
+        ``prefix_prefill_attention`` (task 4, called through :func:`yaie.ops.lessons.call_in`; keep its output, not
         its log-sum-exp) attends each new query to its sequence's cached tokens, read through the block
         table, and causally to the new tokens.
 

@@ -45,6 +45,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_without_the_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """:meth:`encode`, letting go of Python's interpreter lock while the tokenizers library works (its
+        ``encode`` holds it, its ``encode_batch`` does not): other threads run while a long text is encoded."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -305,7 +305,7 @@ def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """``tokenizer.encode(text)``, letting go of the interpreter lock while the tokenizers library works
     (its ``encode`` holds it, its ``encode_batch`` does not). The handlers call this in a worker thread: a
     prompt of megabytes takes seconds, and holding the lock it would stall every other client's stream."""
-    return tokenizer._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer.encode_without_the_gil(text, add_special_tokens)
 
 
 def render_chat(llm: LLM, messages: list[dict]) -> list[int]:
