@@ -29,6 +29,23 @@ def must_fail(check, *args, expect: str, **kwargs) -> str:
     raise AssertionError(f"{check.__name__} passed on a planted bug")
 
 
+# ---------------------------------------------------------------- lesson 01: rounding order
+
+def test_lesson01_rms_norm_weight_in_the_storage_dtype(monkeypatch):
+    import grader.lesson01.test_cpu_kernels as g
+    import solutions.kernels.cpu_kernels as ref
+
+    seed = fresh_seed()
+    g.test_rms_norm_matches_float64((4, 1000), torch.bfloat16, seed)
+
+    def weight_after_the_cast(x, w, epsilon=1e-6):
+        xf = x.float()
+        return (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + epsilon)).to(x.dtype) * w   # BUG: rounds twice
+
+    monkeypatch.setattr(ref, "cpu_rms_norm", weight_after_the_cast)
+    must_fail(g.test_rms_norm_matches_float64, (4, 1000), torch.bfloat16, seed, expect="not bit-exact")
+
+
 # ---------------------------------------------------------------- lesson 02: rounding order
 
 @triton.jit

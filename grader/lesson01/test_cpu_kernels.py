@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from grader.checks import (assert_close, assert_unchanged, describe, expect_value_error, randn, task,
-                           tolerances)
+from grader.checks import (assert_close, assert_correctly_rounded, assert_unchanged, describe,
+                           expect_value_error, randn, task, tolerances)
 from yaie.switch import LessonProxy
 
 L = LessonProxy(1)
@@ -58,6 +58,23 @@ def ref_rope(x: torch.Tensor, positions: torch.Tensor, head_dim: int, base: floa
     angle = positions.double()[..., None, None] * inv            # broadcast over heads
     z = z * torch.polar(torch.ones_like(angle), angle)
     return torch.cat([z.real, z.imag], dim=-1)
+
+
+def rope_from_tables(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(exact, sizes): RoPE in float64 of the tables the function is given, and |x1 c| + |x2 s|, |x2 c| + |x1 s|,
+    the size of the two products each element sums (where they cancel, float32's error is relative to these)."""
+    half = x.shape[-1] // 2
+    x = x.double()
+    c, s = cos.double()[positions.long(), None, :half], sin.double()[positions.long(), None, :half]
+    x1, x2 = x[..., :half], x[..., half:]
+    exact = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    sizes = torch.cat([(x1 * c).abs() + (x2 * s).abs(), (x2 * c).abs() + (x1 * s).abs()], -1)
+    return exact, sizes
+
+
+ROUND_ONCE_HINT = ("the course's convention: math in float32 whatever the input dtype, cast back once at the end; "
+                   "an operation in float16/bfloat16 on the way (the weight multiplied before the cast, say) "
+                   "rounds twice")
 
 
 def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -158,6 +175,10 @@ def test_rope_token_major(dtype, seed):
                  hint="out = x * cos[p] + rotate_half(x) * sin[p], rotate_half(x) = cat(-x2, x1); "
                       "index the tables by each token's own position")
     assert_unchanged(before, x, "input_tensor")
+    if dtype in (torch.float16, torch.bfloat16):     # float32 math, one rounding: the spec fixes the bits
+        exact, sizes = rope_from_tables(x, pos, cos, sin)
+        assert_correctly_rounded(got, exact, name="rotated vectors", case=describe(x=x), hint=ROUND_ONCE_HINT,
+                                 magnitude=sizes)
 
 
 @task(2, "cpu_rope_embeddings")
@@ -212,6 +233,9 @@ def test_rms_norm_matches_float64(shape, dtype, seed):
                  case=describe(x=x, weight=w),
                  hint="x / sqrt(mean(x**2 over the last dim) + eps) * weight, in float32, cast back at the end")
     assert_unchanged(before, x, "input_tensor")
+    if dtype in (torch.float16, torch.bfloat16):     # float32 math, one rounding: the spec fixes the bits
+        assert_correctly_rounded(got, ref_rms_norm(x, w, 1e-6), name="cpu_rms_norm output",
+                                 case=describe(x=x, weight=w), hint=ROUND_ONCE_HINT)
 
 
 @task(3, "cpu_rms_norm")
