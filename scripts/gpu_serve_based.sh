@@ -2,7 +2,7 @@
 # yaie serve over the bundled tiny Based model (lesson 08) on the lent GPU, in one call (all output in $OUT):
 #   OUT=out YAIE_GIT_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_serve_based.sh
 #   OUT=/tmp/x DEVICE=cpu LEVELS=1,4 NEW_TOKENS=16 SKIP_TESTS=1 bash scripts/gpu_serve_based.sh   # CPU dry run
-# 1. tests/test_slot_engine.py and tests/test_serve_based.py with the GPU (the row engine on CUDA graphs against LLM.generate; the second needs openai);
+# 1. tests/test_row_engine.py and tests/test_serve_based.py with the GPU (the row engine on CUDA graphs against LLM.generate; the second needs openai);
 # 2. `yaie serve --model yaie/assets/tiny-based`: a completion, a streamed chat, logprobs, metrics (curl);
 # 3. a load test: C streaming clients (LEVELS, REQUESTS per client, PROMPT_LEN random ids, NEW_TOKENS greedy,
 #    end-of-sequence ignored) through yaie.bench.serve's client processes, beside offline LLM.generate on the
@@ -26,8 +26,8 @@ MODEL=yaie/assets/tiny-based
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   python3 -c "import torch, triton, fastapi, uvicorn; print('torch', torch.__version__, 'triton', triton.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__)"
   if [ "${SKIP_TESTS:-0}" != "1" ]; then
-    echo "== tests/test_slot_engine.py (GPU test included); tests/test_serve_based.py where openai is installed"
-    tests=tests/test_slot_engine.py
+    echo "== tests/test_row_engine.py (GPU test included); tests/test_serve_based.py where openai is installed"
+    tests=tests/test_row_engine.py
     python3 -c "import openai, httpx" 2>/dev/null && tests="$tests tests/test_serve_based.py"
     timeout "${TEST_TIMEOUT:-120}" python3 -m pytest $tests -q -p no:cacheprovider -rs
     echo "== tests rc $?"

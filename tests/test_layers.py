@@ -115,3 +115,17 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     assert ("yaie.engine.core", ["_hidden"], 2) in found and ("yaie.server.app", [], 3) in found
     assert layer("yaie.server.app") > layer("yaie.engine.core") > layer("yaie.model.llama") > layer("yaie.ops.kv") \
         > layer("yaie.kernels.based")
+
+
+def test_one_request_walks_through_at_most_700_lines_of_function_bodies():
+    """docs/engine.md's walk-through (scripts/request_path.py): every function it names exists, and the bodies
+    on the simplest path (CPU, greedy, Llama) add up to at most its budget."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("request_path", ROOT / "scripts" / "request_path.py")
+    request_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(request_path)
+    rows = request_path.walk()
+    total = sum(lines for *_, lines in rows)
+    assert all(lines > 0 for *_, lines in rows), [r for r in rows if not r[3]]
+    assert total <= request_path.BUDGET, f"{total} lines of function bodies on the simplest path"

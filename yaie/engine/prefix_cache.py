@@ -9,7 +9,7 @@ prefix-prefill kernel on CUDA, the gathered lesson 01 path on the CPU: :func:`ya
 Lesson 05's classes are the student's or the reference, as the switch says. Like lesson 03's manager,
 they keep state that lives as long as the cache, so they are probed as a whole before serving:
 
-* auto mode (``YAIE_SOLUTIONS`` not set): a stubbed method switches lesson 05 to the reference, with the
+* auto mode (``YAIE_SOLUTIONS`` not set): a stubbed method sends the class to the reference (the class is the unit), with the
   usual one-line notice;
 * strict mode: prefix caching is optional, so an unfinished lesson 05 turns it off (one notice line on
   stderr saying so) instead of stopping the engine; a lesson 05 that is not in this copy at all turns it

@@ -7,7 +7,7 @@ The engine samples a whole step at once, on the logits' device (:func:`sample_ba
 temperature, top-k and top-p are columns of one small table, the filters are one ``topk`` and one sort
 for the batch with a mask per row, and one draw picks every row's token. Only the chosen ids go to the
 host, so a step with sampled requests waits for the device no longer than a greedy one, and the next
-step may be launched before they are read (``LLM._look_ahead``).
+step may be launched before they are read (the look-ahead of :mod:`yaie.engine.core`).
 
 The draw is inverse transform sampling (:func:`draw`): one uniform number per row, and the token where the
 row's cumulative probabilities (in vocabulary order, summed in float64) pass it. It needs one random

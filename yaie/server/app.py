@@ -425,7 +425,7 @@ class Reply:
                 "total_tokens": self.prompt_tokens + completion}
 
     def logprobs_body(self, index: int, entries: list) -> dict | None:
-        """OpenAI's ``logprobs`` of a choice's tokens ``entries`` (``StepEngine.take_logprobs``), or None when
+        """OpenAI's ``logprobs`` of a choice's tokens ``entries`` (``EngineCore.take_logprobs``), or None when
         the request did not ask. Completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the top k
         and the chosen token, by text), ``text_offset`` (where each token's text starts in the completion).
         Chat: ``content``, one ``{token, logprob, bytes, top_logprobs}`` per token."""
