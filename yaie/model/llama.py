@@ -134,8 +134,7 @@ class LlamaModel:
         # Each norm goes with the product after it (ops.add_rms_norm_linear: one kernel for a batch-1 decode
         # step on CUDA, the two ops otherwise); a subclass with its own attention block gets the normalised h.
         fuse_qkv = type(self)._attention_block is LlamaModel._attention_block
-        # F.embedding: one index_select kernel, 2.1 us a batch-1 decode step on an H100
-        # (bench/results/engine_profile_h100.txt).
+        # F.embedding: one index_select kernel.
         x = F.embedding(token_ids, self.embed)
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         residual = x

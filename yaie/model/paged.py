@@ -33,9 +33,8 @@ class PagedStep:
         plan_run: with ``use_kernels``, run the whole step (decodes and prefills together) through lesson
             05's plan/run attention instead of lesson 04 for the decodes and lessons 05/06 for the prefills:
             planned once for the step, one launch per layer (:func:`yaie.ops.paged_attention`). Default: for a
-            step that mixes decodes and prefill chunks (measured on the H100: one launch 1.13x faster than
-            the two); a prefill-only step keeps lesson 06's FlashAttention, whose tiles are faster on long
-            prompts. The environment variable ``YAIE_PLAN_RUN=1`` plans every eager step, ``0`` none.
+            step that mixes decodes and prefill chunks; a prefill-only step keeps lesson 06's FlashAttention
+            (why: docs/engine.md, "Prefix caching"). The environment variable ``YAIE_PLAN_RUN=1`` plans every eager step, ``0`` none.
     """
 
     plan_run = False          # CUDA-graph steps (StaticDecodeStep) never plan
