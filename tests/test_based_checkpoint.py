@@ -367,9 +367,9 @@ def test_all_layer_kinds_give_the_reference_logits(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("fixed_buffers", [False, True])
 def test_batched_serving_rows_give_the_reference_logits(tmp_path, monkeypatch, fixed_buffers):
-    """Two sequences in the rows of one BasedSlots (the engine's batched path; ``fixed_buffers``: the CUDA
+    """Two sequences in the rows of one BasedRows (the engine's batched path; ``fixed_buffers``: the CUDA
     graphs' bucket-padded step run eagerly): every decode step's logits equal the reference's."""
-    from yaie.model.based_rows import BasedSlots
+    from yaie.model.based_rows import BasedRows
     from yaie.model.testing import single_thread
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
@@ -382,7 +382,7 @@ def test_batched_serving_rows_give_the_reference_logits(tmp_path, monkeypatch, f
     expected = [reference_logits(cfg, tensors, s) for s in seqs]
     with single_thread():
         model = _yaie_model(tmp_path)
-        slots = BasedSlots(model, 2, graphs=fixed_buffers, capture=False)
+        slots = BasedRows(model, 2, graphs=fixed_buffers, capture=False)
         for row, (seq, p) in enumerate(zip(seqs, prompts)):
             first = slots.prefill(row, seq[:p].tolist())
             torch.testing.assert_close(first[0].double(), expected[row][p - 1], atol=1e-4, rtol=1e-4)

@@ -1,5 +1,5 @@
 """Serving Based models (lesson 08) in the engine: every sequence of a ``generate`` call decodes in the same
-steps (:class:`yaie.model.based_rows.BasedSlots`, through the engine core's row runner).
+steps (:class:`yaie.model.based_rows.BasedRows`, through the engine core's row runner).
 
 The reference is a float64 forward over the whole sequence written here from the weights: the Based
 layers in the quadratic form, the window layers as exact softmax attention over the last ``window`` tokens
@@ -126,11 +126,11 @@ def test_batched_decode_logits_equal_the_float64_reference(llm, static):
     """Rows prefilled with prompts of different lengths (before, at and past the window), then decoded
     together: every row's logits equal the reference's at its position, through a row moving down after
     another one leaves (``move``). ``static``: the CUDA graphs' bucket-padded fixed-buffer steps, run eagerly."""
-    from yaie.model.based_rows import BasedSlots
+    from yaie.model.based_rows import BasedRows
 
     seed = fresh_seed()
     model = llm.model
-    slots = BasedSlots(model, 5, graphs=static, capture=False)
+    slots = BasedRows(model, 5, graphs=static, capture=False)
     prompts = _prompts(seed)
     seqs = [list(p) for p in prompts]
     for row, prompt in enumerate(prompts):
@@ -157,11 +157,11 @@ def test_a_prompt_prefilled_into_a_row_that_was_bucket_padding(llm):
     """Three rows decode in the bucket of 4 (its fourth row padding: context 0, the scratch pages), then a new
     prompt is prefilled into that fourth row and all four decode together: every row keeps the reference's
     logits, so a padding row's steps leave nothing behind in the row a later prompt takes."""
-    from yaie.model.based_rows import BasedSlots
+    from yaie.model.based_rows import BasedRows
 
     seed = fresh_seed()
     model = llm.model
-    slots = BasedSlots(model, 4, graphs=True, capture=False)
+    slots = BasedRows(model, 4, graphs=True, capture=False)
     prompts = _prompts(seed, (WINDOW + 3, 5, 2 * WINDOW))
     late = _prompts(seed + 7, (WINDOW - 2,))[0]
     seqs = [list(p) for p in prompts]
@@ -194,12 +194,12 @@ def test_decode_next_equals_decode_with_the_tokens_one_position_further(llm, sta
     """A looked-ahead step (``decode_next``: token ids from the device, positions advanced in the input
     buffer) gives the logits of ``decode`` with the same tokens from the host; after a ``move`` it is
     refused (the rows changed), and ``decode`` works again."""
-    from yaie.model.based_rows import BasedSlots
+    from yaie.model.based_rows import BasedRows
 
     seed = fresh_seed()
     prompts = _prompts(seed, (WINDOW - 1, 4, 2 * WINDOW + 3))
-    ahead = BasedSlots(llm.model, 3, graphs=static, capture=False)
-    plain = BasedSlots(llm.model, 3, graphs=static, capture=False)
+    ahead = BasedRows(llm.model, 3, graphs=static, capture=False)
+    plain = BasedRows(llm.model, 3, graphs=static, capture=False)
     for slots in (ahead, plain):
         for row, prompt in enumerate(prompts):
             slots.prefill(row, prompt)
@@ -388,17 +388,17 @@ def test_stream_and_a_kept_batch_of_rows(llm):
 
 def test_bad_input_gets_a_value_error_and_corrupts_nothing(llm):
     from yaie.engine import SamplingParams
-    from yaie.model.based_rows import BasedSlots
+    from yaie.model.based_rows import BasedRows
 
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     before = llm.generate([[5, 6, 7]], params)[0].token_ids
     with pytest.raises(ValueError, match="context"):
         llm.generate([[5, 6, 7], [4] * CONFIG["max_position_embeddings"]], params)
     with pytest.raises(ValueError, match="capacity"):
-        BasedSlots(llm.model, 0)
+        BasedRows(llm.model, 0)
     with pytest.raises(ValueError, match="CUDA"):
-        BasedSlots(llm.model, 2, graphs=True)
-    slots = BasedSlots(llm.model, 2, graphs=False)
+        BasedRows(llm.model, 2, graphs=True)
+    slots = BasedRows(llm.model, 2, graphs=False)
     with pytest.raises(ValueError, match="rows"):
         slots.decode([5, 6, 7], [0, 0, 0])
     with pytest.raises(ValueError, match="row 2"):
@@ -413,7 +413,7 @@ def test_cuda_graphs_give_the_eager_tokens_and_the_cpu_logits(model_dir, referen
     """On CUDA (lessons 04, 06, 08 kernels): batched decode replayed from graphs gives the tokens of the
     eager steps and of one sequence at a time; the kernels' logits match the PyTorch path's."""
     from yaie.engine import LLM, SamplingParams
-    from yaie.model.based_rows import BasedSlots
+    from yaie.model.based_rows import BasedRows
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -426,8 +426,8 @@ def test_cuda_graphs_give_the_eager_tokens_and_the_cpu_logits(model_dir, referen
     assert graphed.last_core.runner.rows.graphs and graphed.last_core.runner.rows.failed is None
     assert together == [o.token_ids for o in eager.generate(prompts, params)], f"seed={seed}"
     assert together == [graphed.generate([p], params)[0].token_ids for p in prompts], f"seed={seed}"
-    kernels = BasedSlots(graphed.model, len(prompts), use_kernels=True, graphs=False)
-    plain = BasedSlots(graphed.model, len(prompts), use_kernels=False, graphs=False)
+    kernels = BasedRows(graphed.model, len(prompts), use_kernels=True, graphs=False)
+    plain = BasedRows(graphed.model, len(prompts), use_kernels=False, graphs=False)
     for slots in (kernels, plain):
         for row, p in enumerate(prompts):
             slots.prefill(row, p)

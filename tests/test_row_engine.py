@@ -1,7 +1,7 @@
 """The engine core over the constant-state models: Based (lesson 08) and telescoping (lesson 07).
 
 A :class:`yaie.engine.row_runner.RowRunner` gives each request one row of the model's state (Based:
-``BasedSlots``; telescoping: a cache per row), requests beyond the rows wait. The core's answers are compared
+``BasedRows``; telescoping: a cache per row), requests beyond the rows wait. The core's answers are compared
 with ``LLM.generate`` on an engine of its own (greedy and seeded sampled requests), step by step and through
 the server's engine loop (the bundled tiny models, more requests than rows), with look-ahead and chunked
 prefill. The server itself over these models: ``tests/test_serve_based.py``. No ``openai`` or ``httpx``
@@ -22,7 +22,7 @@ from yaie.engine.async_engine import AsyncEngine
 from yaie.engine.core import EngineCore
 from yaie.engine.llm import DEFAULT_MODEL
 from yaie.engine.row_runner import RowRunner
-from yaie.model.based_rows import BasedSlots
+from yaie.model.based_rows import BasedRows
 from yaie.model.testing import fresh_seed, single_thread
 
 BASED = DEFAULT_MODEL.parent / "tiny-based"
@@ -131,7 +131,7 @@ def arrivals_waits_and_an_abort(llm: LLM, engine: EngineCore, reference_llm: LLM
     # Logprobs: the sampled token's log-probability under the model, each one checked against a prompt
     # prefilled up to it (the prefill path, not the decode step that produced it).
     assert [token for token, _, _ in scored] == want[4].token_ids
-    check = BasedSlots(llm.model, 1, graphs=False)
+    check = BasedRows(llm.model, 1, graphs=False)
     for j, (token, logprob, top) in enumerate(scored):
         exact = torch.log_softmax(check.prefill(0, ids[4] + want[4].token_ids[:j])[0].double(), -1)
         assert logprob == pytest.approx(exact[token].item(), abs=logprob_atol), f"token {j}"

@@ -1,7 +1,7 @@
 """The runner of models that keep a constant-size state per sequence: Based (lesson 08), telescoping (lesson 07).
 
 Each sequence holds one *row* of the model's state, whatever its length: a row of a
-:class:`yaie.model.based_rows.BasedSlots` (Based: batched, CUDA graphs per batch bucket) or a
+:class:`yaie.model.based_rows.BasedRows` (Based: batched, CUDA graphs per batch bucket) or a
 :class:`yaie.model.telescoping.TelescopingKVCache` of its own (:class:`SequenceRows`: telescoping caches do
 not batch, so a decode step runs one forward pass per row). Both take the same calls: ``prefill(row, ids)``,
 ``extend(row, ids, start)``, ``decode(tokens, positions)`` of rows ``0 .. n - 1``, ``decode_next(device
@@ -18,7 +18,7 @@ import torch
 from yaie.engine.request import StepPlan
 from yaie.engine.row_scheduler import RowScheduler
 from yaie.engine.settings import EngineSettings
-from yaie.model.based_rows import BasedSlots
+from yaie.model.based_rows import BasedRows
 from yaie.model.telescoping import TelescopingKVCache
 
 
@@ -44,7 +44,7 @@ class RowRunner:
         spare = 1 if settings.chunked_prefill else 0
         self.staging_row = capacity if spare else None
         if cfg.based_layers:
-            self.rows = BasedSlots(model, capacity, graphs=settings.cuda_graphs, capture=settings.graph_capture,
+            self.rows = BasedRows(model, capacity, graphs=settings.cuda_graphs, capture=settings.graph_capture,
                                    spare_rows=spare)
         else:
             self.rows = SequenceRows(model, capacity + spare,
@@ -115,7 +115,7 @@ class RowRunner:
 class SequenceRows:
     """Rows over a model whose per-sequence caches do not batch (telescoping): each row holds a cache of its
     own (``make_cache()``), and a decode step runs one forward pass per row. The calls of
-    :class:`yaie.model.based_rows.BasedSlots`."""
+    :class:`yaie.model.based_rows.BasedRows`."""
 
     def __init__(self, model, rows: int, make_cache: Callable[[], object]):
         self.model, self.device, self.make_cache = model, model.device, make_cache

@@ -10,7 +10,7 @@ A Based layer projects each token to ``q, k [heads, 16]`` (``q_proj``/``k_proj``
 ``out_i = sum_j w_ij v_j / sum_j w_ij`` with ``w = 1 + s + s^2/2``, ``s = q.k / 4``, over ``j <= i``.
 
 The per-sequence state lives in the ``cache`` that :meth:`BasedModel.forward` is given: rows of a batched
-state for serving (:class:`yaie.model.based_rows.BasedSlots`) or one sequence's
+state for serving (:class:`yaie.model.based_rows.BasedRows`) or one sequence's
 (:class:`yaie.model.based_rows.BasedCache`). The public Based checkpoints add a third layer kind,
 ``config.based_conv_layers``: BaseConv, a gated short convolution (:mod:`yaie.model.base_conv`).
 """

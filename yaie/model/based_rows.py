@@ -1,6 +1,6 @@
 """The serving state of Based models (lesson 08): one row per sequence, the same bytes at any length.
 
-:class:`BasedSlots` holds the state of up to ``capacity`` sequences at once, one row each:
+:class:`BasedRows` holds the state of up to ``capacity`` sequences at once, one row each:
 
 * Based layers: a lesson 08 ``BasedState`` with a batch dimension, ``kv [rows, heads, 273, head_dim]`` and
   ``k [rows, heads, 273]`` (float32). A prompt runs through lesson 08's prefill (``based_prefill``; on a CPU
@@ -46,7 +46,7 @@ def ring_block_size(window: int) -> int:
     return next((size for size in RING_BLOCK_SIZES if window % size == 0), window)
 
 
-class BasedSlots:
+class BasedRows:
     """The serving state of up to ``capacity`` sequences of a Based model, one row each (module docstring).
 
     Rows ``0 .. n - 1`` hold the decoding sequences (the engine keeps them packed with :meth:`move`), so a
@@ -377,59 +377,59 @@ class BasedSlots:
 class _Prefill:
     """The cache :meth:`BasedModel.forward` gets for one prompt going into row ``row``."""
 
-    def __init__(self, slots: BasedSlots, row: int):
-        self.slots, self.row = slots, row
+    def __init__(self, owner: BasedRows, row: int):
+        self.owner, self.row = owner, row
 
     def attend(self, layer, q, k, v, sliding_window=None):
-        return self.slots.prefill_window(layer, self.row, q, k, v)
+        return self.owner.prefill_window(layer, self.row, q, k, v)
 
     def attend_linear(self, layer, q, k, v):
-        return self.slots.prefill_linear(layer, self.row, q, k, v)
+        return self.owner.prefill_linear(layer, self.row, q, k, v)
 
     def convolve(self, layer, x, weights):
-        return self.slots.prefill_conv(layer, self.row, x, weights)
+        return self.owner.prefill_conv(layer, self.row, x, weights)
 
 
 class _Extend:
     """The cache :meth:`BasedModel.forward` gets for more tokens of the sequence in row ``row`` (positions
     ``start ..``): a prompt fed in chunks."""
 
-    def __init__(self, slots: BasedSlots, row: int, start: int):
-        self.slots, self.row, self.start = slots, row, start
+    def __init__(self, owner: BasedRows, row: int, start: int):
+        self.owner, self.row, self.start = owner, row, start
 
     def attend(self, layer, q, k, v, sliding_window=None):
-        return self.slots.continue_window(layer, self.row, self.start, q, k, v)
+        return self.owner.continue_window(layer, self.row, self.start, q, k, v)
 
     def attend_linear(self, layer, q, k, v):
-        return self.slots.continue_linear(layer, self.row, q, k, v).to(q.dtype)
+        return self.owner.continue_linear(layer, self.row, q, k, v).to(q.dtype)
 
     def convolve(self, layer, x, weights):
-        return self.slots.continue_conv(layer, self.row, x, weights)
+        return self.owner.continue_conv(layer, self.row, x, weights)
 
 
 class _Decode:
     """The cache :meth:`BasedModel.forward` gets for one decode step of the leading rows: the ring slots and
     context lengths come from the positions on the device (no host value: the step can be a CUDA graph)."""
 
-    def __init__(self, slots: BasedSlots, positions: torch.Tensor):
-        self.slots = slots
+    def __init__(self, owner: BasedRows, positions: torch.Tensor):
+        self.owner = owner
         rows = positions.shape[0]
-        if slots.manager is not None:
-            self.ring_slots = slots.ring_slots(slice(0, rows), positions)
-            self.context_lens = (positions + 1).clamp(max=slots.window).to(torch.int32)
+        if owner.manager is not None:
+            self.ring_slots = owner.ring_slots(slice(0, rows), positions)
+            self.context_lens = (positions + 1).clamp(max=owner.window).to(torch.int32)
 
     def attend(self, layer, q, k, v, sliding_window=None):
-        return self.slots.decode_window(layer, q, k, v, self.ring_slots, self.context_lens)
+        return self.owner.decode_window(layer, q, k, v, self.ring_slots, self.context_lens)
 
     def attend_linear(self, layer, q, k, v):
-        return self.slots.decode_linear(layer, q, k, v)
+        return self.owner.decode_linear(layer, q, k, v)
 
     def convolve(self, layer, x, weights):
-        return self.slots.decode_conv(layer, x, weights)
+        return self.owner.decode_conv(layer, x, weights)
 
 
 class BasedCache:
-    """One sequence's cache for :meth:`BasedModel.forward` (tests, logit checks): a :class:`BasedSlots` of one
+    """One sequence's cache for :meth:`BasedModel.forward` (tests, logit checks): a :class:`BasedRows` of one
     row. The first forward is the prompt (the prefill path), then one token per call (the decode step),
     or several (each Based layer steps token by token; each window layer attends over its ring and the
     new tokens).
@@ -441,7 +441,7 @@ class BasedCache:
         self.config = config
         self.device = torch.device(device)
         self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
-        self.slots: BasedSlots | None = None
+        self.rows: BasedRows | None = None
         self.tokens = [0] * config.num_layers
 
     def __len__(self) -> int:
@@ -450,55 +450,55 @@ class BasedCache:
 
     def nbytes(self) -> int:
         """Bytes held for this sequence: its Based states and its window rings (0 before the first forward)."""
-        return self.slots.row_nbytes() if self.slots is not None else 0
+        return self.rows.row_nbytes() if self.rows is not None else 0
 
-    def _slots(self, dtype: torch.dtype) -> BasedSlots:
-        if self.slots is None:
+    def _rows(self, dtype: torch.dtype) -> BasedRows:
+        if self.rows is None:
             model = _Shape(self.config, self.device, dtype)
-            self.slots = BasedSlots(model, 1, use_kernels=self.use_kernels, graphs=False)
-        return self.slots
+            self.rows = BasedRows(model, 1, use_kernels=self.use_kernels, graphs=False)
+        return self.rows
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None = None) -> torch.Tensor:
         """A window layer: ``q [t, heads, d]``, ``k, v [t, kv_heads, d]`` (RoPE applied) -> ``[t, heads, d]``."""
         if sliding_window is None:
             raise ValueError(f"layer {layer} of a Based model must be a Based layer or a sliding-window layer")
-        slots, start, t = self._slots(k.dtype), self.tokens[layer], q.shape[0]
+        rows, start, t = self._rows(k.dtype), self.tokens[layer], q.shape[0]
         if start == 0:
-            out = slots.prefill_window(layer, 0, q, k, v)
+            out = rows.prefill_window(layer, 0, q, k, v)
         elif t == 1:
-            step = _Decode(slots, torch.tensor([start], device=q.device))
-            out = slots.decode_window(layer, q, k, v, step.ring_slots, step.context_lens)
+            step = _Decode(rows, torch.tensor([start], device=q.device))
+            out = rows.decode_window(layer, q, k, v, step.ring_slots, step.context_lens)
         else:
-            out = slots.continue_window(layer, 0, start, q, k, v)
+            out = rows.continue_window(layer, 0, start, q, k, v)
         self.tokens[layer] += t
         return out
 
     def attend_linear(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A Based layer: ``q, k [t, heads, 16]``, ``v [t, heads, d]`` -> ``[t, heads, d]``; updates the state."""
-        slots = self._slots(v.dtype)
+        rows = self._rows(v.dtype)
         if self.tokens[layer] == 0:
-            out = slots.prefill_linear(layer, 0, q, k, v)
+            out = rows.prefill_linear(layer, 0, q, k, v)
         else:                               # one token at a time: [1, heads, .] as a batch of one row
-            out = torch.cat([slots.decode_linear(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1]) for i in range(q.shape[0])])
+            out = torch.cat([rows.decode_linear(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1]) for i in range(q.shape[0])])
         self.tokens[layer] += q.shape[0]
         return out
 
     def convolve(self, layer: int, x: torch.Tensor, weights) -> torch.Tensor:
         """A BaseConv layer: ``x [t, hidden]`` -> ``[t, hidden]``; updates its state (the last inputs)."""
-        slots = self._slots(x.dtype)
+        rows = self._rows(x.dtype)
         if self.tokens[layer] == 0:
-            out = slots.prefill_conv(layer, 0, x, weights)
+            out = rows.prefill_conv(layer, 0, x, weights)
         elif x.shape[0] == 1:
-            out = slots.decode_conv(layer, x, weights)
+            out = rows.decode_conv(layer, x, weights)
         else:
-            out = slots.continue_conv(layer, 0, x, weights)
+            out = rows.continue_conv(layer, 0, x, weights)
         self.tokens[layer] += x.shape[0]
         return out
 
 
 class _Shape:
-    """What :class:`BasedSlots` reads of a model when it only serves layer calls (:class:`BasedCache`)."""
+    """What :class:`BasedRows` reads of a model when it only serves layer calls (:class:`BasedCache`)."""
 
     def __init__(self, config, device: torch.device, dtype: torch.dtype):
         self.config, self.device, self.dtype = config, device, dtype

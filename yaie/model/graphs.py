@@ -2,7 +2,7 @@
 copy that does not wait for the device.
 
 Used by the engine's decode graphs (:mod:`yaie.engine.cuda_graphs`) and by the Based model's rows
-(:class:`yaie.model.based_rows.BasedSlots`), which record their own decode step.
+(:class:`yaie.model.based_rows.BasedRows`), which record their own decode step.
 """
 
 from __future__ import annotations
