@@ -177,6 +177,10 @@ def test_lesson05_make_room_that_evicts_once(monkeypatch):
 
     monkeypatch.setattr(ref.RadixAttentionWithPagedKVCache, "make_room", make_room_once)
     must_fail(g.test_make_room_keeps_evicting_until_blocks_are_free, "cpu", expect="evict again")
+    # The random programs fork too, and their second fixed case reaches the same state.
+    message = must_fail(g.test_random_programs_share_blocks_correctly, "cpu", fresh_seed(),
+                        expect="evicting every unlocked cached prefix makes room")
+    assert "manager.fork('s0', 's0f1')" in message and "fixed case 2 of 2" in message, message
 
 
 def test_lesson05_append_slots_that_evicts_once(monkeypatch):

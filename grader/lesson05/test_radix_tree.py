@@ -460,6 +460,7 @@ def test_random_programs_share_blocks_correctly(device, seed):
         k_rows = manager.k_cache[0].view(-1, 1, 2)
         k_rows.fill_(float("nan"))          # never written: NaN, not what an earlier program left there
         live: dict[str, list[int]] = {}     # seq id -> its tokens (all computed)
+        forks: dict[str, list[int]] = {}    # forks made with the manager (the tree does not know them)
         prompts: list[list[int]] = []
         counter = [0]
 
@@ -468,7 +469,7 @@ def test_random_programs_share_blocks_correctly(device, seed):
             return float(hash(tuple(tokens[:p + 1])) % 100003)
 
         for _ in range(pick(4, 16)):
-            op = pick(0, 3)
+            op = pick(0, 4)
             if op <= 1:                     # a new request, often continuing an earlier prompt
                 if prompts and pick(0, 2):
                     base = prompts[pick(0, len(prompts) - 1)]
@@ -485,7 +486,21 @@ def test_random_programs_share_blocks_correctly(device, seed):
                     if type(err).__name__ != "OutOfBlocks":
                         raise
                     expect(not manager.has_seq(seq_id), "OutOfBlocks must not leave the sequence behind", "no sequence", seq_id)
-                    check_owners(cache, live)
+                    check_owners(cache, {**live, **forks})
+                    # It may fail only if evicting everything evictable (all but the prefix it matched, which
+                    # it holds locked meanwhile) could not make room: clear the cache and count.
+                    matched = list(cache.tree.match_prefix(tokens[:-1]).blocks)
+                    tree_only = sum(1 for b in matched if manager.blocks[b].ref_count == 1)
+                    pick.log("clear()")
+                    cache.clear()
+                    needed = -(-len(tokens) // size) - len(matched)
+                    room = manager.num_free_blocks - tree_only
+                    expect(room < needed, f"allocate({seq_id!r}) raised OutOfBlocks, but evicting every unlocked "
+                           "cached prefix makes room", f"{needed} new blocks fit in the {room} blocks evicting frees",
+                           "OutOfBlocks",
+                           "a block evicted from the tree frees nothing while a sequence (a fork) still holds it: "
+                           "evict again until enough blocks are free or nothing is left to evict")
+                    check_owners(cache, {**live, **forks})
                     continue
                 expect(got.num_cached == before and got.num_cached % size == 0 and got.num_cached < len(tokens),
                        "allocate reuses the whole blocks match() reported, never the last token", before, got.num_cached)
@@ -502,6 +517,19 @@ def test_random_programs_share_blocks_correctly(device, seed):
                 if pick(0, 1):
                     pick.log(f"cache_sequence({seq_id!r}, ...)")
                     cache.cache_sequence(seq_id, tokens)
+            elif op == 4 and live:          # a fork (a second sample of a prompt), or the end of one
+                if forks and pick(0, 1):
+                    child = list(forks)[pick(0, len(forks) - 1)]
+                    pick.log(f"manager.free({child!r})")
+                    manager.free(child)
+                    del forks[child]
+                else:
+                    parent = list(live)[pick(0, len(live) - 1)]
+                    child = f"{parent}f{counter[0]}"
+                    counter[0] += 1
+                    pick.log(f"manager.fork({parent!r}, {child!r})")
+                    manager.fork(parent, child)
+                    forks[child] = live[parent]
             elif op == 2 and live:
                 seq_id = list(live)[pick(0, len(live) - 1)]
                 tokens = live.pop(seq_id)
@@ -512,12 +540,14 @@ def test_random_programs_share_blocks_correctly(device, seed):
                 count = pick(0, 4)
                 pick.log(f"evict({count})")
                 cache.evict(count)
-            check_owners(cache, live)
+            check_owners(cache, {**live, **forks})
             for seq_id in live:
                 node = cache.locked_node(seq_id)
                 if node is not None:
                     expect(node.lock_count >= 1 and (node is cache.tree.root or node.parent is not None),
                            "the prefix a live request reads stays locked in the tree", "a locked node in the tree", node)
+        for child in list(forks):
+            manager.free(child)
         for seq_id, tokens in list(live.items()):
             cache.free(seq_id, tokens)
         check_owners(cache, {})
@@ -526,11 +556,14 @@ def test_random_programs_share_blocks_correctly(device, seed):
                "nothing leaked once every request ended and the cache was cleared",
                f"{manager.num_blocks} free blocks", manager.num_free_blocks)
 
-    # block_size 2, 6 blocks: a 7-token request, cached; one sharing its first 2 blocks; free both; evict 2;
-    # a new 8-token request, cached
+    # block_size 2, 6 blocks. 1: a 7-token request, cached; one sharing its first 2 blocks; free both; evict 2;
+    # a new 8-token request, cached. 2: a 6-token request, cached, forked, freed (its 3 blocks stay with the
+    # fork); a 4-token request, cached, freed; a 6-token one needs 2 of the 3 cached blocks nobody else holds.
     run_programs(body, seed, examples(device, 20, 50),
                  fixed=[[2, 6, 6, 0, 7, 0, 0, 1, 1, 2, 2, 0, 1, 1, 1, 0, 4, 1, 1, 0, 2, 0, 1, 2, 0, 0, 3, 2,
-                         0, 0, 8, 2, 2, 2, 2, 1, 1, 1, 1, 1]])
+                         0, 0, 8, 2, 2, 2, 2, 1, 1, 1, 1, 1],
+                        [2, 6, 6, 0, 6, 0, 0, 1, 1, 2, 2, 1, 4, 0, 2, 0, 1, 0, 0, 4, 1, 0, 1, 0, 1, 2, 0, 1,
+                         0, 0, 6, 2, 1, 2, 1, 2, 1, 0]])
 
 
 @task(2, "RadixAttentionWithPagedKVCache")
