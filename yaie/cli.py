@@ -6,6 +6,7 @@ Sub-commands import their modules lazily so ``yaie --help`` is instant.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 
@@ -20,8 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="yaie", description="YAIE: the course's command line")
         parser.add_argument("command", choices=sorted(commands), help="; ".join(f"{k}: {v[1]}" for k, v in commands.items()))
+        if argv and argv[0] not in ("-h", "--help"):
+            close = difflib.get_close_matches(argv[0], commands, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            parser.print_usage(sys.stderr)
+            print(f"yaie: error: invalid command {argv[0]!r} (choose from {', '.join(sorted(commands))}){hint}",
+                  file=sys.stderr)
+            return 2
         parser.print_help()
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return 0 if argv else 2
     import importlib
 
     from yaie.device import prepare_triton

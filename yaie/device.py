@@ -21,6 +21,27 @@ def default_device() -> torch.device:
     return torch.device("cuda" if has_cuda() else "cpu")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on: ``None`` is :func:`default_device`; else ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    ``ValueError`` for another name, or a CUDA device this machine does not have."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if resolved.type == "cuda":
+        if not has_cuda():
+            raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU on this machine "
+                             "(torch.cuda.is_available() is False); use the CPU: device='cpu' (--device cpu)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} "
+                             "CUDA GPU(s)")
+    return resolved
+
+
 def prepare_triton() -> bool:
     """Turn the Triton interpreter on when there is no GPU. Returns True when the interpreter is used.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,9 @@ def available_lessons() -> list[int]:
     return [n for n in LESSONS if grader_dir(n).is_dir()]
 
 
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def run_grader(lesson: int, solutions: bool = False, extra_args: list[str] | None = None,
                quiet: bool = False) -> dict:
     """Grade one lesson in a fresh pytest process; print its report; return the parsed results.json.
@@ -39,14 +43,16 @@ def run_grader(lesson: int, solutions: bool = False, extra_args: list[str] | Non
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results.json"
         cmd = [sys.executable, "-m", "pytest", str(grader_dir(lesson)), "-q", "-p", "no:cacheprovider",
-               "--results-json", str(results)]
+               "--color=no", "--results-json", str(results)]
         if solutions:
             cmd.append("--solutions")
         cmd += list(extra_args or [])
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
+        # No colour codes: a notebook shows them as raw escape sequences (Jupyter sets FORCE_COLOR).
+        env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "PY_COLORS", "CLICOLOR_FORCE")}
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**env, "NO_COLOR": "1"})
         if not quiet:
             # The results file is this function's own temporary file: not worth a line in the report.
-            shown = proc.stdout.replace(f"results written to {results}\n", "")
+            shown = ANSI_ESCAPE.sub("", proc.stdout.replace(f"results written to {results}\n", ""))
             print(shown[-20000:], end="")
             if proc.returncode not in (0, 1) and proc.stderr:
                 print(proc.stderr[-5000:], end="", file=sys.stderr)

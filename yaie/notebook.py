@@ -8,10 +8,16 @@ from typing import Callable
 def try_it(check: Callable[[], object]):
     """Run an exercise check cell; an unfinished task prints one line instead of a traceback.
 
-    The stub's ``NotImplementedError`` already names the lesson, the task and the file to edit.
+    The stub's ``NotImplementedError`` already names the lesson, the task and the file to edit; an engine
+    demo that needs an earlier lesson says which (``KernelMissing``), in one line too.
     """
+    from yaie.ops import KernelMissing
+    from yaie.switch import LessonUnavailable
+
     try:
         return check()
     except NotImplementedError as err:
         print(f"not implemented yet: {err}")
-        return None
+    except (KernelMissing, LessonUnavailable) as err:
+        print(f"needs an unfinished lesson first: {str(err).splitlines()[0]}")
+    return None

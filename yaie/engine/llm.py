@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from yaie.device import default_device
+from yaie.device import resolve_device
 from yaie.engine.core import EngineCore
 from yaie.engine.output import CompletionOutput, RequestOutput
 from yaie.engine.paged_runner import PagedRunner
@@ -25,6 +25,8 @@ from yaie.engine.prompts import is_token_id, to_token_ids
 from yaie.engine.row_runner import RowRunner, has_rows
 from yaie.engine.sampling import SamplingParams
 from yaie.engine.settings import EngineSettings
+from yaie.engine.tp_group import WorkerGroup
+from yaie.engine.tp_runner import TensorParallelRunner
 from yaie.model.based import BasedModel
 from yaie.model.config import ModelLoadError, load_config
 from yaie.model.llama import LlamaModel
@@ -44,17 +46,30 @@ class LLM:
         cpu_threads, and the keyword options: the engine's settings (:mod:`yaie.engine.settings`:
             ``block_size``, ``num_blocks``, ``num_cpu_blocks``, ``preemption``, ``max_num_seqs``,
             ``max_num_batched_tokens``, ``chunked_prefill``, ``cuda_graphs``, ``graph_capture``,
-            ``prefix_caching``). ``ValueError`` for a bad one.
+            ``prefix_caching``, ``tensor_parallel_size``, ``tensor_parallel_timeout_s``). ``ValueError`` for a
+            bad one. With ``tensor_parallel_size`` N > 1 the model is split over N processes (this one is rank
+            0; :meth:`close` ends the others) and one engine runs on all of them.
     """
 
     def __init__(self, model: str | Path | None = None, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, cpu_threads: int | None = None, **options):
         self.settings = EngineSettings(cpu_threads=cpu_threads, **options)
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = resolve_device(device)
         config = load_config(self.model_dir)
+        self.settings.check_parallel(config, self.device)
+        self._workers = None                   # the other ranks of a tensor-parallel engine
+        if self.settings.tensor_parallel_size > 1:
+            self._workers = WorkerGroup(self.model_dir, dtype, self.device, self.settings.tensor_parallel_size,
+                                        self.settings.tensor_parallel_timeout_s)
         model_class = BasedModel if config.based_layers else LlamaModel     # lesson 08's layers, or Llama's
-        self.model = model_class.from_pretrained(self.model_dir, device=self.device, dtype=dtype, config=config)
+        try:
+            self.model = model_class.from_pretrained(self.model_dir, device=self.device, dtype=dtype, config=config)
+            if self._workers is not None:
+                self._workers.wait_ready()
+        except BaseException:
+            self.close()
+            raise
         self.config, self.tokenizer = self.model.config, Tokenizer(self.model_dir)
         self.generation_config = read_generation_config(self.model_dir)
         eos = self.generation_config.get("eos_token_id", self.config.eos_token_ids)
@@ -166,7 +181,15 @@ class LLM:
     def _new_runner(self, rows: int):
         if has_rows(self.config):
             return RowRunner(self.model, self.settings, rows)
+        if self._workers is not None:
+            return TensorParallelRunner(self.model, self.settings, self._workers)
         return PagedRunner(self.model, self.settings)
+
+    def close(self) -> None:
+        """End the other ranks of a tensor-parallel engine (nothing otherwise); the ``LLM`` cannot generate
+        after it."""
+        if self._workers is not None:
+            self._workers.stop()
 
     def prefix_cache_stats(self):
         """Hit statistics of the kept prefix cache (requests, prompt tokens, tokens reused, blocks evicted;

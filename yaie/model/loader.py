@@ -7,16 +7,30 @@ and shape before use; errors name the file and the problem (:class:`ModelLoadErr
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from yaie.model.config import ModelConfig, ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path):
+    """``safe_open`` of one file; a file it cannot read (truncated, corrupt) is a :class:`ModelLoadError`
+    naming it, not the library's own error."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({err}); copy or download it "
+                             "again") from None
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name the model reads (Hugging Face names) and its shape."""
@@ -72,7 +86,7 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
                              "(only safetensors checkpoints are supported)")
     located = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 located[name] = path
     return located
@@ -98,7 +112,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype | N
     shapes = expected_shapes(cfg)
     weights: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in names:
                 found = tuple(f.get_slice(name).get_shape())
                 if found != shapes[name]:
@@ -126,7 +140,7 @@ def _based_gpt_index(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], objec
         by_file.setdefault(path, []).append(stored)
     shapes, located = {}, {}
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for stored in names:
                 shapes[_strip_model(stored)] = tuple(f.get_slice(stored).get_shape())
                 located[_strip_model(stored)] = (path, stored)
@@ -137,7 +151,7 @@ def _based_gpt_index(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], objec
             wanted.setdefault(located[name][0], []).append(name)
         out = {}
         for path, group in wanted.items():
-            with safe_open(str(path), framework="pt") as f:
+            with open_safetensors(path) as f:
                 out.update({name: f.get_tensor(located[name][1]) for name in group})
         return out
     return shapes, read
