@@ -331,3 +331,28 @@ def test_lesson04_window_that_reads_one_key_early_on_tile_edges(monkeypatch):
     for case_index in range(3):                      # the windows of the earlier checks never line up
         g.test_window_forward_matches_float64("cpu", seed, case_index, 1)
     must_fail(g.test_window_starts_on_a_tile_edge, "cpu", seed, 1, expect="first visible keys")
+
+
+# ---------------------------------------------------------------- lesson 08: ids that coincide
+
+def test_lesson08_prefill_that_ignores_the_batch_stride(monkeypatch):
+    """A prefill whose programs offset k and v by the head only: with one sequence (every earlier CPU check)
+    batch and head ids coincide and it passes."""
+    import grader.lesson08.test_based as g
+    import solutions.kernels.based as ref
+
+    seed = fresh_seed()
+    real = ref.based_prefill
+
+    def keys_of_the_first_sequence(q, k, v, chunk_size=None, return_state=True):
+        outs, states = [], []
+        for b in range(q.shape[0]):
+            out, state = real(q[b:b + 1], k[:1], v[:1], chunk_size=chunk_size)       # BUG: k, v of sequence 0
+            outs.append(out)
+            states.append(state)
+        state = ref.BasedState(torch.cat([s.kv for s in states]), torch.cat([s.k for s in states]))
+        return torch.cat(outs), (state if return_state else None)
+
+    monkeypatch.setattr(ref, "based_prefill", keys_of_the_first_sequence)
+    g.test_prefill_float32("cpu", seed, 17)
+    must_fail(g.test_prefill_batch_and_heads_apart, "cpu", seed, 16, expect="based_prefill output is wrong")

@@ -188,6 +188,20 @@ def test_prefill_default_route_gpu(device, seed, dtype, seq, value_dim):
                 hint="the default route must return the state too")
 
 
+@task(2, "based_prefill")
+@pytest.mark.parametrize("chunk", [16, None], ids=["chunk16", "default"])
+def test_prefill_batch_and_heads_apart(device, seed, chunk):
+    """Two sequences of three heads (program ids of batch and head no longer coincide, as with one sequence),
+    in the token-major layout (q.stride(1) is not the head stride of a [b, h, s, d] tensor)."""
+    q, k, v, out, state, case = _prefill_case(device, seed, torch.float32, 40, 32, chunk, heads=3, batch=2,
+                                              layout="bshd")
+    hint = ("each program reads and writes its own (sequence, head): offsets b * stride(0) + h * stride(1) for "
+            "q, k, v and out, and the state of that (sequence, head)")
+    assert_close(out, ref_based(q, k, v), name="based_prefill output", dtype=torch.float32, case=case,
+                 atol=2e-5, rtol=1e-4, hint=hint)
+    check_state(state, k, v, case, atol=1e-3, rtol=1e-4, hint=hint)
+
+
 EDGES = ["1 segment", "2 segments", "2 segments + 1", "2 chunks of 16", "2 chunks of 32", "4 chunks of 64"]
 
 
