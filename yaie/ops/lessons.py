@@ -63,10 +63,11 @@ def lesson_module(lesson: int, which: int = 0) -> ModuleType:
     return switch.module(lesson, which)
 
 
-def lesson_available(lesson: int, which: int = 0) -> bool:
-    """True when the module the switch picks for ``lesson`` can be imported in this copy of the course."""
+def lesson_available(lesson: int, which: int = 0, reference: bool = False) -> bool:
+    """True when the module the switch picks for ``lesson`` (with ``reference``: the reference solution's)
+    can be imported in this copy of the course."""
     try:
-        lesson_module(lesson, which)
+        reference_module(lesson, which) if reference else lesson_module(lesson, which)
     except switch.LessonUnavailable:
         return False
     return True
@@ -101,6 +102,9 @@ def reference_only(lesson: int, name: str, stands_in_for: tuple[str, ...], which
 def _missing_message(lesson: int, name: str, err: NotImplementedError, which: int) -> str:
     label = switch.LESSONS[lesson].label
     detail = f" ({err})" if str(err) else ""
+    if not lesson_available(lesson, which, reference=True):     # a copy of the course without the reference
+        return (f"{label}: {name} is not implemented yet in {student_path(lesson, which)}{detail}; implement it "
+                f"(`pytest grader/lesson{lesson:02d}` checks it).")
     return (f"{label}: {name} is not implemented yet in {student_path(lesson, which)}{detail}.\n"
             f"Implement it (`pytest grader/lesson{lesson:02d}` checks it), or run the reference solution for "
             f"this lesson: YAIE_SOLUTIONS={lesson} in the environment, or `yaie generate --solutions {lesson}`; "
