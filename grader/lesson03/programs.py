@@ -84,6 +84,10 @@ def gather_rows(m, sid: int, length: int) -> torch.Tensor:
     return torch.stack(per_layer, 1) if length else torch.empty(0, m.num_layers, 2, m.num_kv_heads, m.head_dim, dtype=m.dtype)
 
 
+def _first_values(row: torch.Tensor) -> str:
+    return "[" + ", ".join(f"{float(x):.4g}" for x in row.flatten()[:4]) + ", ...]"
+
+
 def check_data(m, rows: dict) -> None:
     for sid, expected in rows.items():
         if m.is_swapped(sid):
@@ -94,7 +98,11 @@ def check_data(m, rows: dict) -> None:
                  got=f"{got.dtype} {tuple(got.shape)}")
         if not torch.equal(got, expected):   # random finite values: equal means the same bits
             bad = (got != expected).flatten(1).any(1).nonzero()
-            fail(f"sequence {sid} does not read back what was written (token {int(bad[0])} of {expected.shape[0]})",
+            token = int(bad[0])
+            layer, kv = [int(i) for i in (got[token] != expected[token]).nonzero()[0][:2]]
+            fail(f"sequence {sid} does not read back what was written (token {token} of {expected.shape[0]}, "
+                 f"layer {layer}, {'KV'[kv]})",
+                 expected=_first_values(expected[token, layer, kv]), got=_first_values(got[token, layer, kv]),
                  hint="copy-on-write must copy the shared block before the new token is written; swaps must "
                       "copy every layer's K and V, and swap_in must read the host blocks swap_out wrote (a host "
                       "block id is not the device block id it comes back to)")
