@@ -291,8 +291,9 @@ md(r"""
    the 136 (what factor must the off-diagonal ones carry?). What does it save in the state, and what does it cost
    the kernel?
 4. The kernel scales q and k by `1/2` on load instead of dividing `s` by 4. Why is that exact in bf16?
-5. `scripts/probe_lesson08_registers.py` compiles the reference's two kernel designs for the H100 without a
-   GPU and prints ptxas's register and spill counts. Why does the default kernel, which keeps the 256 x 64
+5. `scripts/probe_lesson08_registers.py` (in the instructors' copy of the course, beside the reference it
+   probes) compiles the reference's two kernel designs for the H100 without a GPU and prints ptxas's register
+   and spill counts; ask your instructor for its output. Why does the default kernel, which keeps the 256 x 64
    float32 order-2 state in registers and builds `[C, 256]` products, spill? The second design ("rows") keeps
    that state in the output state tensor and visits it 16 rows at a time: why must each chunk then end with a
    barrier? (GPU) Time both with `yaie bench lesson08`: which wins, and why?
