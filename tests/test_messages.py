@@ -86,3 +86,27 @@ def test_the_grader_report_in_a_notebook_has_no_colour_codes(monkeypatch, capsys
     run_grader(1, extra_args=["-k", "task1"])
     out = capsys.readouterr().out
     assert "task 1" in out and "\x1b[" not in out
+
+
+def test_yaie_grade_grades_lessons_in_one_process_and_keeps_its_columns(tmp_path):
+    """``yaie grade 1 7`` runs both graders in one pytest process and splits the report by lesson; a task name
+    longer than the column is cut, so every state starts in the same column."""
+    import json
+    import subprocess
+    import sys
+
+    from yaie.grade import ROOT, TASK_COLUMN
+
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "yaie.cli", "grade", "1", "7", "--results-json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "YAIE_SOLUTIONS": "none"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert sorted(report) == ["lesson01", "lesson07"]
+    for key, lesson in (("lesson01", 1), ("lesson07", 7)):
+        tests = report[key]["tests"]
+        assert len(tests) == 4 and all(t["extra_data"]["lesson"] == lesson for t in tests)
+        assert report[key]["max_score"] == sum(t["max_score"] for t in tests) > 0
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("  lesson ")]
+    assert len(rows) == 8 and {row.index("not implemented") for row in rows} == {len("  lesson 01 ") + TASK_COLUMN + 1}

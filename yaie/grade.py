@@ -28,21 +28,25 @@ def available_lessons() -> list[int]:
     return [n for n in LESSONS if grader_dir(n).is_dir()]
 
 
+TASK_COLUMN = 44                      # characters of a task's name in yaie grade's list
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def run_grader(lesson: int, solutions: bool = False, extra_args: list[str] | None = None,
+def run_grader(lesson: int | list[int], solutions: bool = False, extra_args: list[str] | None = None,
                quiet: bool = False) -> dict:
-    """Grade one lesson in a fresh pytest process; print its report; return the parsed results.json.
+    """Grade one lesson (or several, in one process) in a fresh pytest process; print its report; return the
+    parsed results.json.
 
     ``solutions=True`` grades the reference instead of your code. From a notebook:
     ``from yaie.grade import run_grader; run_grader(1)``.
     """
-    if not grader_dir(lesson).is_dir():
-        raise ValueError(f"there is no grader for lesson {lesson} yet (looked in {grader_dir(lesson)})")
+    lessons = [lesson] if isinstance(lesson, int) else list(lesson)
+    for n in lessons:
+        if not grader_dir(n).is_dir():
+            raise ValueError(f"there is no grader for lesson {n} yet (looked in {grader_dir(n)})")
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results.json"
-        cmd = [sys.executable, "-m", "pytest", str(grader_dir(lesson)), "-q", "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", *map(str, map(grader_dir, lessons)), "-q", "-p", "no:cacheprovider",
                "--color=no", "--results-json", str(results)]
         if solutions:
             cmd.append("--solutions")
@@ -59,6 +63,18 @@ def run_grader(lesson: int, solutions: bool = False, extra_args: list[str] | Non
         if not results.exists():
             return {"score": 0.0, "max_score": 0.0, "tests": [], "error": (proc.stdout + proc.stderr)[-3000:]}
         return json.loads(results.read_text())
+
+
+def by_lesson(report: dict, lessons: list[int]) -> dict[int, dict]:
+    """One results.json of several lessons, split into one per lesson (each test names its lesson)."""
+    split = {}
+    for n in lessons:
+        tests = [t for t in report.get("tests", []) if t.get("extra_data", {}).get("lesson") == n]
+        split[n] = {"score": sum(t["score"] for t in tests), "max_score": sum(t["max_score"] for t in tests),
+                    "tests": tests}
+        if not tests:
+            split[n]["error"] = report.get("error") or "no task of this lesson was collected (see --verbose)"
+    return split
 
 
 def score_table(results: dict[int, dict]) -> str:
@@ -97,14 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.solutions:
         os.environ[ENV_VAR] = "all"
     print(f"grading lessons {', '.join(f'{n:02d}' for n in lessons)}: {describe()}", flush=True)
-    results = {}
+    results = by_lesson(run_grader(lessons, quiet=not args.verbose), lessons)
     for n in lessons:
-        results[n] = run_grader(n, extra_args=None, quiet=not args.verbose)
         res = results[n]
         if not args.verbose:
             for test in res.get("tests", []):
                 state = test["extra_data"]["result"] if "extra_data" in test else test["status"]
-                print(f"  lesson {n:02d} {test['name'].split(': ', 1)[-1]:<34} {state}")
+                name = test["name"].split(": ", 1)[-1]
+                if len(name) > TASK_COLUMN:             # keep the states in one column: cut long names
+                    name = name[:TASK_COLUMN - 3] + "..."
+                print(f"  lesson {n:02d} {name:<{TASK_COLUMN}} {state}")
             if "error" in res:
                 print(f"  lesson {n:02d}: the grader did not run:\n{res['error']}")
     print()
