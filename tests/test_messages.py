@@ -110,3 +110,24 @@ def test_yaie_grade_grades_lessons_in_one_process_and_keeps_its_columns(tmp_path
         assert report[key]["max_score"] == sum(t["max_score"] for t in tests) > 0
     rows = [line for line in proc.stdout.splitlines() if line.startswith("  lesson ")]
     assert len(rows) == 8 and {row.index("not implemented") for row in rows} == {len("  lesson 01 ") + TASK_COLUMN + 1}
+
+
+def test_n_completions_per_prompt_each_with_its_own_seed():
+    """``SamplingParams(n=3, seed=s)`` gives three completions per prompt, completion i as ``seed=s + i`` alone;
+    ``stream`` refuses n > 1 (it yields one completion)."""
+    from yaie.engine import LLM
+    from yaie.model.testing import single_thread
+
+    llm = LLM(DEFAULT_MODEL, device="cpu")
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3)
+    with single_thread():
+        outs = llm.generate(["Once upon a time", "Tom had a red kite."], params)
+        alone = [llm.generate("Tom had a red kite.", SamplingParams(max_tokens=6, temperature=1.0, seed=11 + i))[0]
+                 for i in range(3)]
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    assert [c.token_ids for c in outs[1].outputs] == [a.token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1, "three completions, three different seeds"
+    with pytest.raises(ValueError, match="n=3"):
+        next(llm.stream("Once upon a time", params))
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=0)

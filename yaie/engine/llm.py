@@ -118,17 +118,27 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling_params must be a SamplingParams or a list of them")
         checked = [to_token_ids(p, self.tokenizer, self.config) for p in prompts]
+        # One request per completion, in order: prompt j's n completions follow those of the prompts before it.
+        ids = [ids for (_, ids), p in zip(checked, params) for _ in range(p.n)]
+        choices = [p.choice(i) for p in params for i in range(p.n)]
         finished = {}
-        for request, _, state, finish_reason in self._run([ids for _, ids in checked], params, streams=False):
+        for request, _, state, finish_reason in self._run(ids, choices, streams=False):
             if finish_reason is not None:
                 finished[request.request_id] = CompletionOutput(state.final_text, request.output_ids, finish_reason)
-        return [RequestOutput(text, ids, [finished[i]]) for i, (text, ids) in enumerate(checked)]
+        outputs, next_id = [], 0
+        for (text, prompt_ids), p in zip(checked, params):
+            outputs.append(RequestOutput(text, prompt_ids, [finished[next_id + i] for i in range(p.n)]))
+            next_id += p.n
+        return outputs
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the generated text of one prompt piece by piece, as tokens come. The generator's return
         value (``StopIteration.value``) is the :class:`CompletionOutput`."""
         _, ids = to_token_ids(prompt, self.tokenizer, self.config)
-        for request, piece, state, finish_reason in self._run([ids], [sampling_params or self.default_sampling_params()]):
+        params = sampling_params or self.default_sampling_params()
+        if params.n != 1:
+            raise ValueError(f"stream() yields one completion; got n={params.n} (generate() returns n of them)")
+        for request, piece, state, finish_reason in self._run([ids], [params]):
             if piece:
                 yield piece
             if finish_reason is not None:

@@ -23,6 +23,7 @@ promised to stay the same when the sampler changes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -60,6 +61,7 @@ class SamplingParams:
     (see :mod:`yaie.engine.sampling`); None draws from torch's default generator of the device.
     stop: strings that end generation (not included in the text); stop_token_ids: extra stop ids
     (the model's end-of-sequence ids stop it too unless ignore_eos).
+    n: completions per prompt; completion ``i`` samples with ``seed + i`` (:meth:`choice`).
     """
 
     max_tokens: int = 64
@@ -70,6 +72,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -85,6 +88,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_RANGE[1]:
+            raise ValueError(f"seed + n - 1 must be at most 2**64 - 1 (completion i samples with seed + i), got "
+                             f"seed {self.seed} and n {self.n}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -95,6 +103,14 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = no limit), got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+
+    def choice(self, i: int) -> "SamplingParams":
+        """The parameters of completion ``i`` of ``n``: one completion, sampled with ``seed + i``, so each
+        completion differs and all are reproducible (completion 0 keeps the seed)."""
+        if not 0 <= i < self.n:
+            raise ValueError(f"completion {i} of {self.n}: i must lie in [0, n)")
+        seed = None if self.seed is None else self.seed + i
+        return dataclasses.replace(self, seed=seed, n=1)
 
     @property
     def greedy(self) -> bool:

@@ -36,7 +36,7 @@ from yaie.engine.process_engine import Frontend, ProcessEngine
 from yaie.engine.prompts import to_token_ids
 from yaie.engine.row_runner import has_rows
 from yaie.engine.serving import RequestGroup
-from yaie.server.protocol import (MAX_CHOICES, UNLIMITED, APIError, Parsed, choice_params, parse_chat,
+from yaie.server.protocol import (MAX_CHOICES, UNLIMITED, APIError, Parsed, parse_chat,
                                   parse_completion)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -208,7 +208,7 @@ def create_app(llm: LLM | Frontend, served_model_name: str | None = None,
         if params.max_tokens == UNLIMITED:     # chat without max_tokens: up to the context, or what the cache holds
             cache_tokens = context if by_rows else engine.stats.blocks_total * llm.settings.block_size
             params = dataclasses.replace(params, max_tokens=max(1, cache_tokens + 1 - max(map(len, prompt_ids))))
-        items = [(ids, choice_params(params, j)) for ids in prompt_ids for j in range(parsed.n)]
+        items = [(ids, dataclasses.replace(params, n=parsed.n).choice(j)) for ids in prompt_ids for j in range(parsed.n)]
         lifecycle.submitting += len(items)
         try:
             group = await engine.submit(items, parsed.logprobs)

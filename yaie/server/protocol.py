@@ -7,7 +7,6 @@ checks name the parameter, the value and what it may be.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -44,7 +43,7 @@ class Parsed:
     """A checked request: what to generate and how."""
     model: str
     prompts: list            # strings or lists of token ids (completions); one rendered chat (chat)
-    params: SamplingParams   # the seed of choice i is seed + i (see choice_params)
+    params: SamplingParams   # the seed of choice i is seed + i (SamplingParams.choice)
     n: int
     stream: bool
     include_usage: bool
@@ -268,14 +267,6 @@ def chat_messages(messages: Any) -> list[dict]:
                            f"{where}.content", "invalid_type")
         out.append({"role": role, "content": _check_text(content, f"{where}.content")})
     return out
-
-
-def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
-    """The parameters of choice ``choice`` of ``n``: seed + choice, so each choice differs and all are
-    reproducible (choice 0 gets the request's seed, as ``LLM.generate`` would)."""
-    if params.seed is None or choice == 0:
-        return params
-    return dataclasses.replace(params, seed=params.seed + choice)
 
 
 def _short(value: Any, limit: int = 80) -> str:
