@@ -9,6 +9,8 @@ eagerly. Its scheduler is :class:`yaie.engine.scheduler.Scheduler`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from yaie import ops
@@ -18,6 +20,46 @@ from yaie.engine.request import StepPlan
 from yaie.engine.scheduler import Scheduler
 from yaie.engine.settings import EngineSettings
 from yaie.model.paged import PagedStep
+
+
+@dataclass
+class StepInputs:
+    """What one forward pass over the paged cache reads, drawn from a :class:`StepPlan`: the step's sequences
+    (decodes first, then prefill chunks), new tokens per sequence, the packed token ids and positions, the
+    cache slots of the new tokens (one tensor per sequence, not joined yet: a graph replay computes them
+    itself) and the rows whose logits are returned (every sequence whose chunk reaches its last token)."""
+
+    seq_ids: list
+    query_lens: list[int]
+    num_decodes: int
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[torch.Tensor]
+    logit_rows: list[int]
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == len(self.seq_ids)
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> "StepInputs":
+        # A prefill feeds its chunk: the tokens after its cached prefix (a prefix-cache hit, or the chunks of
+        # earlier steps), up to the end of its tokens or of the step's budget. (A decode reads its last token
+        # and length, not ``token_ids``: that would copy its whole context.)
+        decodes, prefills, ranges = plan.decodes, plan.prefills, plan.prefill_ranges
+        token_ids = [r.last_token for r in decodes]
+        positions = [r.num_tokens - 1 for r in decodes]
+        logit_rows = list(range(len(decodes)))
+        row = len(decodes)
+        for r, (start, end) in zip(prefills, ranges):
+            token_ids += r.token_ids[start:end]
+            positions += range(start, end)
+            row += end - start
+            if end == r.num_tokens:   # logits only where a token is sampled, not after a partial chunk
+                logit_rows.append(row - 1)
+        return cls([r.request_id for r in decodes + prefills],
+                   [1] * len(decodes) + [end - start for start, end in ranges], len(decodes), token_ids, positions,
+                   plan.decode_slots + plan.prefill_slots, logit_rows)
 
 
 class PagedRunner:
@@ -30,18 +72,22 @@ class PagedRunner:
         self.model, self.settings = model, settings
         self.device = model.device
         self.key = settings.runner_key()
-        cfg = model.config
         graphs = settings.cuda_graphs
-        self.manager = ops.kv_cache_manager(
-            settings.num_blocks + (1 if graphs else 0), settings.block_size, cfg.num_layers, cfg.num_kv_heads,
-            cfg.head_dim, model.dtype, self.device, settings.num_cpu_blocks,
-            swap=settings.preemption == "swap" and settings.num_cpu_blocks > 0)
-        # One block more than num_blocks: the graphs' scratch block, which padding rows write into.
+        self.manager = self._new_manager()
         self.graphs = DecodeGraphs(model, self.manager, settings.max_num_seqs, capture=settings.graph_capture) \
             if graphs else None
         self.prefix_cache = make_prefix_cache(self.manager) if settings.prefix_caching else None
         self.in_use = False
         self.kept = True         # False: made for one run while the kept one was busy, closed when released
+
+    def _new_manager(self):
+        """Lesson 03's cache for this model's KV heads (this rank's, in a tensor-parallel group). One block more
+        than ``num_blocks`` with CUDA graphs: their scratch block, which padding rows write into."""
+        s, cfg, model = self.settings, self.model.config, self.model
+        return ops.kv_cache_manager(
+            s.num_blocks + (1 if s.cuda_graphs else 0), s.block_size, cfg.num_layers, model.num_kv_heads,
+            cfg.head_dim, model.dtype, self.device, s.num_cpu_blocks,
+            swap=s.preemption == "swap" and s.num_cpu_blocks > 0)
 
     def acquire(self) -> None:
         self.in_use = True
@@ -87,45 +133,36 @@ class PagedRunner:
         """Queue one forward pass over the plan's decodes and prefill chunks, without waiting for it: the
         logits ``[len(plan.sampled), vocab]``, or None when no request of the step samples a token.
         ``device_tokens``: the decodes' input ids, on the device (a looked-ahead step)."""
+        return self.run(StepInputs.of(plan), device_tokens)
+
+    def run(self, inputs: StepInputs, device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """:meth:`execute` of a plan's :class:`StepInputs`: a graph replay for a decode-only step that fits a
+        bucket, else the step launched eagerly."""
         graphs = self.graphs
-        if graphs is not None and not plan.prefills and graphs.fits(len(plan.decodes)):
-            logits = self._replay(plan, device_tokens)
+        if graphs is not None and inputs.decode_only and graphs.fits(inputs.num_decodes):
+            logits = self._replay(inputs, device_tokens)
             if logits is not None:        # None: recording failed, this step (and the next) runs eagerly
                 return logits
-        return self._eager(plan, device_tokens)
+        return self._eager(inputs, device_tokens)
 
-    def _replay(self, plan: StepPlan, device_tokens: torch.Tensor | None) -> torch.Tensor | None:
-        seq_ids = [r.request_id for r in plan.decodes]
+    def _replay(self, inputs: StepInputs, device_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        seq_ids = inputs.seq_ids
         if device_tokens is not None and self.graphs.continues(seq_ids):
             # The last step's sequences, one token further: the buffers advance on the device.
             logits = self.graphs.run_next(seq_ids, device_tokens)
             if logits is not None:
                 return logits
-        # (A decode reads its last token and length, not ``token_ids``: that would copy its whole context.)
-        return self.graphs.run(seq_ids, [r.last_token for r in plan.decodes],
-                               [r.num_tokens - 1 for r in plan.decodes], device_tokens)
+        return self.graphs.run(seq_ids, inputs.token_ids, inputs.positions, device_tokens)
 
-    def _eager(self, plan: StepPlan, device_tokens: torch.Tensor | None) -> torch.Tensor | None:
-        # A prefill feeds its chunk: the tokens after its cached prefix (a prefix-cache hit, or the chunks
-        # of earlier steps), up to the end of its tokens or of the step's budget.
-        requests = plan.decodes + plan.prefills
-        token_ids = [r.last_token for r in plan.decodes] + [
-            t for r, (start, end) in zip(plan.prefills, plan.prefill_ranges) for t in r.token_ids[start:end]]
-        positions = [r.num_tokens - 1 for r in plan.decodes] + [
-            p for start, end in plan.prefill_ranges for p in range(start, end)]
-        step = PagedStep(self.manager, [r.request_id for r in requests],
-                         [1] * len(plan.decodes) + [end - start for start, end in plan.prefill_ranges],
-                         len(plan.decodes), torch.cat(plan.decode_slots + plan.prefill_slots))
-        tokens = torch.tensor(token_ids, device=self.device)
+    def _eager(self, inputs: StepInputs, device_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        step = PagedStep(self.manager, inputs.seq_ids, inputs.query_lens, inputs.num_decodes, torch.cat(inputs.slots))
+        tokens = torch.tensor(inputs.token_ids, device=self.device)
         if device_tokens is not None:
             tokens[:len(device_tokens)] = device_tokens       # the decodes come first
-        hidden = self.model.forward(tokens, torch.tensor(positions, device=self.device), step)
-        # Logits only where a token is sampled: not after a chunk that leaves part of its prompt for later.
-        ends = [r.num_tokens for r in plan.decodes] + [end for _, end in plan.prefill_ranges]
-        rows = [row for row, r, end in zip(step.last_token_rows, requests, ends) if end == r.num_tokens]
-        if not rows:
+        hidden = self.model.forward(tokens, torch.tensor(inputs.positions, device=self.device), step)
+        if not inputs.logit_rows:
             return None
-        return self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        return self.model.logits(hidden[torch.tensor(inputs.logit_rows, device=self.device)])
 
     def close(self) -> None:
         """Drop the graphs (they hold the cache's addresses); the cache goes with the runner."""

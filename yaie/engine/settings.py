@@ -20,6 +20,12 @@ Args (all keyword, as ``LLM`` takes them):
     graph_capture: False runs the CUDA-graph steps from their fixed buffers eagerly, recording nothing (tests
         of that path on the CPU).
     prefix_caching: automatic prefix caching (lesson 05's radix tree) for paged models.
+    tensor_parallel_size: ranks the model is split over, one process and one GPU each (rank 0 is this
+        process; the others are started by the engine). It must divide the attention heads, the KV heads and
+        the MLP width, and be at most the GPUs present on CUDA; a paged (Llama-family) model only, with
+        ``preemption="recompute"`` (swapping would move blocks on rank 0 alone). See docs/tensor_parallel.md.
+    tensor_parallel_timeout_s: how long a rank waits for the others in a collective before the engine raises
+        ``RuntimeError`` naming the rank that failed or hung (a start waits at least 10 minutes: loading).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from yaie import ops
+from yaie.model.sharding import check_tensor_parallel
 
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_KV_CACHE_BYTES_CPU = 256 * 2**20     # the CPU cache is allocated lazily: pages are touched as used
@@ -50,6 +57,8 @@ class EngineSettings:
     cuda_graphs: bool | None = None
     graph_capture: bool = True
     prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 120.0
 
     def __post_init__(self):
         if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
@@ -67,6 +76,25 @@ class EngineSettings:
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.chunked_prefill, self.prefix_caching = bool(self.chunked_prefill), bool(self.prefix_caching)
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
+        timeout = self.tensor_parallel_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"tensor_parallel_timeout_s must be a positive number of seconds, got {timeout!r}")
+
+    def check_parallel(self, config, device: torch.device) -> None:
+        """``ValueError`` unless ``tensor_parallel_size`` fits the model and the machine (see the module
+        docstring); before any process starts."""
+        n = self.tensor_parallel_size
+        check_tensor_parallel(config, n)
+        if n == 1:
+            return
+        if self.preemption != "recompute":
+            raise ValueError(f"tensor parallelism needs preemption='recompute', got {self.preemption!r}")
+        if device.type not in ("cpu", "cuda") or device.index not in (None, 0):
+            raise ValueError(f"tensor parallelism runs rank 0 on 'cuda' (GPU 0) or 'cpu', got device {device}")
+        if device.type == "cuda" and n > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={n} exceeds the {torch.cuda.device_count()} GPUs present")
 
     def runner_key(self) -> tuple:
         """What a runner is made under: the settings that shape its memory and graphs, and the kernels the
@@ -81,7 +109,8 @@ class EngineSettings:
         self.cuda_graphs = device.type == "cuda" if self.cuda_graphs is None else bool(self.cuda_graphs)
         if self.cpu_threads is None and num_parameters < SMALL_MODEL_PARAMETERS:
             self.cpu_threads = 1
-        block_bytes = 2 * config.num_layers * self.block_size * config.num_kv_heads * config.head_dim \
+        kv_heads = config.num_kv_heads // self.tensor_parallel_size      # each rank holds its heads' blocks
+        block_bytes = 2 * config.num_layers * self.block_size * kv_heads * config.head_dim \
             * torch.empty((), dtype=dtype).element_size()
         if self.num_blocks is None:
             if device.type == "cuda":

@@ -17,6 +17,12 @@ residual add and the next norm in one pass::
     x = attn @ Wo.T
     h, residual = add_rms_norm(x, residual, post_attention_norm)
     x = silu_and_mul(h @ Wgate_up.T) @ Wdown.T            # SwiGLU MLP
+
+Tensor parallelism (:mod:`yaie.model.sharding`, :mod:`yaie.model.parallel`): in a group of N ranks the model
+holds its rank's shard: its attention heads and KV heads, its slice of the MLP features and of the
+vocabulary. ``x`` after the output and down products is a partial sum, added up by one all-reduce each; the
+embedding is looked up in the rank's vocabulary rows and all-reduced; the logits are all-gathered. With one
+rank those collectives do nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from yaie import ops
+from yaie.model import parallel
 from yaie.model.config import ModelConfig, load_config
 from yaie.model.loader import load_weights
+from yaie.model.sharding import load_shard
 
 
 @dataclass
@@ -56,14 +64,20 @@ def _cat(*tensors):
 
 
 class LlamaModel:
-    """Weights plus the forward pass; the KV cache is passed in (see :mod:`yaie.model.contiguous_cache`)."""
+    """Weights plus the forward pass; the KV cache is passed in (see :mod:`yaie.model.contiguous_cache`).
+
+    In a tensor-parallel group (:func:`yaie.model.parallel.world_size` > 1), ``weights`` are this rank's
+    shard (:func:`yaie.model.sharding.load_shard`); ``num_heads`` and ``num_kv_heads`` are its own heads."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         self.config = config
+        world = parallel.world_size()
+        self.num_heads, self.num_kv_heads = config.num_heads // world, config.num_kv_heads // world
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
         self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.vocab_start = parallel.rank() * self.embed.shape[0]     # the first vocabulary row held here
         self.layers = [self._layer(weights, n) for n in range(config.num_layers)]
         # RoPE tables for every position the model may see, built once by lesson 01 (task 1).
         self.cos, self.sin = ops.rope_cache(config.max_position_embeddings, config.head_dim, config.rope_theta,
@@ -94,6 +108,9 @@ class LlamaModel:
         device = torch.device(device)
         if dtype is None and device.type == "cpu":
             dtype = torch.float32
+        world = parallel.world_size()
+        if world > 1:
+            return cls(config, load_shard(model_dir, config, parallel.rank(), world, dtype=dtype, device=device))
         return cls(config, load_weights(model_dir, config, dtype=dtype, device=device))
 
     def _attention_block(self, layer: LayerWeights, n: int, h: torch.Tensor, positions: torch.Tensor,
@@ -103,14 +120,15 @@ class LlamaModel:
 
     def _attention(self, layer: LayerWeights, n: int, qkv: torch.Tensor, positions: torch.Tensor,
                    cache) -> torch.Tensor:
-        """The attention half of layer ``n`` from its q, k, v projection ``qkv``."""
+        """The attention half of layer ``n`` from its q, k, v projection ``qkv`` (this rank's heads); the
+        output projection summed over the ranks."""
         cfg = self.config
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         # Views into the fused output; the lesson 02 RoPE kernel rotates in place through them.
-        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        q = q.reshape(-1, self.num_heads, cfg.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, cfg.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, cfg.head_dim)
         # The cache stores k, v and runs attention: a PagedStep (the engine: lesson 03's blocks, lessons
         # 04/06 on CUDA; it rotates q, k itself, so the rotation and the cache write can be one kernel) or a
         # ContiguousKVCache (one sequence, lesson 01; tests and logit checks).
@@ -119,7 +137,7 @@ class LlamaModel:
         else:
             q, k = ops.rope(q, k, self.cos, self.sin, positions)
             attn = cache.attend(n, q, k, v, layer.sliding_window)
-        return ops.linear(attn.reshape(-1, q_size), layer.o, layer.o_bias)
+        return parallel.all_reduce(ops.linear(attn.reshape(-1, q_size), layer.o, layer.o_bias))
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
@@ -135,7 +153,7 @@ class LlamaModel:
         # step on CUDA, the two ops otherwise); a subclass with its own attention block gets the normalised h.
         fuse_qkv = type(self)._attention_block is LlamaModel._attention_block
         # F.embedding: one index_select kernel.
-        x = F.embedding(token_ids, self.embed)
+        x = self.embed_tokens(token_ids)
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         residual = x
         for n, layer in enumerate(self.layers):
@@ -146,7 +164,7 @@ class LlamaModel:
                 x = self._attention(layer, n, qkv, positions, cache)
             gate_up, residual = ops.add_rms_norm_linear(x, residual, layer.post_attention_norm, eps, layer.gate_up,
                                                         layer.gate_up_bias)
-            x = ops.silu_and_mul_linear(gate_up, layer.down, layer.down_bias)
+            x = parallel.all_reduce(ops.silu_and_mul_linear(gate_up, layer.down, layer.down_bias))
             if fuse_qkv and n + 1 < len(self.layers):
                 h = None                      # the next layer's qkv product does this add + norm
             else:
@@ -154,6 +172,19 @@ class LlamaModel:
                 h, residual = ops.add_rms_norm(x, residual, next_norm, eps)
         return h
 
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``token_ids`` ``[num_tokens, hidden]``. In a tensor-parallel group each rank
+        looks up the ids in its vocabulary rows (zeros for the others) and one all-reduce adds them up."""
+        if parallel.world_size() == 1:
+            return F.embedding(token_ids, self.embed)
+        rows = self.embed.shape[0]
+        local = token_ids - self.vocab_start
+        held = ((local >= 0) & (local < rows)).unsqueeze(1).to(self.dtype)
+        return parallel.all_reduce(F.embedding(local.clamp(0, rows - 1), self.embed) * held)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output scores in float32, ``[num_tokens, vocab_size]``."""
-        return ops.linear(hidden, self.lm_head).float()
+        """Output scores in float32, ``[num_tokens, vocab_size]`` (every rank's vocabulary slice gathered)."""
+        scores = ops.linear(hidden, self.lm_head)
+        if parallel.world_size() > 1:
+            scores = parallel.all_gather_last(scores)[:, :self.config.vocab_size].contiguous()
+        return scores.float()

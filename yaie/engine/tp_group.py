@@ -1,0 +1,171 @@
+"""The worker processes of a tensor-parallel engine, as rank 0 sees them: started, told each step, stopped.
+
+Rank 0 is the process that made the ``LLM``: it runs the engine core and sends every other rank, through a
+pipe of its own, what to run next (:mod:`yaie.engine.tp_runner`). Ranks 1 .. N-1 are processes that the
+engine spawns itself (``torch.multiprocessing``, a fresh interpreter each: no CUDA state is inherited, the
+environment is, ``YAIE_SOLUTIONS`` included); each runs :func:`yaie.engine.tp_worker.worker_main`.
+
+Failure: a worker that raises sends its traceback and exits; one that dies, or stops answering, is found
+at the next step (its process is checked before each message) or by the collective that waits for it,
+which raises after the group's timeout. Either way rank 0 raises a ``RuntimeError`` naming the rank, and
+every worker is ended: none outlives the engine. A worker also ends on its own when rank 0's pipe closes
+(rank 0 exited) or its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from multiprocessing.connection import wait
+
+import torch
+import torch.multiprocessing as mp
+
+from yaie.model import parallel
+
+READY_POLL_S = 0.5
+STOP_WAIT_S = 5.0
+START_TIMEOUT_S = 600.0      # at least, for every rank to start and load its shard (the timeout if longer)
+
+
+class WorkerGroup:
+    """Ranks 1 .. ``world_size`` - 1, started now; this process joins the group as rank 0.
+
+    Args:
+        model_dir, dtype: what each worker loads (its shard of the model, as rank 0 does).
+        device: ``cpu`` (gloo) or ``cuda`` (NCCL; rank r on GPU r).
+        world_size: ranks in all, >= 2.
+        timeout_s: how long a rank waits for the others (start-up, each collective).
+    """
+
+    def __init__(self, model_dir, dtype: torch.dtype | None, device: torch.device, world_size: int,
+                 timeout_s: float):
+        from yaie.engine.tp_worker import worker_main
+
+        self.world_size, self.timeout_s, self.device = world_size, timeout_s, device
+        self.start_timeout_s = max(timeout_s, START_TIMEOUT_S)
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.steps = 0                                   # step messages sent
+        self.broken: str | None = None                   # why the group cannot run any more
+        self._dir = tempfile.mkdtemp(prefix="yaie-tp-")
+        context = mp.get_context("spawn")
+        self.progress = context.Array("q", world_size, lock=False)   # steps each worker has finished
+        self.pipes, self.procs = [], []
+        init_file = os.path.join(self._dir, "rendezvous")
+        for rank in range(1, world_size):
+            ours, theirs = context.Pipe()
+            proc = context.Process(target=worker_main, name=f"yaie-tp-rank{rank}", daemon=True,
+                                   args=(rank, world_size, init_file, self.backend, timeout_s,
+                                         self.start_timeout_s, str(model_dir), dtype,
+                                         device.type, theirs, self.progress, os.getpid()))
+            proc.start()
+            theirs.close()
+            self.pipes.append(ours)
+            self.procs.append(proc)
+        atexit.register(self.stop)
+        try:
+            parallel.join(0, world_size, init_file, self.backend, timeout_s, self.start_timeout_s,
+                          check=lambda: self._raise_if_dead("starting"))
+        except RuntimeError as err:
+            raise (err if self.broken else self.failure(err, "joining the group")) from None
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has loaded its shard; ``RuntimeError`` naming a rank that failed."""
+        waiting = dict(zip(range(1, self.world_size), self.pipes))
+        deadline = time.monotonic() + self.start_timeout_s
+        while waiting:
+            for rank, pipe in list(waiting.items()):
+                if pipe.poll():
+                    message = self._receive(rank, pipe)
+                    if message != ("ready",):
+                        raise self.failure(None, "loading the model")
+                    del waiting[rank]
+            self._raise_if_dead("loading the model")
+            if waiting and time.monotonic() > deadline:
+                raise self.failure(None, f"loading the model (ranks {sorted(waiting)} not ready after "
+                                         f"{self.start_timeout_s:g} s)")
+            if waiting:
+                wait(list(waiting.values()) + [p.sentinel for p in self.procs], READY_POLL_S)
+
+    def send(self, message) -> None:
+        """Send every worker ``message`` (pickled once); ``RuntimeError`` if one is gone."""
+        if self.broken:
+            raise RuntimeError(self.broken)
+        self._raise_if_dead("between steps")
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                pipe.send_bytes(data)
+            except (OSError, ValueError):
+                raise self.failure(None, "receiving a step") from None
+        if message[0] == "step":
+            self.steps += 1
+
+    def failure(self, err: BaseException | None, during: str) -> RuntimeError:
+        """The error to raise when the group broke while ``during``: which rank, and why (its traceback, its
+        exit code, or that it did not finish its step); every worker is ended first."""
+        time.sleep(0.2)                        # a worker that raised has its message on the way
+        reasons = []
+        for rank, (pipe, proc) in enumerate(zip(self.pipes, self.procs), start=1):
+            why = self._why(rank, pipe, proc)
+            if why:
+                reasons.append(f"tensor-parallel rank {rank} {why}")
+        if not reasons:
+            reasons.append(f"a tensor-parallel collective failed on rank 0 ({type(err).__name__}: {err})"
+                           if err is not None else "the tensor-parallel group failed")
+        self.broken = f"{'; '.join(reasons)} ({during}); the engine's workers were stopped"
+        self.stop(ask=False)
+        return RuntimeError(self.broken)
+
+    def _why(self, rank: int, pipe, proc) -> str | None:
+        try:
+            if pipe.poll():
+                message = pickle.loads(pipe.recv_bytes())
+                if message[0] == "error":
+                    return f"failed:\n{message[1]}"
+        except (EOFError, OSError):
+            pass
+        if not proc.is_alive():
+            return f"exited (exit code {proc.exitcode})"
+        if self.progress[rank] < self.steps:
+            return f"did not finish step {self.steps} within {self.timeout_s:g} s (hung)"
+        return None
+
+    def _raise_if_dead(self, during: str) -> None:
+        if any(not proc.is_alive() for proc in self.procs):
+            raise self.failure(None, during)
+
+    def _receive(self, rank: int, pipe):
+        try:
+            return pickle.loads(pipe.recv_bytes())
+        except (EOFError, OSError):
+            return ("gone",)
+
+    def stop(self, ask: bool = True) -> None:
+        """End every worker (asked first, unless ``ask`` is False; killed if it does not end within
+        ``STOP_WAIT_S``) and leave the group; safe to call twice."""
+        if not self.procs:
+            return
+        for pipe in self.pipes if ask else []:
+            try:
+                pipe.send_bytes(pickle.dumps(("stop",)))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + (STOP_WAIT_S if ask else 0.0)
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        for pipe in self.pipes:
+            pipe.close()
+        self.procs, self.pipes = [], []
+        self.broken = self.broken or "the tensor-parallel workers were stopped"
+        parallel.leave()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        atexit.unregister(self.stop)

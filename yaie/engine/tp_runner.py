@@ -1,0 +1,75 @@
+"""Rank 0's runner of a tensor-parallel engine: :class:`PagedRunner` on rank 0's shard, telling the workers.
+
+Rank 0 owns everything a step is planned from (the scheduler, the prefix cache, lesson 03's bookkeeping of
+blocks) and its shard of the cache's storage; each worker (:mod:`yaie.engine.tp_worker`) owns its shard of
+the storage only. Before each forward pass rank 0 sends every worker the step's
+:class:`yaie.engine.paged_runner.StepInputs` (sequences, token ids, positions, which rows get logits), the
+block tables that changed since the last step, and the block copies lesson 03 made while the step was
+planned (copy-on-write); the decodes' input ids of a looked-ahead step, which live on rank 0's device, are
+broadcast over the group. Then all ranks run the same forward pass, rank 0 included, and meet at each
+all-reduce. The block tables are the same on every rank: a block id names the same tokens everywhere, each
+rank holding its heads of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+
+from yaie import switch
+from yaie.engine.paged_runner import PagedRunner, StepInputs
+from yaie.engine.settings import EngineSettings
+from yaie.engine.tp_group import WorkerGroup
+from yaie.model import parallel
+
+_runner_ids = itertools.count()
+
+
+class TensorParallelRunner(PagedRunner):
+    """Args:
+        model: rank 0's shard (:class:`yaie.model.llama.LlamaModel` in a group).
+        settings: the engine's resolved settings.
+        workers: the other ranks (:class:`yaie.engine.tp_group.WorkerGroup`).
+    """
+
+    def __init__(self, model, settings: EngineSettings, workers: WorkerGroup):
+        super().__init__(model, settings)
+        self.workers = workers
+        self.runner_id = next(_runner_ids)
+        self._sent: dict = {}          # the tables the workers hold: sequence id -> block ids
+        self._copies: list = []        # block copies made since the last step
+        copy_blocks = self.manager.copy_blocks
+
+        def copy_and_tell(pairs):
+            copy_blocks(pairs)
+            self._copies += [tuple(p) for p in pairs]
+        self.manager.copy_blocks = copy_and_tell
+        scratch = self.graphs.scratch_block if self.graphs is not None else None
+        workers.send(("open", self.runner_id, settings, os.environ.get(switch.ENV_VAR), scratch))
+
+    def run(self, inputs: StepInputs, device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Tell the workers, then run rank 0's part (:meth:`PagedRunner.run`); a rank that fails or hangs
+        raises ``RuntimeError`` naming it."""
+        block_ids = self.manager.block_ids
+        tables = {s: block_ids(s) for s in inputs.seq_ids}
+        changed = {s: t for s, t in tables.items() if self._sent.get(s) != t}
+        self._sent = tables
+        message = StepInputs(inputs.seq_ids, inputs.query_lens, inputs.num_decodes, inputs.token_ids,
+                             inputs.positions, [], inputs.logit_rows)
+        copies, self._copies = self._copies, []
+        self.workers.send(("step", self.runner_id, message, changed, copies,
+                           0 if device_tokens is None else len(device_tokens)))
+        try:
+            if device_tokens is not None:
+                parallel.broadcast(device_tokens.contiguous())
+            return super().run(inputs, device_tokens)
+        except RuntimeError as err:
+            raise self.workers.failure(err, f"step {self.workers.steps}") from None
+
+    def close(self) -> None:
+        """Drop the graphs here and the workers' runner of this one."""
+        super().close()
+        if not self.workers.broken:
+            self.workers.send(("close", self.runner_id))
