@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per step: the decodes, then prompt chunks in what is left (default 2048)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt whole in one step instead of in chunks of the step's budget")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs, one process each (default 1; docs/tensor_parallel.md)")
     p.add_argument("--solutions", default=None, metavar="SPEC",
                    help="lessons that run the reference: 'all', 'none', '1,2' or '1-3' (sets YAIE_SOLUTIONS)")
     return p
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             switch.use_solutions(args.solutions)
         llm = LLM(args.model, device=args.device, cpu_threads=args.threads,
                   prefix_caching=not args.no_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
-                  chunked_prefill=not args.no_chunked_prefill)
+                  chunked_prefill=not args.no_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size)
         params = llm.default_sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
                                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
         prompt = args.prompt

@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill each prompt whole in one step (the running requests wait for it)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch every decode step's kernels from Python")
     p.add_argument("--no-prefix-caching", action="store_true", help="every request prefills all its tokens")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="split the model over N GPUs, one process each (default 1); the engine then runs in a thread "
+                        "of the server process, which starts the other ranks (docs/tensor_parallel.md)")
     p.add_argument("--engine-in-thread", action="store_true",
                    help="run the engine loop in a thread of the server process (default: a process of its own, "
                         "so HTTP work does not hold the engine's interpreter lock)")
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                     num_blocks=args.num_blocks, preemption=args.preemption, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, chunked_prefill=not args.no_chunked_prefill,
                     cuda_graphs=False if args.no_cuda_graphs else None,
-                    prefix_caching=not args.no_prefix_caching)
+                    prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tensor_parallel_size)
     window_s = args.admission_window_ms / 1000
     limits = Limits(args.max_prompt_tokens, args.max_n, args.max_waiting)
     options = dict(api_key=api_key, limits=limits, shutdown_grace_s=args.shutdown_grace)
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.solutions is not None:
             switch.use_solutions(args.solutions)
-        if args.engine_in_thread:
+        if args.engine_in_thread or args.tensor_parallel_size > 1:    # (a daemon process starts no workers)
             llm = LLM(**llm_args)
             app = create_app(llm, args.served_model_name, AsyncEngine(llm, window_s=window_s), **options)
         else:
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KernelMissing, switch.LessonUnavailable, ModelLoadError, ValueError, RuntimeError) as err:
         print(f"yaie serve: {err}", file=sys.stderr)
         return 1
-    where = "in a thread" if args.engine_in_thread else "in its own process"
+    where = "in a thread" if args.engine_in_thread or args.tensor_parallel_size > 1 else "in its own process"
     key = "API key required" if api_key is not None else "no API key"
     print(f"yaie serve: {app.state.served_model_name} (engine {where}, {key}), http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
