@@ -566,9 +566,11 @@ def test_random_programs_share_blocks_correctly(device, seed):
                          0, 0, 6, 2, 1, 2, 1, 2, 1, 0]])
 
 
-@task(2, "RadixAttentionWithPagedKVCache")
+@task(4, "prefix_prefill_attention")
 def test_prefill_attention_over_a_cached_prefix(device, seed):
-    """A ragged batch (prefixes of 0 and several blocks, query lengths 1, short and long) against float64."""
+    """The glue's ``prefill_attention`` (task 2) over a ragged batch (prefixes of 0 and several blocks, query
+    lengths 1, short and long) against float64. It runs notebook 05b's kernel, so it is graded with task 4:
+    notebook 05a's tasks pass without it."""
     dtype = torch.float32 if device == "cpu" else torch.float16
     heads, kv_heads, dim, size = 4, 2, 16, 4
     manager, cache = make_cache(device, num_blocks=24, block_size=size, dtype=dtype, num_kv_heads=kv_heads, head_dim=dim)

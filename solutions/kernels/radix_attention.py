@@ -45,7 +45,12 @@ plus every sequence whose block table holds it. A request's life:
    the tree holds stay cached until evicted.
 
 Tasks: 1 the radix tree (``match_prefix``, ``insert`` with node splitting, ``lock``/``unlock``, ``evict``),
-2 the glue (``match``, ``allocate``, ``cache_sequence``, ``free``, ``evict``/``make_room``, ``prefill_attention``).
+2 the glue (``match``, ``allocate``, ``append_slots``, ``cache_sequence``, ``release_lock``, ``free``,
+``evict``/``make_room``, ``clear``, ``prefill_attention``). ``prefill_attention`` calls lesson 05b's kernel
+(``prefix_prefill_attention``, the next notebook's task 4) through ``yaie.ops.lessons.call_in(5, 1, ...)``:
+lesson 05's modules are numbered 0 (this one), 1 (``prefix_prefill``), 2 (``flashinfer``), so its check is
+graded with task 4, once that kernel exists. ``locked_node(seq_id)`` tells ``cache_sequence`` which node a
+sequence holds its lock on (the lock moves to the node its newly cached blocks end at).
 """
 
 from __future__ import annotations
@@ -221,9 +226,10 @@ class RadixAttentionBlock:
         """Follow ``tokens`` down from the root without changing anything, one whole block at a time.
 
         Returns:
-            ``(path, num_tokens)``: ``path`` lists the nodes entered, each with how many of its blocks
-            matched (every node but the last matched its whole edge; the last may match only part of it),
-            and ``num_tokens`` is the length matched (a multiple of ``block_size``).
+            ``(path, num_tokens)``: ``path`` lists the nodes entered below the root (the root itself is not
+            in it), each with how many of its blocks matched (every node but the last matched its whole
+            edge; the last may match only part of it), and ``num_tokens`` is the length matched (a multiple
+            of ``block_size``).
         """
         path, node, pos = [], self.root, 0
         while pos + self.block_size <= len(tokens):
@@ -276,8 +282,8 @@ class RadixAttentionBlock:
         """Cache a computed sequence: ``tokens`` whose whole blocks are in cache blocks ``blocks``.
 
         The part already in the tree stays as it is (the tree keeps its own blocks for it); the rest becomes
-        a new leaf below the node where the match ends (splitting an edge if it ends inside one). The tree
-        takes ownership of the blocks of that new leaf only.
+        a new leaf below the node where the match ends (splitting an edge if it ends inside one, even when
+        nothing is left to add). The tree takes ownership of the blocks of that new leaf only.
 
         Args:
             tokens: list of int token ids; only whole blocks count (tokens after the last whole block are
@@ -323,7 +329,7 @@ class RadixAttentionBlock:
     # yaie: task 1
     def lock(self, node: RadixNode) -> None:
         """Protect the prefix that ends at ``node`` from eviction: ``lock_count`` + 1 on ``node`` and on
-        every ancestor. Locking the root is allowed (and protects nothing).
+        every ancestor, the root included. Locking the root is allowed (and protects nothing).
 
         Raises:
             ValueError: ``node`` is not a node of this tree.
@@ -351,9 +357,11 @@ class RadixAttentionBlock:
     def evict(self, num_blocks: int) -> list[int]:
         """Give back up to ``num_blocks`` blocks, least recently used first; return their ids.
 
-        Only unlocked leaves are evicted, from the end of their edge (the deepest tokens go first). A leaf
-        whose edge becomes empty is removed from the tree (its ``parent`` set to ``None``), and its parent
-        may become an evictable leaf in turn. Fewer blocks come back when fewer are evictable.
+        Only unlocked leaves are evicted, the least recently used leaf first (``last_access``; leaves of equal
+        time in any order). A leaf gives blocks from the end of its edge. The returned list holds each leaf's
+        blocks deepest first (the last block of the edge first), leaf after leaf. A leaf whose edge becomes
+        empty is removed from the tree (its ``parent`` set to ``None``), and its parent may become an
+        evictable leaf in turn. Fewer blocks come back when fewer are evictable.
 
         Raises:
             ValueError: ``num_blocks`` is not an int >= 0.
