@@ -184,3 +184,18 @@ def test_random_programs_report_the_program_not_hypothesis(tmp_path):
     assert "took the wrong blocks" in out and "expected: 1 block" in out and "YAIE_PROGRAM=" in out, out
     for word in ("Traceback", "Flaky", "Inconsistent", "Falsifying", "ExceptionGroup"):
         assert word not in out, out
+
+
+def test_tb_long_keeps_pytests_traceback_of_a_crash(tmp_path):
+    """Failures the plugin rewrites skip pytest's traceback formatting (it is most of a stub run); a crash
+    under --tb=long still gets pytest's full traceback, source lines included."""
+    lesson = tmp_path / "lesson01"
+    lesson.mkdir()
+    shutil.copy(ROOT / "grader" / "conftest.py", tmp_path / "conftest.py")
+    (lesson / "test_programs.py").write_text(textwrap.dedent(PROGRAM_GRADER))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc, _ = run_pytest([str(lesson), "--rootdir", str(tmp_path), "--tb=long", "-k", "task1"], out_dir,
+                         env_extra={"PYTHONPATH": str(ROOT)}, timeout=120)
+    assert proc.returncode == 1 and "KeyError" in proc.stdout, proc.stdout
+    assert "{}[n]" in proc.stdout and "def body(pick):" in proc.stdout, proc.stdout
