@@ -368,6 +368,29 @@ def test_varlen_matches_per_sequence_reference(device, seed, causal):
 
 
 @task(4, "flash_attention_varlen_forward")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_varlen_lengths_on_tile_edges(device, seed, causal):
+    """Sequences of whole tiles, one more and one less: each next sequence starts on, or just off, a tile edge."""
+    block_m, block_n = kernel_tiles(device, "fwd", 32)
+    t = max(block_m, block_n)
+    lens_k = [t, 2 * t, t + 1, t - 1]
+    lens_q = [t, t, t + 1, t - 1]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 2, 1, 32, torch.float32, device, seed)
+    out, lse = L.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+    text = (f"lens_q={lens_q}, lens_k={lens_k}, heads 2, kv_heads 1, head_dim 32, float32, causal={causal}; "
+            f"tiles of {block_m} queries x {block_n} keys")
+    for b in range(len(lens_q)):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[rq], k[rk], v[rk]))
+        ref_out, ref_lse = ref_attention(qs.double(), ks.double(), vs.double(), causal)
+        assert_close(out[rq].transpose(0, 1)[None], ref_out, name="varlen output", dtype=torch.float32,
+                     case=f"{text}; sequence {b}", atol=2e-5, rtol=1e-5, hint=EDGE_HINT)
+        assert_close(lse[:, rq][None], ref_lse, name="varlen lse", dtype=torch.float32, case=f"{text}; sequence {b}",
+                     atol=1e-4, rtol=1e-4, hint=EDGE_HINT)
+
+
+@task(4, "flash_attention_varlen_forward")
 def test_varlen_rejects_bad_offsets(device, seed):
     q, k, v, cu_q, cu_k = varlen_inputs([3, 5], [4, 6], 2, 2, 16, torch.float32, device, seed)
     good = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6)
