@@ -1,7 +1,9 @@
 """Grader of lesson 01: CPU kernels (RoPE tables, rotary embeddings, RMSNorm, attention).
 
 Every reference here is written independently of the solution, in float64: RoPE as a complex
-multiplication, attention head by head with explicit loops over the KV groups.
+multiplication, attention head by head with explicit loops over the KV groups. The course's convention
+(float32 math, one cast back at the end) fixes the rounding: float16 and bfloat16 RoPE and RMSNorm results
+are compared bit for bit with the float64 reference rounded once.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ On a machine with no GPU the kernels run in the Triton interpreter (small shapes
 on a CUDA GPU the same checks run on the GPU, plus bfloat16 and the shapes of a real model (hidden 4096,
 thousands of tokens). Every reference is written here in float64, independently of the solution: RMSNorm
 row by row from its formula, RoPE as a complex multiplication, SiLU from the exponential.
+
+The module's convention fixes the rounding (float32 math, one rounding to the storage dtype; the fused
+add + RMSNorm normalises the sum as it stored it), so float16 and bfloat16 results are also compared bit
+for bit with the float64 reference rounded once (``assert_correctly_rounded``): a second rounding on the
+way stays inside any tolerance.
 """
 
 from __future__ import annotations
