@@ -5,8 +5,10 @@ Two kinds of checks:
 * hand-written cases with exact expectations (slot numbers, block counts, bytes), and
 * random programs of operations (``grader/lesson03/programs.py``) checked after every step against
   an independent model of what each sequence must hold: block invariants, bit-exact data, nothing
-  leaked, and ``OutOfBlocks`` changing nothing. They use ``hypothesis`` when it is installed
-  (``pip install hypothesis``), which shrinks a failing program to a short one.
+  leaked, and ``OutOfBlocks`` changing nothing. Each test runs its fixed cases first (programs written
+  down to reach a state random ones rarely reach: a sequence swapped back in to device blocks whose ids
+  are not its host blocks' ids, say), then fresh programs from ``hypothesis``, which shrinks a failing
+  program to a short one (``grader/programs.py``).
 
 Everything here is bookkeeping and copies, so the same checks run on the CPU and on a GPU (bf16 too).
 """
