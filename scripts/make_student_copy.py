@@ -1,6 +1,7 @@
 """Make the copy of the course that students get: everything but the reference solutions.
 
-    python scripts/make_student_copy.py DEST
+    python scripts/make_student_copy.py DEST              # from the last commit
+    python scripts/make_student_copy.py DEST --worktree   # from the working tree (uncommitted changes too)
 
 Takes the committed tree (``git archive HEAD``), leaves out ``solutions/`` and what needs it (the course's
 own ``tests/``, ``.ci/``, the authors' ``CONTRIBUTING.md``, the scripts that run the reference), and writes it
@@ -28,13 +29,26 @@ STUDENT_README = ROOT / "docs" / "student_copy_README.md"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dest", type=Path, help="a folder that does not exist yet")
+    parser.add_argument("--worktree", action="store_true",
+                        help="copy the working tree's files (tracked and new, not ignored) instead of the last commit")
     args = parser.parse_args(argv)
     if args.dest.exists():
         print(f"make_student_copy: {args.dest} already exists; choose a new folder", file=sys.stderr)
         return 2
-    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=ROOT, capture_output=True, check=True)
+    if args.worktree:
+        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                                check=True).stdout.decode().split("\0")
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for name in filter(None, listed):
+                if (ROOT / name).is_file():
+                    tar.add(ROOT / name, arcname=name)
+        data = buffer.getvalue()
+    else:
+        data = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=ROOT, capture_output=True,
+                              check=True).stdout
     kept = 0
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         members = [m for m in tar.getmembers()
                    if not (m.name + "/").startswith(LEFT_OUT) and not m.name.startswith(LEFT_OUT)]
         tar.extractall(args.dest, members=members, filter="data")

@@ -22,8 +22,8 @@ HIDE_THIS_REPO = ("import runpy, sys; sys.meta_path = [f for f in sys.meta_path 
 @pytest.fixture(scope="module")
 def copy(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("student") / "course"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_student_copy.py"), str(dest)], check=True,
-                   capture_output=True)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_student_copy.py"), str(dest), "--worktree"],
+                   check=True, capture_output=True)
     return dest
 
 
