@@ -192,7 +192,8 @@ def rms_norm(input_tensor: torch.Tensor, weight: torch.Tensor, epsilon: float = 
 
     Returns:
         A new tensor of the input's shape and dtype (contiguous). The input is not modified.
-        The mean of squares and the scaling are computed in float32.
+        The mean of squares and the scaling are computed in float32 and rounded once, at the store
+        (float16 and bfloat16 results are graded bit for bit).
 
     Raises:
         ValueError: not a float32/float16/bfloat16 tensor, rank 0, hidden out of range, weight of the
@@ -368,7 +369,8 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 
     With ``h = head_dim // 2``, each head vector ``x`` of a token at position ``p`` becomes
     ``x[:h] * cos[p, :h] - x[h:] * sin[p, :h]`` (first half) and ``x[h:] * cos[p, h:] + x[:h] * sin[p, h:]``
-    (second half): the rotate-half layout of Llama / Hugging Face, computed in float32.
+    (second half): the rotate-half layout of Llama / Hugging Face, computed in float32 and rounded once,
+    at the store (float16 and bfloat16 results are graded bit for bit).
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``; k: ``[num_tokens, num_kv_heads, head_dim]``; same dtype
@@ -811,7 +813,7 @@ def silu_and_mul(input_tensor: torch.Tensor) -> torch.Tensor:
 
     Returns:
         A new ``[..., d]`` tensor of the input's dtype, where ``silu(g) = g * sigmoid(g)``; the math is
-        done in float32 and rounded once.
+        done in float32 and rounded once (float16 and bfloat16 results are graded bit for bit).
 
     Raises:
         ValueError: not a float32/float16/bfloat16 tensor, rank 0, an odd or zero last dim, or CPU

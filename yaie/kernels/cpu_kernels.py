@@ -77,7 +77,7 @@ def cpu_rope_embeddings(input_tensor: torch.Tensor, cos: torch.Tensor, sin: torc
 
     Returns:
         A new tensor, same shape and dtype as ``input_tensor``; the input is not modified. The
-        rotation is computed in float32.
+        rotation is computed in float32 and cast back once, at the end (graded bit for bit).
 
     Raises:
         ValueError: rank < 2, ``head_dim`` odd or different from the tables', tables of different
@@ -90,7 +90,9 @@ def cpu_rope_embeddings(input_tensor: torch.Tensor, cos: torch.Tensor, sin: torc
 def cpu_rms_norm(input_tensor: torch.Tensor, weight: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
     """Root-mean-square normalisation over the last dimension, then a learned per-channel scale.
 
-    ``out = x / sqrt(mean(x ** 2, dim=-1) + epsilon) * weight``, computed in float32.
+    ``out = x / sqrt(mean(x ** 2, dim=-1) + epsilon) * weight``, computed in float32 (the product with the
+    weight too) and cast back to the input's dtype once, at the end: float16 and bfloat16 results are
+    graded bit for bit.
 
     Args:
         input_tensor: ``[..., hidden]``, float32/float16/bfloat16, any strides, at least one element
