@@ -11,6 +11,10 @@ the stub keeps:
 
 Classes without a marker are copied with each of their methods treated the same way.
 
+Given code a student need not edit (validators, helpers, constants, references that are not tasks) lives
+in a hand-written module beside the stub, ``yaie/kernels/<module>_given.py``; the solution imports it
+(``from yaie.kernels.<module>_given import ...``), that import is copied, and the stub's header names it.
+
     python -m yaie.tools.stubs           # rewrite every stub
     python -m yaie.tools.stubs --check   # exit 1 if a committed stub differs from its generated form
 """
@@ -33,6 +37,8 @@ HEADER = (
     "# Run `pytest grader/lesson{lesson:02d}` to grade them; the notebook is lessons/{notebook}/.\n"
     "# (Generated from {source} by `python -m yaie.tools.stubs`; instructors edit the solution.)\n"
 )
+GIVEN_HEADER = "# The given code these exercises use is in {given}: read it, do not edit it.\n"
+GIVEN_IMPORT = re.compile(r"^from (yaie\.kernels\.\w+_given) import", re.MULTILINE)
 
 
 def _marker_above(lines: list[str], first_line: int) -> tuple[str | None, int | None, int]:
@@ -104,6 +110,10 @@ def generate(solution_path: Path, lesson: int) -> str:
     where = f"yaie/{rel.as_posix()}"
     body = _transform(tree.body, lines, 1, len(lines), lesson, where)
     header = HEADER.format(lesson=lesson, notebook=LESSONS[lesson].notebook_dir, source=f"solutions/{rel.as_posix()}")
+    first, rest = header.split("\n", 1)
+    for dotted in dict.fromkeys(GIVEN_IMPORT.findall(source)):  # name the given module(s) right below line 1
+        first += "\n" + GIVEN_HEADER.format(given=Path(*dotted.split(".")).with_suffix(".py").as_posix()).rstrip("\n")
+    header = first + "\n" + rest
     text = header + "".join(body)
     text = re.sub(r"\n{4,}", "\n\n\n", text)
     ast.parse(text)  # the stub must stay valid Python
