@@ -131,3 +131,17 @@ def test_n_completions_per_prompt_each_with_its_own_seed():
         next(llm.stream("Once upon a time", params))
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=0)
+
+
+def test_the_run_summary_says_which_lessons_ran_and_whose_code(monkeypatch, capsys):
+    """``yaie generate``'s last line names the lessons whose code ran, yours or the reference's; lesson 05 left
+    unfinished in strict mode turns prefix caching off with one line, and is not counted as run."""
+    from yaie import ops
+    from yaie.engine.cli import main
+
+    monkeypatch.setenv("YAIE_SOLUTIONS", "1,3")
+    ops.reset_auto_fallback()
+    assert main(["Hi there", "--max-tokens", "2", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "prefix caching is off" in err and "lesson 05: RadixAttentionWithPagedKVCache" in err
+    assert "lessons run: 01, 03 (the reference: 01, 03)" in err.splitlines()[-1]

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from yaie import switch
     from yaie.engine.llm import LLM
     from yaie.model.config import ModelLoadError
-    from yaie.ops import KernelMissing, describe
+    from yaie.ops import KernelMissing, describe, ran
 
     wrote = False  # whether stdout holds text (an error message then starts on a new line)
     try:
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     hits = llm.prefix_cache_stats()
     cached = (f"; prefix cache: {hits.cached_tokens} of {hits.prompt_tokens} prompt tokens reused" if hits is not None
               else "; prefix caching off")
-    print(f"[{llm.model_dir.name} on {llm.device}, {describe()}; "
+    print(f"[{llm.model_dir.name} on {llm.device}, {describe()}; {ran()}; "
           f"{len(output.token_ids)} tokens in {elapsed:.2f}s, finish: {output.finish_reason}{cached}]",
           file=sys.stderr)
     return 0

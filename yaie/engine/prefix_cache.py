@@ -27,11 +27,11 @@ from yaie import ops, switch
 _CLASS = "RadixAttentionWithPagedKVCache"
 
 
-def _probe(module, manager_class) -> None:
+def _probe(cache_class, manager_class) -> None:
     """Run every method the scheduler uses once, on a tiny CPU cache of the engine's manager class."""
     manager = manager_class(num_blocks=6, block_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
                             dtype=torch.float32, device="cpu")
-    cache = getattr(module, _CLASS)(manager)
+    cache = cache_class(manager)
     cache.allocate("probe", [1, 2, 3])
     cache.cache_sequence("probe", [1, 2, 3])
     cache.match([1, 2, 3, 4])
@@ -43,23 +43,21 @@ def _probe(module, manager_class) -> None:
 
 
 def make_prefix_cache(manager):
-    """Lesson 05's ``RadixAttentionWithPagedKVCache`` over ``manager``, or None (prefix caching off) when
-    lesson 05 is unfinished in strict mode or missing from this copy of the course."""
+    """Lesson 05's ``RadixAttentionWithPagedKVCache`` over ``manager`` (the class probed first, as a unit:
+    auto mode takes an unfinished one from the reference), or None (prefix caching off, with a notice) when
+    lesson 05 is unfinished in strict mode or in a copy without the reference; None, silently, when lesson
+    05 is not in this copy at all."""
     try:
-        module = ops.lesson_module(5, 0)
+        ops.lesson_module(5, 0)
     except switch.LessonUnavailable:
         return None
+
+    def build(cache_class):
+        _probe(cache_class, type(manager))
+        return cache_class(manager)
+
     try:
-        _probe(module, type(manager))
-    except NotImplementedError as err:
-        if not ops.auto_mode() or module.__name__.startswith("solutions."):
-            print(f"lesson 05: {_CLASS} is not implemented yet in {ops.student_path(5)} ({err}); "
-                  "prefix caching is off", file=sys.stderr, flush=True)
-            return None
-        try:
-            module = ops.fallback(5, _CLASS, module, err)
-        except ops.KernelMissing:            # a copy of the course without the reference: caching is optional
-            print(f"lesson 05: {_CLASS} is not implemented yet in {ops.student_path(5)}; prefix caching is off",
-                  file=sys.stderr, flush=True)
-            return None
-    return getattr(module, _CLASS)(manager)
+        return ops.lessons.run_with_fallback(5, 0, _CLASS, build)
+    except ops.KernelMissing as err:        # prefix caching is optional: off, and say why
+        print(f"{str(err).splitlines()[0].rstrip('.')}; prefix caching is off", file=sys.stderr, flush=True)
+        return None

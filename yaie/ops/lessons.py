@@ -27,6 +27,7 @@ from yaie import switch
 
 # (lesson, module index, name) that auto mode runs from the reference in this process (after a stub raised).
 _fallbacks: set[tuple[int, int, str]] = set()
+_ran: set[tuple[int, int, str]] = set()        # every (lesson, module, name) called through here so far
 
 
 class KernelMissing(RuntimeError):
@@ -145,9 +146,11 @@ def run_with_fallback(lesson: int, which: int, name: str, use: Callable):
     if not hasattr(module, name):
         raise ValueError(f"{switch.LESSONS[lesson].label}: {module.__name__} has no {name!r}")
     try:
-        return use(getattr(module, name))
+        result = use(getattr(module, name))
     except NotImplementedError as err:
-        return use(getattr(fallback(lesson, name, module, err, which), name))
+        result = use(getattr(fallback(lesson, name, module, err, which), name))
+    _ran.add((lesson, which, name))
+    return result
 
 
 def call_in(lesson: int, which: int, name: str, *args, **kwargs):
@@ -197,6 +200,21 @@ def describe() -> str:
     return f"auto mode: the reference for {names}; your code elsewhere"
 
 
+def ran() -> str:
+    """Which lessons ran, for a run summary: ``"lessons run: 01, 03, 05 (yours: 01, 03; the reference: 05)"``."""
+    lessons = sorted({lesson for lesson, _, _ in _ran})
+    if not lessons:
+        return "no lesson ran yet"
+    strict = set() if auto_mode() else switch.parse_spec(os.environ.get(switch.ENV_VAR))
+    reference = sorted({lesson for lesson, which, name in _ran if lesson in strict or (lesson, which, name) in _fallbacks})
+    yours = [n for n in lessons if n not in reference]
+    label = ", ".join(f"{n:02d}" for n in lessons)
+    parts = [f"yours: {', '.join(f'{n:02d}' for n in yours)}"] if yours else []
+    parts += [f"the reference: {', '.join(f'{n:02d}' for n in reference)}"] if reference else []
+    return f"lessons run: {label} ({'; '.join(parts)})"
+
+
 def reset_auto_fallback() -> None:
-    """Forget auto mode's fallbacks (tests; a notebook after finishing a task)."""
+    """Forget auto mode's fallbacks and which lessons ran (tests; a notebook after finishing a task)."""
     _fallbacks.clear()
+    _ran.clear()
