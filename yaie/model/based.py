@@ -17,6 +17,8 @@ state for serving (:class:`yaie.model.based_rows.BasedRows`) or one sequence's
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -36,8 +38,7 @@ class BasedModel(LlamaModel):
         # weights (None), the convolution's weights beside them (yaie/model/base_conv.py).
         p = f"model.layers.{n}.self_attn."
         layer = super()._layer({**w, **{p + f"{x}_proj.weight": None for x in "qkvo"}}, n)
-        layer.conv = base_conv.BaseConvWeights.from_weights(w, f"model.layers.{n}.conv.")
-        return layer
+        return dataclasses.replace(layer, conv=base_conv.BaseConvWeights.from_weights(w, f"model.layers.{n}.conv."))
 
     def _attention_block(self, layer: LayerWeights, n: int, h: torch.Tensor, positions: torch.Tensor,
                          cache) -> torch.Tensor:

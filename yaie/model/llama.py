@@ -53,6 +53,7 @@ class LayerWeights:
     down: torch.Tensor
     down_bias: torch.Tensor | None
     sliding_window: int | None
+    conv: object = None            # a Based checkpoint's BaseConv layer: its weights (yaie.model.base_conv)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
