@@ -52,6 +52,7 @@ def check(out: Path) -> dict:
         for n in (1, 2):
             llm = LLM(folder, dtype=torch.bfloat16, tensor_parallel_size=n, cuda_graphs=graphs)
             ids[n] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            print(f"check: {n} GPU(s), {'CUDA graphs' if graphs else 'eager'}: generated", flush=True)
             llm.close()
             del llm
             torch.cuda.empty_cache()
@@ -127,6 +128,7 @@ def _collectives_rank(rank: int, init_file: str, batches: list[int], replays: in
     if rank == 0:
         result.update({str(b): t for b, t in times.items()})
     parallel.leave()
+    os._exit(0)                 # (no teardown: the graph holds the communicator's collectives)
 
 
 def collectives(out: Path, batches: list[int], replays: int = 50) -> dict:

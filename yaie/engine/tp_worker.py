@@ -139,7 +139,9 @@ def worker_main(rank: int, world_size: int, init_file: str, backend: str, timeou
         except (OSError, ValueError):
             pass
         os._exit(1)
-    parallel.leave()
+    # Ended without leaving the group: rank 0 stops it (parallel.leave), and nothing here needs tearing down
+    # (an NCCL teardown can wait on collectives recorded into CUDA graphs).
+    os._exit(0)
 
 
 def _serve(pipe, model, progress, rank: int) -> None:

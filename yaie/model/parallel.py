@@ -70,9 +70,14 @@ def join(rank: int, world_size: int, init_file: str, backend: str, timeout_s: fl
 
 
 def leave() -> None:
-    """Leave the group (nothing when not in one); the process is a single rank again."""
+    """Leave the group (nothing when not in one); the process is a single rank again. NCCL's communicators
+    are aborted, not destroyed: a destroy waits until every collective this process queued reports done, and
+    those recorded into CUDA graphs never do."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _group.rank, _group.world_size = 0, 1
 
 
