@@ -95,6 +95,8 @@ def test_two_ranks_give_one_ranks_greedy_ids_and_transformers(model_dir, referen
     try:
         assert ids(llm, batch) == expected
         assert llm.prefix_cache_stats().cached_tokens > 0
+        with pytest.raises(RuntimeError, match="a tensor-parallel engine is open in this process already"):
+            LLM(path, device="cpu", tensor_parallel_size=2)
         llm.settings.chunked_prefill = False           # a new runner on every rank, plain eager steps
         assert ids(llm, batch) == expected
         pids = worker_pids(llm)

@@ -46,6 +46,8 @@ class WorkerGroup:
                  timeout_s: float):
         from yaie.engine.tp_worker import worker_main
 
+        if parallel.world_size() > 1:
+            raise RuntimeError("a tensor-parallel engine is open in this process already: close() it first")
         self.world_size, self.timeout_s, self.device = world_size, timeout_s, device
         self.start_timeout_s = max(timeout_s, START_TIMEOUT_S)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
