@@ -74,8 +74,9 @@ def leave() -> None:
     are aborted, not destroyed: a destroy waits until every collective this process queued reports done, and
     those recorded into CUDA graphs never do."""
     if dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            dist.distributed_c10d._abort_process_group()
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)     # torch >= 2.5
+        if dist.get_backend() == "nccl" and abort is not None:
+            abort()
         else:
             dist.destroy_process_group()
     _group.rank, _group.world_size = 0, 1
