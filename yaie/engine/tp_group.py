@@ -39,7 +39,8 @@ class WorkerGroup:
         model_dir, dtype: what each worker loads (its shard of the model, as rank 0 does).
         device: ``cpu`` (gloo) or ``cuda`` (NCCL; rank r on GPU r).
         world_size: ranks in all, >= 2.
-        timeout_s: how long a rank waits for the others (start-up, each collective).
+        timeout_s: how long a rank waits for the others in a collective (a start waits at least
+            ``START_TIMEOUT_S``: every rank imports torch and loads its shard).
     """
 
     def __init__(self, model_dir, dtype: torch.dtype | None, device: torch.device, world_size: int,
