@@ -13,10 +13,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   for dir in grader/lesson*/; do
     lesson=$(basename "$dir")
     echo "== $lesson on the reference solutions"
+    start=$SECONDS
     python3 -m pytest "$dir" --solutions -q -p no:cacheprovider --grader-timeout 300 \
       --results-json "$OUT/json/${lesson}_solutions.json" 2>&1 | tail -15
+    echo "== $lesson reference: $((SECONDS - start)) s"
     echo "== $lesson on the stubs (expect every task: not implemented yet)"
+    start=$SECONDS
     python3 -m pytest "$dir" -q -p no:cacheprovider --results-json "$OUT/json/${lesson}_stubs.json" 2>&1 | tail -8
+    echo "== $lesson stubs: $((SECONDS - start)) s"
   done
 } 2>&1 | tee "$OUT/gpu_all_graders.log"
 # The device tool returns at most 8 files: pack the results.json files into one archive.
