@@ -123,6 +123,18 @@ def test_a_task_that_calls_an_unfinished_task_says_which():
     assert _waiting_on(result(2, "lesson 07, task 4: another lesson's stub")) == ""
 
 
+def test_a_task_whose_other_checks_wait_for_a_later_task_is_incomplete_not_failed():
+    """Checks that passed beside checks that only reached another task's stub: nothing failed, so the task is
+    "incomplete" (no "messages above" when there are none), and the summary says what it waits for."""
+    from grader.framework import TaskResult
+
+    waiting = "task 4 check_based_inputs: not implemented yet (lesson 08, task 2: implement based_prefill in ...)"
+    r = TaskResult(8, 4, "check_based_inputs", 1.0, {"a": "passed", "b": "not implemented"}, [waiting])
+    assert r.status == "incomplete" and r.score == 0.5
+    r.checks["c"] = "failed"
+    assert r.status == "failed"
+
+
 PROGRAM_GRADER = '''
 import pytest
 

@@ -224,6 +224,22 @@ def test_prefill_lengths_on_chunk_and_segment_edges(device, seed, edge):
 
 
 @task(2, "based_prefill")
+def test_prefill_refuses_other_chunk_sizes_and_may_skip_the_state(device, seed):
+    """The docstring's promises: a chunk size outside 16, 32, 64, 128 is a ValueError; ``return_state=False``
+    returns ``(out, None)`` with the same output."""
+    q, k, v = make_qkv(1, 2, 20, 16, torch.float32, device, seed)
+    for chunk in (8, 24, 256, "16", 16.0):
+        expect_value_error(L.based_prefill, q, k, v, chunk_size=chunk, what=f"chunk_size={chunk!r}")
+    out, state = check_tuple(L.based_prefill(q, k, v, chunk_size=16, return_state=False), "based_prefill")
+    if state is not None:
+        raise GradingError("based_prefill(..., return_state=False) must return (out, None)\n"
+                           f"  got:      a state of type {type(state).__name__}\n"
+                           "  hint:     skip computing (and returning) the final state when it is not asked for")
+    assert_close(out, ref_based(q, k, v), name="based_prefill output with return_state=False", dtype=torch.float32,
+                 case=describe(q=q, k=k, v=v), atol=1e-5, rtol=1e-4, hint="the output does not depend on return_state")
+
+
+@task(2, "based_prefill")
 def test_prefill_writes_every_row(device, seed):
     """A NaN in one input row may spoil only that row's own output and the rows after it."""
     q, k, v = make_qkv(1, 2, 40, 32, torch.float32, device, seed)
@@ -254,7 +270,7 @@ def test_decode_from_an_empty_state(device, seed, dtype):
     got = _decode_from(state, q, k, v, 0)
     case = describe(q=q, k=k, v=v) + ", one token at a time from an empty state"
     atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)
-    assert_close(got, ref_based(q, k, v), name="based_decode_step outputs", dtype=dtype, case=case,
+    assert_close(got, ref_based(q, k, v), name="the output of based_decode_step", dtype=dtype, case=case,
                  atol=atol, rtol=rtol, hint="add phi(k) v^T and phi(k) to the state first (a token sees itself), then "
                                             "out = phi(q) @ kv / (phi(q) . k)")
     check_state(state, k, v, case, atol=1e-4, rtol=1e-4, hint="update the state in place")
@@ -269,7 +285,8 @@ def test_prefill_then_decode_equals_the_parallel_form(device, seed, prefix):
     got = torch.cat([out, _decode_from(state, q, k, v, prefix)], 2)
     assert_close(got, ref_based(q, k, v), name="prefill then decode", dtype=torch.float32,
                  case=f"{describe(q=q, k=k, v=v)}: prefill {prefix} tokens, decode 4",
-                 atol=2e-5, rtol=1e-4, hint="decode must continue from the state the prefill returns")
+                 atol=2e-5, rtol=1e-4, hint="decode must continue from the state the prefill returns, adding "
+                 "each token into it in place (state.kv.add_, state.k.add_): the caller keeps the same state object")
 
 
 @task(3, "based_decode_step")
