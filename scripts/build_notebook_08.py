@@ -219,6 +219,11 @@ md(r"""
 After the prefill, each new token updates the state and reads its output from it: `S += phi(k) v^T`,
 `z += phi(k)`, `out = phi(q) @ S / (phi(q) . z)`. The token sees itself, as in the causal form. Work and
 memory per step are constant. The test every Based engine needs: **prefill then decode equals the parallel form**.
+
+In the engine (`yaie generate --model yaie/assets/tiny-based`) your `based_decode_step` runs at every decode
+step, and your `based_prefill` runs the prompts on a GPU. On a CPU the engine prefills with
+`based_chunked_reference` instead (the given PyTorch form of the same chunked algorithm): the Triton
+interpreter is too slow for an engine. The grader runs your kernel on the CPU all the same.
 """)
 
 code(r"""
