@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -130,6 +132,24 @@ def test_a_rank_that_dies_is_named_and_no_worker_outlives_the_engine(model_dir, 
     assert gone(pid) and not llm._workers.procs
     with pytest.raises(RuntimeError, match="rank 1 exited"):     # and the engine stays stopped
         ids(llm, prompts(96))
+
+
+def test_workers_end_when_rank_0_is_killed(model_dir):
+    code = ("import sys, time\nfrom yaie.engine import LLM\n"
+            "llm = LLM(sys.argv[1], device='cpu', tensor_parallel_size=2)\n"
+            "print(*[p.pid for p in llm._workers.procs], flush=True)\ntime.sleep(120)\n")
+    rank0 = subprocess.Popen([sys.executable, "-c", code, str(model_dir[0])], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, YAIE_SOLUTIONS="all"))
+    try:
+        pids = [int(p) for p in rank0.stdout.readline().split()]
+    finally:
+        rank0.kill()
+        rank0.wait()
+    assert len(pids) == 1
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(pid) for pid in pids), "a worker outlived rank 0"
 
 
 def test_a_rank_that_hangs_is_named_within_the_timeout(model_dir, reference_lessons):
