@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from solutions.kernels import gpu_elementwise as ref
+from yaie.kernels import gpu_elementwise_given as given
 
 
 def f64_rms(x, w, eps=1e-6):
@@ -81,6 +82,7 @@ def test_hidden_above_the_single_tile_limit_is_refused():
 
 def test_cpu_tensors_refused_when_triton_compiles_for_a_gpu(monkeypatch):
     monkeypatch.setattr(ref, "triton_interpreted", lambda: False)
+    monkeypatch.setattr(given, "triton_interpreted", lambda: False)    # check_devices is given code
     with pytest.raises(ValueError, match="CPU tensors"):
         ref.rms_norm(torch.randn(2, 8), torch.randn(8))
     with pytest.raises(ValueError, match="CPU tensors"):
