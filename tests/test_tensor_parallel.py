@@ -164,6 +164,15 @@ def test_a_rank_that_hangs_is_named_within_the_timeout(model_dir, reference_less
     assert gone(pid) and not llm._workers.procs
 
 
+def test_a_lesson_left_undone_in_strict_mode_is_reported_as_such(model_dir, monkeypatch):
+    from yaie.ops import KernelMissing
+    monkeypatch.setenv("YAIE_SOLUTIONS", "none")          # the stubs, no fallback: lesson 01's RoPE tables
+    with pytest.raises(KernelMissing, match="lesson 01"):
+        LLM(model_dir[0], device="cpu", tensor_parallel_size=2)
+    from yaie.model import parallel
+    assert parallel.world_size() == 1                     # the group was left, the worker ended
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
     (dict(tensor_parallel_size=4), "does not divide the model's 2 KV heads"),

@@ -19,6 +19,7 @@ import os
 import torch
 
 from yaie import switch
+from yaie.ops import KernelMissing
 from yaie.engine.paged_runner import PagedRunner, StepInputs
 from yaie.engine.settings import EngineSettings
 from yaie.engine.tp_group import WorkerGroup
@@ -51,7 +52,7 @@ class TensorParallelRunner(PagedRunner):
 
     def run(self, inputs: StepInputs, device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Tell the workers, then run rank 0's part (:meth:`PagedRunner.run`); a rank that fails or hangs
-        raises ``RuntimeError`` naming it."""
+        raises ``RuntimeError`` naming it. After any error the workers are ended."""
         block_ids = self.manager.block_ids
         tables = {s: block_ids(s) for s in inputs.seq_ids}
         changed = {s: t for s, t in tables.items() if self._sent.get(s) != t}
@@ -65,8 +66,14 @@ class TensorParallelRunner(PagedRunner):
             if device_tokens is not None:
                 parallel.broadcast(device_tokens.contiguous())
             return super().run(inputs, device_tokens)
-        except RuntimeError as err:
-            raise self.workers.failure(err, f"step {self.workers.steps}") from None
+        except BaseException as err:
+            # The ranks are out of step now: the workers are ended whatever failed. A collective's error is
+            # told as what went wrong on which rank; rank 0's own (a lesson's KernelMissing, a kernel's
+            # ValueError, an interrupt) goes up as it is.
+            failure = self.workers.failure(err, f"step {self.workers.steps}")
+            if isinstance(err, RuntimeError) and not isinstance(err, KernelMissing):
+                raise failure from None
+            raise
 
     def close(self) -> None:
         """Drop the graphs here and the workers' runner of this one."""
