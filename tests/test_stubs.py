@@ -56,3 +56,44 @@ def test_stub_and_solution_agree(lesson, solution, stub):
         assert len(inspect.getdoc(stub_fn)) > 80, f"{qualname}: the docstring must state shapes, dtypes, errors"
         source = inspect.getsource(stub_fn)
         assert f"lesson {lesson:02d}, task {number}:" in source, f"{qualname}: stub must name its lesson and task"
+
+
+GIVEN = sorted((stubs.ROOT / "yaie" / "kernels").glob("*_given.py"))
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def test_there_are_given_modules():
+    assert GIVEN, "yaie/kernels/*_given.py hold the code a student is given"
+
+
+@pytest.mark.parametrize("given", GIVEN, ids=lambda p: p.name)
+def test_given_module_stands_alone_and_both_lesson_modules_import_it(given):
+    """A given module imports neither its lesson's solution nor its stub (no cycle); both import it, and each
+    public name it defines is the same object on the solution and on the stub."""
+    lesson_module = given.stem[: -len("_given")]
+    dotted = f"yaie.kernels.{given.stem}"
+    tree = ast.parse(given.read_text())
+    imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not [m for m in imported if m.startswith("solutions") or m.startswith(f"yaie.kernels.{lesson_module}")
+                and m != dotted], f"{given.name} must not import its lesson module: {sorted(imported)}"
+    given_mod = importlib.import_module(dotted)
+    for package in ("solutions", "yaie"):
+        path = stubs.ROOT / package / "kernels" / f"{lesson_module}.py"
+        assert f"from {dotted} import" in path.read_text(), f"{path} must import {dotted}"
+        module = importlib.import_module(f"{package}.kernels.{lesson_module}")
+        for name in sorted(n for n in _top_level_names(tree) if not n.startswith("_")):
+            assert getattr(module, name, None) is getattr(given_mod, name), f"{package}.kernels.{lesson_module}.{name}"
+    stub_text = (stubs.ROOT / "yaie" / "kernels" / f"{lesson_module}.py").read_text()
+    assert f"yaie/kernels/{given.name}" in stub_text.splitlines()[1], "the stub's header names its given module"
