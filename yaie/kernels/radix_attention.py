@@ -68,7 +68,8 @@ from yaie.ops import lessons     # the switch: lesson 05b's kernel, the student'
 
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/radix_attention_given.py
 from yaie.kernels.radix_attention_given import (
-    PrefixAllocation, PrefixCacheStats, PrefixMatch, RadixNode, _check_token_ids, _out_of_blocks_error,
+    PrefixAllocation, PrefixCacheStats, PrefixMatch, RadixAttentionBlockGiven, RadixNode, _check_token_ids,
+    _out_of_blocks_error,
 )
 
 
@@ -76,7 +77,7 @@ from yaie.kernels.radix_attention_given import (
 # Task 1: the radix tree
 # ---------------------------------------------------------------------------------------------------
 
-class RadixAttentionBlock:
+class RadixAttentionBlock(RadixAttentionBlockGiven):
     """A radix tree of cached token sequences whose nodes own KV-cache blocks (page = one block).
 
     Args:
@@ -85,6 +86,10 @@ class RadixAttentionBlock:
     The tree only keeps books: it never touches the cache's tensors or reference counts. Whoever inserts
     blocks hands them to the tree (the tree now owns them); whoever evicts gets them back (the caller
     frees them). Every block id is owned by at most one node.
+
+    The given queries (``nodes``, ``num_cached_blocks``, ``num_evictable_blocks``, ``cached_blocks``, ``owns``)
+    and helpers (``_key``, ``_check_node``) are inherited from ``RadixAttentionBlockGiven`` in
+    ``yaie/kernels/radix_attention_given.py``; ``__init__`` below sets the state they use.
     """
 
     def __init__(self, block_size: int):
@@ -94,48 +99,6 @@ class RadixAttentionBlock:
         self.root = RadixNode()
         self._clock = itertools.count(1)     # logical time for least-recently-used eviction
         self._owner: dict[int, RadixNode] = {}   # block id -> the node that owns it
-
-    # ------------------------------------------------------------------ queries (given)
-    def nodes(self) -> list[RadixNode]:
-        """Every node but the root, parents before children."""
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks the tree owns."""
-        return len(self._owner)
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        """Blocks of unlocked nodes: what :meth:`evict` could give back now (all of an unlocked node's
-        descendants are unlocked too, so eviction can reach them leaf by leaf)."""
-        return sum(n.num_blocks for n in self.nodes() if n.lock_count == 0)
-
-    def cached_blocks(self) -> list[int]:
-        """Every block id the tree owns."""
-        return list(self._owner)
-
-    def owns(self, block_id: int) -> bool:
-        return block_id in self._owner
-
-    def _key(self, tokens: list[int], start: int) -> tuple[int, ...]:
-        """The block of tokens starting at ``start``: how children are looked up."""
-        return tuple(tokens[start:start + self.block_size])
-
-    def _check_node(self, node) -> None:
-        """``node`` must be a node of this tree (the root included) that was not removed."""
-        if not isinstance(node, RadixNode):
-            raise ValueError(f"expected a RadixNode (from match_prefix), got {type(node).__name__}")
-        top = node
-        while top.parent is not None:
-            top = top.parent
-        if top is not self.root:
-            raise ValueError("this node is not in the tree (it was evicted, or belongs to another tree)")
 
     # ------------------------------------------------------------------ task 1
     def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:

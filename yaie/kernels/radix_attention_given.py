@@ -4,7 +4,7 @@ Read it, do not edit it: the exercise module imports these names (``radix_attent
 ``radix_attention.PrefixMatch`` work as before), and the graders and the engine rely on them as they are.
 
 * the tree's records: :class:`RadixNode` (one node, its edge of whole blocks) and :class:`PrefixMatch` (what a
-  match found);
+  match found), and :class:`RadixAttentionBlockGiven`, the given queries ``RadixAttentionBlock`` inherits;
 * the prefix cache's records: :class:`PrefixCacheStats` (hit statistics) and :class:`PrefixAllocation`
   (what allocating a new sequence did);
 * small helpers: ``_check_token_ids`` (token ids as a list, checked), ``_out_of_blocks_error`` (the
@@ -86,6 +86,54 @@ def _check_token_ids(token_ids, what: str = "tokens") -> list[int]:
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise ValueError(f"{what} must hold non-negative int token ids, got {t!r}")
     return token_ids
+
+
+class RadixAttentionBlockGiven:
+    """The given methods of ``RadixAttentionBlock`` (``yaie/kernels/radix_attention.py``), which inherits them:
+    queries and small helpers. The exercise's ``__init__`` sets the state they use: ``block_size``, ``root``
+    (a :class:`RadixNode` with an empty edge) and ``_owner`` (block id -> the node that owns it).
+    """
+
+    def nodes(self) -> list[RadixNode]:
+        """Every node but the root, parents before children."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the tree owns."""
+        return len(self._owner)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks of unlocked nodes: what :meth:`evict` could give back now (all of an unlocked node's
+        descendants are unlocked too, so eviction can reach them leaf by leaf)."""
+        return sum(n.num_blocks for n in self.nodes() if n.lock_count == 0)
+
+    def cached_blocks(self) -> list[int]:
+        """Every block id the tree owns."""
+        return list(self._owner)
+
+    def owns(self, block_id: int) -> bool:
+        return block_id in self._owner
+
+    def _key(self, tokens: list[int], start: int) -> tuple[int, ...]:
+        """The block of tokens starting at ``start``: how children are looked up."""
+        return tuple(tokens[start:start + self.block_size])
+
+    def _check_node(self, node) -> None:
+        """``node`` must be a node of this tree (the root included) that was not removed."""
+        if not isinstance(node, RadixNode):
+            raise ValueError(f"expected a RadixNode (from match_prefix), got {type(node).__name__}")
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top is not self.root:
+            raise ValueError("this node is not in the tree (it was evicted, or belongs to another tree)")
 
 
 # ---------------------------------------------------------------------------------------------------
