@@ -87,7 +87,7 @@ PATH = [
     ("yaie/engine/output.py", "OutputState.final_text", "the whole text, once"),
     ("yaie/engine/core.py", "EngineCore.close", "abort what is left, give the runner back"),
     ("yaie/engine/core.py", "EngineCore.abort_all", "nothing left to abort"),
-    ("yaie/engine/paged_runner.py", "PagedRunner.release", "the cache is kept for the next call"),
+    ("yaie/engine/runner.py", "Runner.release", "the cache is kept for the next call"),
 ]
 
 

@@ -179,21 +179,20 @@ class LLM:
                 self._runner = self.last_core = None     # nothing refers to the old runner's memory now
                 runner.close()
             runner = None
-            runner = self._new_runner(rows)
-            if self._runner is None:
+            kept = self._runner is None                    # else the kept one is held: this one is for one run
+            runner = self._new_runner(rows, kept)
+            if kept:
                 self._runner = runner
-            else:
-                runner.kept = False
         runner.acquire()
         self.last_core = EngineCore(runner, self.tokenizer, self.eos_token_ids, self.settings.cpu_threads)
         return self.last_core
 
-    def _new_runner(self, rows: int):
+    def _new_runner(self, rows: int, kept: bool):
         if has_rows(self.config):
-            return RowRunner(self.model, self.settings, rows)
+            return RowRunner(self.model, self.settings, rows, kept)
         if self._workers is not None:
-            return TensorParallelRunner(self.model, self.settings, self._workers)
-        return PagedRunner(self.model, self.settings)
+            return TensorParallelRunner(self.model, self.settings, self._workers, kept)
+        return PagedRunner(self.model, self.settings, kept)
 
     def close(self) -> None:
         """End the other ranks of a tensor-parallel engine (nothing otherwise); the ``LLM`` cannot generate

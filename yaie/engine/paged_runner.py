@@ -17,6 +17,7 @@ from yaie import ops
 from yaie.engine.cuda_graphs import SCRATCH_SEQ, DecodeGraphs
 from yaie.engine.prefix_cache import make_prefix_cache
 from yaie.engine.request import StepPlan
+from yaie.engine.runner import Runner
 from yaie.engine.scheduler import Scheduler
 from yaie.engine.settings import EngineSettings
 from yaie.model.paged import PagedStep
@@ -62,13 +63,15 @@ class StepInputs:
                    plan.decode_slots + plan.prefill_slots, logit_rows)
 
 
-class PagedRunner:
+class PagedRunner(Runner):
     """Args:
         model: a :class:`yaie.model.llama.LlamaModel`.
         settings: the engine's resolved :class:`EngineSettings`.
+        kept: see :class:`yaie.engine.runner.Runner`.
     """
 
-    def __init__(self, model, settings: EngineSettings):
+    def __init__(self, model, settings: EngineSettings, kept: bool = True):
+        super().__init__(kept)
         self.model, self.settings = model, settings
         self.device = model.device
         self.key = settings.runner_key()
@@ -77,8 +80,6 @@ class PagedRunner:
         self.graphs = DecodeGraphs(model, self.manager, settings.max_num_seqs, capture=settings.graph_capture) \
             if graphs else None
         self.prefix_cache = make_prefix_cache(self.manager) if settings.prefix_caching else None
-        self.in_use = False
-        self.kept = True         # False: made for one run while the kept one was busy, closed when released
 
     def _new_manager(self):
         """Lesson 03's cache for this model's KV heads (this rank's, in a tensor-parallel group). One block more
@@ -88,15 +89,6 @@ class PagedRunner:
             s.num_blocks + (1 if s.cuda_graphs else 0), s.block_size, cfg.num_layers, model.num_kv_heads,
             cfg.head_dim, model.dtype, self.device, s.num_cpu_blocks,
             swap=s.preemption == "swap" and s.num_cpu_blocks > 0)
-
-    def acquire(self) -> None:
-        self.in_use = True
-
-    def release(self) -> None:
-        """The run that held this runner ended; a runner that is not kept closes now."""
-        self.in_use = False
-        if not self.kept:
-            self.close()
 
     def new_scheduler(self) -> Scheduler:
         s = self.settings

@@ -17,6 +17,7 @@ import torch
 
 from yaie.engine.request import StepPlan
 from yaie.engine.row_scheduler import RowScheduler
+from yaie.engine.runner import Runner
 from yaie.engine.settings import EngineSettings
 from yaie.model.based_rows import BasedRows
 from yaie.model.telescoping import TelescopingKVCache
@@ -27,14 +28,16 @@ def has_rows(config) -> bool:
     return bool(config.based_layers or config.telescoping_capacity)
 
 
-class RowRunner:
+class RowRunner(Runner):
     """Args:
         model: a Based or telescoping model.
         settings: the engine's resolved :class:`EngineSettings`.
         capacity: rows that decode at once (at most ``settings.max_num_seqs``).
+        kept: see :class:`yaie.engine.runner.Runner`.
     """
 
-    def __init__(self, model, settings: EngineSettings, capacity: int):
+    def __init__(self, model, settings: EngineSettings, capacity: int, kept: bool = True):
+        super().__init__(kept)
         cfg = model.config
         if not has_rows(cfg):
             raise ValueError("this model keeps its keys and values in the paged KV cache: it runs on a PagedRunner")
@@ -49,17 +52,6 @@ class RowRunner:
         else:
             self.rows = SequenceRows(model, capacity + spare,
                                      lambda: TelescopingKVCache(cfg, cfg.telescoping_capacity, model.device))
-        self.in_use = False
-        self.kept = True         # False: made for one run while the kept one was busy, closed when released
-
-    def acquire(self) -> None:
-        self.in_use = True
-
-    def release(self) -> None:
-        """The run that held this runner ended; a runner that is not kept closes now."""
-        self.in_use = False
-        if not self.kept:
-            self.close()
 
     def new_scheduler(self) -> RowScheduler:
         return RowScheduler(self.capacity, self.rows.move, self.settings.max_num_batched_tokens, self.staging_row)

@@ -35,8 +35,8 @@ class TensorParallelRunner(PagedRunner):
         workers: the other ranks (:class:`yaie.engine.tp_group.WorkerGroup`).
     """
 
-    def __init__(self, model, settings: EngineSettings, workers: WorkerGroup):
-        super().__init__(model, settings)
+    def __init__(self, model, settings: EngineSettings, workers: WorkerGroup, kept: bool = True):
+        super().__init__(model, settings, kept)
         self.workers = workers
         self.runner_id = next(_runner_ids)
         self._sent: dict = {}          # the tables the workers hold: sequence id -> block ids
