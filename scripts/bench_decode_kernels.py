@@ -111,7 +111,7 @@ def bench_decode(device, dtype, time_of, rows, quick):
     cases = [(200, 1024), (1000, 1024), (3000, 4096)] if not quick else [(40, 64)]
     for context, bound in cases:
         lens = torch.tensor([context], device=device, dtype=torch.int32)
-        default = l04.choose_num_splits(1, KV_HEADS, bound, l04._num_sms(q.device))
+        default = l04.choose_num_splits(1, KV_HEADS, bound, l04.num_sms(q.device))
         for splits in ((1, 2, 4, 8, 16) if not quick else (1, 2)):
             for tile in ((64,) if not quick else (16,)):
                 for warps in ((2, 4) if not quick else (1,)):

@@ -80,8 +80,8 @@ from yaie.device import triton_interpreted
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/flashinfer_given.py
 from yaie.kernels.flashinfer_given import (
     LN2, LOG2E, MAX_HEAD_DIM, MIN_CHUNK, NO_MASK, PROGRAMS_PER_SM, SUPPORTED_DTYPES, WORK_FIELDS,
-    _check_causal_lengths, _check_device, _check_indptr, _check_indptr_layout, _check_offset_values, _check_sizes,
-    _check_states, _check_tensor, _is_int, choose_kv_chunk, num_sms,
+    check_causal_lengths, check_device, check_indptr, check_indptr_layout, check_offset_values, check_sizes,
+    check_states, check_tensor, is_int, choose_kv_chunk, num_sms,
 )
 
 
@@ -156,8 +156,8 @@ def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     Raises:
         ValueError: wrong ranks, shapes, dtypes or devices.
     """
-    _check_states(o_a, lse_a, "o_a", "lse_a", 3)
-    _check_states(o_b, lse_b, "o_b", "lse_b", 3)
+    check_states(o_a, lse_a, "o_a", "lse_a", 3)
+    check_states(o_b, lse_b, "o_b", "lse_b", 3)
     if o_a.shape != o_b.shape or o_a.dtype != o_b.dtype or o_a.device != o_b.device:
         raise ValueError(f"o_a and o_b must share shape, dtype and device, got {list(o_a.shape)} {o_a.dtype} "
                          f"{o_a.device} and {list(o_b.shape)} {o_b.dtype} {o_b.device}")
@@ -246,7 +246,7 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torc
     Raises:
         ValueError: wrong ranks, shapes, dtypes or devices.
     """
-    _check_states(o, lse, "o", "lse", 4)
+    check_states(o, lse, "o", "lse", 4)
     n, num_states, heads, head_dim = o.shape
     out = torch.empty((n, heads, head_dim), device=o.device, dtype=o.dtype)
     merged = torch.empty((n, heads), device=o.device, dtype=torch.float32)
@@ -593,12 +593,12 @@ def _tile_config(group: int, head_dim: int, override: dict | None = None) -> dic
         raise ValueError(f"config order must be 'auto', 'longest' or 'interleave', got {config['order']!r}")
     for key in ("NARROW_M", "WIDE_M", "BLOCK_N", "WIDE_N"):
         value = config[key]
-        if not _is_int(value) or value < 16 or value & (value - 1):
+        if not is_int(value) or value < 16 or value & (value - 1):
             raise ValueError(f"config {key} must be a power of two >= 16 (tl.dot's smallest tile), got {value!r}")
     if config["NARROW_M"] < group:
         raise ValueError(f"config NARROW_M ({config['NARROW_M']}) must hold a decode's {group} query heads")
     for key in ("num_warps", "num_stages"):
-        if not _is_int(config[key]) or config[key] < 1:
+        if not is_int(config[key]) or config[key] < 1:
             raise ValueError(f"config {key} must be an int >= 1, got {config[key]!r}")
     if not isinstance(config["fuse_merge"], bool):
         raise ValueError(f"config fuse_merge must be True or False, got {config['fuse_merge']!r}")
@@ -810,11 +810,11 @@ def _check_run_inputs(plan: _Plan | None, q, k, v, paged: bool) -> None:
     """Shape/dtype/device checks of run() against the plan: host Python only, no device sync."""
     if plan is None:
         raise ValueError("call plan(...) before run(...)")
-    _check_tensor("q", q, 3, "[total_q, num_heads, head_dim]")
+    check_tensor("q", q, 3, "[total_q, num_heads, head_dim]")
     rank, layout = (4, "[num_blocks, block_size, num_kv_heads, head_dim]") if paged else \
         (3, "[total_kv, num_kv_heads, head_dim]")
-    _check_tensor("k", k, rank, layout)
-    _check_tensor("v", v, rank, layout)
+    check_tensor("k", k, rank, layout)
+    check_tensor("v", v, rank, layout)
     if tuple(q.shape) != (plan.total_q, plan.num_heads, plan.head_dim):
         raise ValueError(f"q must be [total_q, num_heads, head_dim] = {[plan.total_q, plan.num_heads, plan.head_dim]} "
                          f"as planned, got {list(q.shape)}")
@@ -836,7 +836,7 @@ def _check_run_inputs(plan: _Plan | None, q, k, v, paged: bool) -> None:
     if not (q.device == k.device == v.device == plan.work.device):
         raise ValueError(f"q, k, v and the plan must be on one device, got {q.device}, {k.device}, {v.device}, "
                          f"plan on {plan.work.device}")
-    _check_device(q.device)
+    check_device(q.device)
 
 
 # yaie: solution-only
@@ -861,16 +861,16 @@ def _host_copies(tensors: list[torch.Tensor]) -> list[np.ndarray]:
 # yaie: solution-only
 def _check_paged_layout(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, block_size) -> None:
     """The checks of one CSR description of a paged batch that read no values (no device sync)."""
-    _check_indptr_layout("qo_indptr", qo_indptr)
-    _check_indptr_layout("kv_indptr", kv_indptr, qo_indptr.numel())
-    if not _is_int(block_size) or block_size < 1:
+    check_indptr_layout("qo_indptr", qo_indptr)
+    check_indptr_layout("kv_indptr", kv_indptr, qo_indptr.numel())
+    if not is_int(block_size) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     if not isinstance(kv_indices, torch.Tensor) or kv_indices.dtype != torch.int32 or kv_indices.dim() != 1:
         raise ValueError("kv_indices must be a 1-D int32 tensor of page ids")
     if not isinstance(kv_last_page_len, torch.Tensor) or kv_last_page_len.dtype != torch.int32 \
             or tuple(kv_last_page_len.shape) != (qo_indptr.numel() - 1,):
         raise ValueError(f"kv_last_page_len must be int32 [batch = {qo_indptr.numel() - 1}]")
-    _check_device(kv_indices.device)
+    check_device(kv_indices.device)
 
 
 # yaie: solution-only
@@ -878,8 +878,8 @@ def _paged_level(qo, kvp, ids, last, block_size, causal, page_offset=0):
     """Check the values of one CSR description of a paged batch (numpy arrays read by :func:`_host_copies`).
     Returns ((q_lens, kv_lens, first query rows, first entries in kv_indices + page_offset, causal),
     total_q, highest page id + 1)."""
-    _check_offset_values("qo_indptr", qo)
-    _check_offset_values("kv_indptr", kvp)
+    check_offset_values("qo_indptr", qo)
+    check_offset_values("kv_indptr", kvp)
     if ids.size != kvp[-1]:
         raise ValueError(f"kv_indices must hold kv_indptr[-1] = {int(kvp[-1])} page ids, got {ids.size}")
     pages = np.diff(kvp)
@@ -892,7 +892,7 @@ def _paged_level(qo, kvp, ids, last, block_size, causal, page_offset=0):
         raise ValueError(f"kv_indices holds a negative page id ({int(ids.min())})")
     q_lens = np.diff(qo)
     kv_lens = np.where(pages > 0, (pages - 1) * block_size + last, 0)
-    _check_causal_lengths(q_lens, kv_lens, causal)
+    check_causal_lengths(q_lens, kv_lens, causal)
     return (q_lens, kv_lens, qo[:-1], kvp[:-1] + page_offset, causal), int(qo[-1]), \
         (int(ids.max()) + 1 if ids.size else 0)
 
@@ -990,8 +990,8 @@ class FlashInferPagedAttention:
                 outside ``1..block_size`` (or not 0 without pages); bad sizes; ``causal`` with
                 ``q_len > kv_len``; a ``kv_chunk_size`` that is not an int >= 1.
         """
-        _check_sizes(num_heads, num_kv_heads, head_dim, scale)
-        if kv_chunk_size is not None and (not _is_int(kv_chunk_size) or kv_chunk_size < 1):
+        check_sizes(num_heads, num_kv_heads, head_dim, scale)
+        if kv_chunk_size is not None and (not is_int(kv_chunk_size) or kv_chunk_size < 1):
             raise ValueError(f"kv_chunk_size must be None or an int >= 1, got {kv_chunk_size!r}")
         _check_paged_layout(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, block_size)
         values = _host_copies([qo_indptr, kv_indptr, kv_indices, kv_last_page_len])   # one sync at most
@@ -1079,18 +1079,18 @@ class FlashInferAttention:
         Raises:
             ValueError: as :meth:`FlashInferPagedAttention.plan` for the offsets and sizes.
         """
-        _check_indptr_layout("qo_indptr", qo_indptr)
-        _check_indptr_layout("kv_indptr", kv_indptr, qo_indptr.numel())
-        _check_sizes(num_heads, num_kv_heads, head_dim, scale)
-        if kv_chunk_size is not None and (not _is_int(kv_chunk_size) or kv_chunk_size < 1):
+        check_indptr_layout("qo_indptr", qo_indptr)
+        check_indptr_layout("kv_indptr", kv_indptr, qo_indptr.numel())
+        check_sizes(num_heads, num_kv_heads, head_dim, scale)
+        if kv_chunk_size is not None and (not is_int(kv_chunk_size) or kv_chunk_size < 1):
             raise ValueError(f"kv_chunk_size must be None or an int >= 1, got {kv_chunk_size!r}")
         device = torch.device(device) if device is not None else kv_indptr.device
-        _check_device(device)
+        check_device(device)
         qo, kvp = _host_copies([qo_indptr, kv_indptr])
-        _check_offset_values("qo_indptr", qo)
-        _check_offset_values("kv_indptr", kvp)
+        check_offset_values("qo_indptr", qo)
+        check_offset_values("kv_indptr", kvp)
         q_lens, kv_lens = np.diff(qo), np.diff(kvp)
-        _check_causal_lengths(q_lens, kv_lens, causal)
+        check_causal_lengths(q_lens, kv_lens, causal)
         self._plan = _make_plan([(q_lens, kv_lens, qo[:-1], kvp[:-1], causal)], num_heads, num_kv_heads, head_dim,
                                 0, int(qo[-1]), int(kvp[-1]), scale, kv_chunk_size, self.config, device)
 
@@ -1151,7 +1151,7 @@ class CascadeAttention:
                 or not qo_indptr:
             raise ValueError("qo_indptr, kv_indptr, kv_indices and kv_last_page_len must be lists of one "
                              "length (>= 1), one entry per level")
-        _check_sizes(num_heads, num_kv_heads, head_dim, scale)
+        check_sizes(num_heads, num_kv_heads, head_dim, scale)
         for args in zip(*lists):
             _check_paged_layout(*args, block_size)
         values = _host_copies([t for args in zip(*lists) for t in args])    # every level: one sync at most

@@ -36,7 +36,7 @@ import torch
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/kv_cache_given.py
 from yaie.kernels.kv_cache_given import (
     DEFAULT_ALIGNMENT, FreeBlocks, KVCacheBlock, KVCacheManagerGiven, OutOfBlocks, PAGE_BYTES, PoolExhausted,
-    SUPPORTED_DTYPES, _cdiv, _check_count, resolve_device,
+    SUPPORTED_DTYPES, cdiv, check_count, resolve_device,
 )
 
 
@@ -223,15 +223,15 @@ class KVCacheManager(KVCacheManagerGiven):
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu", num_cpu_blocks: int = 0,
                  pool: MemoryPool | None = None, page_bytes: int = PAGE_BYTES):
-        _check_count("num_blocks", num_blocks, 1)
-        _check_count("block_size", block_size, 1)
+        check_count("num_blocks", num_blocks, 1)
+        check_count("block_size", block_size, 1)
         if block_size > 1024:
             raise ValueError(f"block_size must be at most 1024, got {block_size}")
-        _check_count("num_layers", num_layers, 1)
-        _check_count("num_kv_heads", num_kv_heads, 1)
-        _check_count("head_dim", head_dim, 1)
-        _check_count("num_cpu_blocks", num_cpu_blocks, 0)
-        _check_count("page_bytes", page_bytes, 1)
+        check_count("num_layers", num_layers, 1)
+        check_count("num_kv_heads", num_kv_heads, 1)
+        check_count("head_dim", head_dim, 1)
+        check_count("num_cpu_blocks", num_cpu_blocks, 0)
+        check_count("page_bytes", page_bytes, 1)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -242,7 +242,7 @@ class KVCacheManager(KVCacheManagerGiven):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         nbytes = num_blocks * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         if pool is None:
-            per_tensor = _cdiv(nbytes, DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
+            per_tensor = cdiv(nbytes, DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
             pool = MemoryPool(2 * num_layers * per_tensor, self.device)
         elif pool.device != self.device:
             raise ValueError(f"the pool is on {pool.device}, the cache must be on {self.device}")
@@ -289,8 +289,8 @@ class KVCacheManager(KVCacheManagerGiven):
         """
         if seq_id in self._lens:
             raise ValueError(f"sequence {seq_id!r} is already allocated (free it first)")
-        _check_count("num_tokens", num_tokens)
-        needed = _cdiv(num_tokens, self.block_size)
+        check_count("num_tokens", num_tokens)
+        needed = cdiv(num_tokens, self.block_size)
         if needed > len(self._free):
             raise self._out_of_blocks(needed, f"allocate({seq_id!r}, {num_tokens})")
         self._tables[seq_id] = self._take_blocks(needed)
@@ -314,9 +314,9 @@ class KVCacheManager(KVCacheManagerGiven):
             OutOfBlocks: not enough free blocks for the growth plus a copy-on-write (nothing changes).
         """
         self._check_resident(seq_id)
-        _check_count("n", n, 1)
+        check_count("n", n, 1)
         table, length = self._tables[seq_id], self._lens[seq_id]
-        grow = _cdiv(length + n, self.block_size) - len(table)
+        grow = cdiv(length + n, self.block_size) - len(table)
         copy_last = length % self.block_size != 0 and self.blocks[table[-1]].ref_count > 1
         needed = grow + int(copy_last)
         if needed > len(self._free):

@@ -57,7 +57,7 @@ from yaie.device import triton_interpreted
 
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/paged_attention_given.py
 from yaie.kernels.paged_attention_given import (
-    LN2, LOG2E, MAX_HEAD_DIM, MAX_SPLITS, PROGRAMS_PER_SM, SUPPORTED_DTYPES, _num_sms, check_paged_inputs,
+    LN2, LOG2E, MAX_HEAD_DIM, MAX_SPLITS, PROGRAMS_PER_SM, SUPPORTED_DTYPES, num_sms, check_paged_inputs,
     check_paged_values, choose_num_splits,
 )
 
@@ -328,7 +328,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
     block_d = _block_d(head_dim)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)     # contiguous: the kernel relies on it
     use_splits = num_splits > 1
-    settings = _decode_config(block_d, q.element_size(), batch * num_kv_heads * num_splits, _num_sms(q.device))
+    settings = _decode_config(block_d, q.element_size(), batch * num_kv_heads * num_splits, num_sms(q.device))
     settings.update(config or {})
     tile_n = settings["TILE_N"]
     # Whole tiles per split. Plain integer arithmetic: triton.cdiv is a constexpr function, and calling it
@@ -476,6 +476,6 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     span = max_context_len if sliding_window is None else min(max_context_len, sliding_window)
     if num_splits is None:
-        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], span, _num_sms(q.device))
+        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], span, num_sms(q.device))
     return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
                           sliding_window=sliding_window)

@@ -64,8 +64,8 @@ from yaie.ops import lessons     # the switch: lesson 05b's kernel, the student'
 
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/radix_attention_given.py
 from yaie.kernels.radix_attention_given import (
-    PrefixAllocation, PrefixCacheStats, PrefixMatch, RadixAttentionBlockGiven, RadixNode, _check_token_ids,
-    _out_of_blocks_error,
+    PrefixAllocation, PrefixCacheStats, PrefixMatch, RadixAttentionBlockGiven, RadixNode, check_token_ids,
+    out_of_blocks_error,
 )
 
 
@@ -166,7 +166,7 @@ class RadixAttentionBlock(RadixAttentionBlockGiven):
         Raises:
             ValueError: ``tokens`` is not a sequence of non-negative ints.
         """
-        tokens = _check_token_ids(tokens)
+        tokens = check_token_ids(tokens)
         path, matched_tokens = self._walk(tokens)
         now = next(self._clock)
         node, blocks = self.root, []
@@ -199,7 +199,7 @@ class RadixAttentionBlock(RadixAttentionBlockGiven):
             ValueError: bad tokens; wrong number of blocks; block ids not distinct non-negative ints; a
                 block the tree would take that it already owns elsewhere. Nothing changes then.
         """
-        tokens = _check_token_ids(tokens)
+        tokens = check_token_ids(tokens)
         if isinstance(blocks, torch.Tensor):
             blocks = blocks.tolist()
         blocks = list(blocks)
@@ -325,7 +325,7 @@ class RadixAttentionWithPagedKVCache:
                              f"{manager.block_size}")
         self._locks: dict[object, RadixNode] = {}     # seq id -> the node this sequence keeps locked
         self.stats = PrefixCacheStats()
-        self._out_of_blocks = _out_of_blocks_error(manager)
+        self._out_of_blocks = out_of_blocks_error(manager)
 
     def locked_node(self, seq_id) -> RadixNode | None:
         """The node a sequence keeps locked (``None`` if it holds no lock)."""
@@ -351,7 +351,7 @@ class RadixAttentionWithPagedKVCache:
         Raises:
             ValueError: ``tokens`` empty or not a sequence of non-negative ints.
         """
-        tokens = _check_token_ids(tokens)
+        tokens = check_token_ids(tokens)
         if not tokens:
             raise ValueError("tokens must not be empty")
         return self.tree._walk(tokens[:-1])[1]
@@ -401,7 +401,7 @@ class RadixAttentionWithPagedKVCache:
             OutOfBlocks (the manager's): not enough blocks even after evicting; the sequence is not
                 created, the lock is released (evictions already done stay done).
         """
-        tokens = _check_token_ids(tokens)
+        tokens = check_token_ids(tokens)
         if not tokens:
             raise ValueError("tokens must not be empty")
         if self.manager.has_seq(seq_id):
@@ -454,7 +454,7 @@ class RadixAttentionWithPagedKVCache:
         Raises:
             ValueError: unknown or swapped-out sequence; fewer ``tokens`` than the sequence holds; bad tokens.
         """
-        tokens = _check_token_ids(tokens)
+        tokens = check_token_ids(tokens)
         computed = self.manager.num_tokens(seq_id)
         table = self.manager.block_ids(seq_id)            # ValueError if unknown or swapped out
         if len(tokens) < computed:

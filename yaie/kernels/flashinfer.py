@@ -84,8 +84,8 @@ from yaie.device import triton_interpreted
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/flashinfer_given.py
 from yaie.kernels.flashinfer_given import (
     LN2, LOG2E, MAX_HEAD_DIM, MIN_CHUNK, NO_MASK, PROGRAMS_PER_SM, SUPPORTED_DTYPES, WORK_FIELDS,
-    _check_causal_lengths, _check_device, _check_indptr, _check_indptr_layout, _check_offset_values, _check_sizes,
-    _check_states, _check_tensor, _is_int, choose_kv_chunk, num_sms,
+    check_causal_lengths, check_device, check_indptr, check_indptr_layout, check_offset_values, check_sizes,
+    check_states, check_tensor, is_int, choose_kv_chunk, num_sms,
 )
 
 

@@ -6,7 +6,7 @@ before), and the graders rely on them as they are.
 * constants: ``LOG2E``, ``LN2`` (for ``exp2`` / ``log2``), the dtypes and head sizes the kernels take, the
   split-KV heuristic's ``PROGRAMS_PER_SM`` and ``MIN_CHUNK``, ``WORK_FIELDS`` (int32 numbers per work item),
   ``NO_MASK`` (the position of a query that sees every key);
-* the input checks the tasks call (``_check_indptr``, ``_check_sizes``, ``_check_states``, ...): they read
+* the input checks the tasks call (``check_indptr``, ``check_sizes``, ``check_states``, ...): they read
   no values unless their docstring says so;
 * the split-KV heuristic: :func:`num_sms` and :func:`choose_kv_chunk`.
 """
@@ -34,11 +34,11 @@ NO_MASK = 1 << 30            # the "position" of a query that sees every key (no
 
 # ---------------------------------------------------------------- input checks (given)
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_indptr_layout(name: str, t, length: int | None = None) -> None:
+def check_indptr_layout(name: str, t, length: int | None = None) -> None:
     """A 1-D int32 offsets tensor of ``length`` (if given) >= 2 entries: checks that read no values."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
         raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1] of offsets, got "
@@ -49,7 +49,7 @@ def _check_indptr_layout(name: str, t, length: int | None = None) -> None:
         raise ValueError(f"{name} must have {length} entries (batch + 1), got {t.numel()}")
 
 
-def _check_offset_values(name: str, values: np.ndarray) -> None:
+def check_offset_values(name: str, values: np.ndarray) -> None:
     """Offsets read on the host (a numpy array) must start at 0 and never decrease."""
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {int(values[0])}")
@@ -57,17 +57,17 @@ def _check_offset_values(name: str, values: np.ndarray) -> None:
         raise ValueError(f"{name} must not decrease, got {values.tolist()}")
 
 
-def _check_indptr(name: str, t, length: int | None = None) -> list[int]:
+def check_indptr(name: str, t, length: int | None = None) -> list[int]:
     """A 1-D int32 offsets tensor starting at 0 and never decreasing; returns it as a list (one copy)."""
-    _check_indptr_layout(name, t, length)
+    check_indptr_layout(name, t, length)
     values = t.tolist()
-    _check_offset_values(name, np.asarray(values))
+    check_offset_values(name, np.asarray(values))
     return values
 
 
-def _check_sizes(num_heads, num_kv_heads, head_dim, scale) -> None:
+def check_sizes(num_heads, num_kv_heads, head_dim, scale) -> None:
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -77,7 +77,7 @@ def _check_sizes(num_heads, num_kv_heads, head_dim, scale) -> None:
         raise ValueError(f"scale must be None or a positive finite number, got {scale!r}")
 
 
-def _check_causal_lengths(q_lens, kv_lens, causal) -> None:
+def check_causal_lengths(q_lens, kv_lens, causal) -> None:
     """Under ``causal`` every request needs ``q_len <= kv_len`` (lists or numpy arrays of lengths)."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
@@ -90,7 +90,7 @@ def _check_causal_lengths(q_lens, kv_lens, causal) -> None:
                          f"the queries are the last q_len tokens of the keys, so q_len <= kv_len")
 
 
-def _check_tensor(name: str, t, rank: int, layout: str) -> None:
+def check_tensor(name: str, t, rank: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != rank:
@@ -99,7 +99,7 @@ def _check_tensor(name: str, t, rank: int, layout: str) -> None:
         raise ValueError(f"{name} must have a contiguous last (head_dim) axis")
 
 
-def _check_device(device: torch.device) -> None:
+def check_device(device: torch.device) -> None:
     if device.type == "cpu" and not triton_interpreted():
         raise ValueError("CPU tensors need the Triton interpreter: call yaie.device.prepare_triton() before "
                          "importing triton (or set TRITON_INTERPRET=1)")
@@ -107,8 +107,8 @@ def _check_device(device: torch.device) -> None:
         raise ValueError(f"tensors must be on a CUDA GPU or the CPU, got {device}")
 
 
-def _check_states(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name: str, o_rank: int) -> None:
-    _check_tensor(o_name, o, o_rank, "attention outputs")
+def check_states(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name: str, o_rank: int) -> None:
+    check_tensor(o_name, o, o_rank, "attention outputs")
     if o.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{o_name} must be float16, bfloat16 or float32, got {o.dtype}")
     if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32:
@@ -121,7 +121,7 @@ def _check_states(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name: str
         raise ValueError(f"{o_name} and {lse_name} must be on one device, got {o.device} and {lse.device}")
     if o.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {o.shape[-1]}")
-    _check_device(o.device)
+    check_device(o.device)
 
 
 @functools.lru_cache(maxsize=None)

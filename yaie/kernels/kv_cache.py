@@ -40,7 +40,7 @@ import torch
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/kv_cache_given.py
 from yaie.kernels.kv_cache_given import (
     DEFAULT_ALIGNMENT, FreeBlocks, KVCacheBlock, KVCacheManagerGiven, OutOfBlocks, PAGE_BYTES, PoolExhausted,
-    SUPPORTED_DTYPES, _cdiv, _check_count, resolve_device,
+    SUPPORTED_DTYPES, cdiv, check_count, resolve_device,
 )
 
 
@@ -179,15 +179,15 @@ class KVCacheManager(KVCacheManagerGiven):
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu", num_cpu_blocks: int = 0,
                  pool: MemoryPool | None = None, page_bytes: int = PAGE_BYTES):
-        _check_count("num_blocks", num_blocks, 1)
-        _check_count("block_size", block_size, 1)
+        check_count("num_blocks", num_blocks, 1)
+        check_count("block_size", block_size, 1)
         if block_size > 1024:
             raise ValueError(f"block_size must be at most 1024, got {block_size}")
-        _check_count("num_layers", num_layers, 1)
-        _check_count("num_kv_heads", num_kv_heads, 1)
-        _check_count("head_dim", head_dim, 1)
-        _check_count("num_cpu_blocks", num_cpu_blocks, 0)
-        _check_count("page_bytes", page_bytes, 1)
+        check_count("num_layers", num_layers, 1)
+        check_count("num_kv_heads", num_kv_heads, 1)
+        check_count("head_dim", head_dim, 1)
+        check_count("num_cpu_blocks", num_cpu_blocks, 0)
+        check_count("page_bytes", page_bytes, 1)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -198,7 +198,7 @@ class KVCacheManager(KVCacheManagerGiven):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         nbytes = num_blocks * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         if pool is None:
-            per_tensor = _cdiv(nbytes, DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
+            per_tensor = cdiv(nbytes, DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
             pool = MemoryPool(2 * num_layers * per_tensor, self.device)
         elif pool.device != self.device:
             raise ValueError(f"the pool is on {pool.device}, the cache must be on {self.device}")

@@ -56,7 +56,7 @@ class KVCacheBlock:
         return self.ref_count == 0
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -80,7 +80,7 @@ class FreeBlocks:
 
     def __init__(self, num_blocks: int, blocks_per_page: int):
         self.blocks_per_page = max(1, blocks_per_page)
-        pages = _cdiv(num_blocks, self.blocks_per_page)
+        pages = cdiv(num_blocks, self.blocks_per_page)
         # Per page, a stack of its free ids (lowest id on top, so a fresh cache fills in order).
         self._stacks = [list(range(min(num_blocks, (p + 1) * self.blocks_per_page) - 1, p * self.blocks_per_page - 1, -1))
                         for p in range(pages)]
@@ -122,7 +122,7 @@ class FreeBlocks:
         self._count += 1
 
 
-def _check_count(name: str, value, minimum: int = 0) -> int:
+def check_count(name: str, value, minimum: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
@@ -149,7 +149,7 @@ class KVCacheManagerGiven:
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a new sequence of ``num_tokens`` tokens fits in the free device blocks now."""
-        return _cdiv(_check_count("num_tokens", num_tokens), self.block_size) <= len(self._free)
+        return cdiv(check_count("num_tokens", num_tokens), self.block_size) <= len(self._free)
 
     def has_seq(self, seq_id) -> bool:
         return seq_id in self._lens

@@ -61,7 +61,7 @@ from yaie.device import triton_interpreted
 
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/paged_attention_given.py
 from yaie.kernels.paged_attention_given import (
-    LN2, LOG2E, MAX_HEAD_DIM, MAX_SPLITS, PROGRAMS_PER_SM, SUPPORTED_DTYPES, _num_sms, check_paged_inputs,
+    LN2, LOG2E, MAX_HEAD_DIM, MAX_SPLITS, PROGRAMS_PER_SM, SUPPORTED_DTYPES, num_sms, check_paged_inputs,
     check_paged_values, choose_num_splits,
 )
 

@@ -7,7 +7,7 @@ works as before), and the graders and the engine rely on them as they are.
   ``MAX_SPLITS`` and ``PROGRAMS_PER_SM`` of the split-K heuristic;
 * the validators the tasks call: :func:`check_paged_inputs` (ranks, shapes, dtypes, devices; no device
   sync) and :func:`check_paged_values` (context lengths and block ids; one copy to the host);
-* the split-K heuristic: :func:`choose_num_splits` (and ``_num_sms``, the device's multiprocessors).
+* the split-K heuristic: :func:`choose_num_splits` (and ``num_sms``, the device's multiprocessors).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     """Multiprocessors of the device the kernel runs on; 8 for the CPU interpreter (any small number)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 8
@@ -147,7 +147,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     multiprocessor than fits in a wave costs up to 20%.
     """
     if num_sms is None:
-        num_sms = _num_sms(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        num_sms = num_sms(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     programs = max(1, batch * num_kv_heads)
     wanted = max(1, PROGRAMS_PER_SM * num_sms // programs)
     longest = max(1, max_context_len // min_tokens_per_split)

@@ -68,8 +68,8 @@ from yaie.ops import lessons     # the switch: lesson 05b's kernel, the student'
 
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/radix_attention_given.py
 from yaie.kernels.radix_attention_given import (
-    PrefixAllocation, PrefixCacheStats, PrefixMatch, RadixAttentionBlockGiven, RadixNode, _check_token_ids,
-    _out_of_blocks_error,
+    PrefixAllocation, PrefixCacheStats, PrefixMatch, RadixAttentionBlockGiven, RadixNode, check_token_ids,
+    out_of_blocks_error,
 )
 
 
@@ -230,7 +230,7 @@ class RadixAttentionWithPagedKVCache:
                              f"{manager.block_size}")
         self._locks: dict[object, RadixNode] = {}     # seq id -> the node this sequence keeps locked
         self.stats = PrefixCacheStats()
-        self._out_of_blocks = _out_of_blocks_error(manager)
+        self._out_of_blocks = out_of_blocks_error(manager)
 
     def locked_node(self, seq_id) -> RadixNode | None:
         """The node a sequence keeps locked (``None`` if it holds no lock)."""

@@ -7,7 +7,7 @@ Read it, do not edit it: the exercise module imports these names (``radix_attent
   match found), and :class:`RadixAttentionBlockGiven`, the given queries ``RadixAttentionBlock`` inherits;
 * the prefix cache's records: :class:`PrefixCacheStats` (hit statistics) and :class:`PrefixAllocation`
   (what allocating a new sequence did);
-* small helpers: ``_check_token_ids`` (token ids as a list, checked), ``_out_of_blocks_error`` (the
+* small helpers: ``check_token_ids`` (token ids as a list, checked), ``out_of_blocks_error`` (the
   manager's own ``OutOfBlocks`` class).
 """
 
@@ -68,7 +68,7 @@ class PrefixMatch:
     node: RadixNode
 
 
-def _check_token_ids(token_ids, what: str = "tokens") -> list[int]:
+def check_token_ids(token_ids, what: str = "tokens") -> list[int]:
     """A list of non-negative int token ids (a 1-D integer tensor is accepted too)."""
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
@@ -169,7 +169,7 @@ class PrefixAllocation:
     slot_mapping: torch.Tensor
 
 
-def _out_of_blocks_error(manager) -> type:
+def out_of_blocks_error(manager) -> type:
     """The ``OutOfBlocks`` class of the manager's own module (the student's or the reference)."""
     import importlib
     return getattr(importlib.import_module(type(manager).__module__), "OutOfBlocks", RuntimeError)
