@@ -1,17 +1,20 @@
 """Every part in order: in the copy students get, with the parts up to and including one notebook written (here:
-the reference's modules copied in as the student's code), that notebook's grader command passes. Parts are the
-notebooks: 01, 02, 03, 04, 05a, 05b, 05c, 06, 07, 08. A check that needs a later part fails here.
+the reference's modules copied in as the student's code), that notebook's grader command passes with full marks.
+Parts are the notebooks: 01, 02, 03, 04, 05a, 05b, 05c, 06, 07, 08. A check that needs a later part fails here.
 
-Each part runs only its own tasks, so the whole walk costs about one pass of every grader over the reference.
+Each part runs only its own tasks, so the walk is one pass of every grader over the reference: it is also the
+course's proof that the reference passes every grader (``tests/test_graders.py`` proves the stubs fail them).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import check_results_schema
 from tests.test_student_copy import ROOT, copy, run_in  # noqa: F401 (copy is a fixture)
 
 # (part, modules the notebook has the student write, its grader command's arguments)
@@ -37,12 +40,17 @@ def course(copy, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(PARTS)), ids=[part for part, _, _ in PARTS])
-def test_a_notebooks_grader_passes_with_the_parts_up_to_it_written(course, index):
+def test_a_notebooks_grader_passes_with_the_parts_up_to_it_written(course, index, tmp_path):
     for _, modules, _ in PARTS[:index + 1]:          # every part up to this one (written again: idempotent)
         for module in modules:
             shutil.copy(ROOT / "solutions" / "kernels" / f"{module}.py", course / "yaie" / "kernels" / f"{module}.py")
     part, _, command = PARTS[index]
-    graded = run_in(course, "pytest", *command, "-q", "-p", "no:cacheprovider", timeout=600)
+    results = tmp_path / "results.json"
+    graded = run_in(course, "pytest", *command, "-q", "-p", "no:cacheprovider", "--results-json", str(results),
+                    timeout=600)
     assert graded.returncode == 0, (f"part {part}: `pytest {' '.join(command)}` fails with the parts up to {part} "
                                     f"written:\n{graded.stdout[-4000:]}\n{graded.stderr[-2000:]}")
     assert "not implemented" not in graded.stdout.split("YAIE grade")[-1], graded.stdout[-3000:]
+    data = json.loads(results.read_text())
+    check_results_schema(data)
+    assert data["score"] == data["max_score"] > 0, f"part {part}: {data['score']} of {data['max_score']}"
