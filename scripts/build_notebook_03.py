@@ -274,7 +274,7 @@ md(r"""
 1. Implement tasks 1-4 in `yaie/kernels/kv_cache.py`, in order. Run `pytest grader/lesson03 -k task1` after each.
 2. `append_slots` on a shared last block that is **full** needs no copy. Why? What does a beam search of width
    4 over a 1000-token prompt cost in blocks right after `fork`, and after each beam adds one token?
-3. The free list (`FreeBlocks`, given) hands a sequence its next block from the 2 MiB page of its last block
+3. The free list (`FreeBlocks`, given in `yaie/kernels/kv_cache_given.py`) hands a sequence its next block from the 2 MiB page of its last block
    when it can, and otherwise from the page with the most free blocks; within a page, the most recently freed
    block goes first. Pass `near=table[-1]` to `_take_blocks` in your `append_slots`. Why does a plain stack of
    ids scatter a batch that decodes in lockstep over hundreds of pages per sequence, and why does the decode

@@ -193,7 +193,7 @@ by separate programs. Split `i` produces its normalised output `o_i` and the log
 $$\text{out} = \sum_i e^{\,lse_i - lse}\, o_i, \qquad lse = \log \sum_i e^{\,lse_i}.$$
 
 (Subtract `max_i lse_i` before `exp` so nothing overflows; a split with no keys has `lse_i = -inf` and weighs 0.)
-`choose_num_splits` (given) picks about 2 programs per multiprocessor (one wave of them), a power of two, at
+`choose_num_splits` (given, in `yaie/kernels/paged_attention_given.py`) picks about 2 programs per multiprocessor (one wave of them), a power of two, at
 least 512 tokens per split. Move the sliders: the picture shows how one sequence's tokens are shared out, and the check runs your
 split path against float64.
 """)

@@ -248,7 +248,7 @@ sliding window too: a few more fixed KB.)
 """)
 
 code(r"""
-from yaie.kernels.based import state_bytes   # given code (the same in the reference)
+from yaie.kernels.based import state_bytes   # given code (yaie/kernels/based_given.py)
 
 heads, head_dim = 16, 64
 tokens = np.array([256, 1024, 4096, 16384, 65536])
