@@ -239,12 +239,17 @@ def test_the_async_engine_serves_them_through_rows(kind, reference, reference_le
         engine.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["based", "telescoping"])
+@pytest.mark.parametrize("kind", ["based", "telescoping", "based-graph-buffers"])
 def test_long_prompts_are_prefilled_in_chunks_beside_running_decodes(kind, reference, reference_lessons):
     """With a budget of 8 tokens a step, prompts longer than that grow chunk by chunk in the staging row while
     the running rows keep decoding (steps that decode and feed a partial chunk), then move down to a running
-    row; every request gets ``LLM.generate``'s tokens (whole prompts, one step each)."""
-    llm = LLM(BASED if kind == "based" else TELESCOPING, device="cpu", max_num_seqs=ROWS, max_num_batched_tokens=8)
+    row; every request gets ``LLM.generate``'s tokens (whole prompts, one step each). ``based-graph-buffers``:
+    the decode steps of CUDA graphs' bucket-padded buffers (run eagerly), whose padding never reaches the
+    staging row."""
+    graphs = dict(cuda_graphs=True, graph_capture=False) if kind.endswith("graph-buffers") else {}
+    kind = kind.split("-")[0]
+    llm = LLM(BASED if kind == "based" else TELESCOPING, device="cpu", max_num_seqs=ROWS, max_num_batched_tokens=8,
+              **graphs)
     prompts = ["Sam ran", PROMPTS[2] + " She saw a big red ball.", PROMPTS[4] + " under the old tree."]
     params = [greedy(30), greedy(10), greedy(8)]
     want = generate(reference[kind], prompts, params)
