@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from yaie import ops, switch
+from yaie import ops
 
 _CLASS = "RadixAttentionWithPagedKVCache"
 
@@ -47,9 +47,7 @@ def make_prefix_cache(manager):
     auto mode takes an unfinished one from the reference), or None (prefix caching off, with a notice) when
     lesson 05 is unfinished in strict mode or in a copy without the reference; None, silently, when lesson
     05 is not in this copy at all."""
-    try:
-        ops.lesson_module(5, 0)
-    except switch.LessonUnavailable:
+    if not ops.lessons.lesson_available(5, 0):
         return None
 
     def build(cache_class):

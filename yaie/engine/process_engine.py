@@ -11,6 +11,7 @@ routes events to their groups and speaks HTTP.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import signal
 import sys
@@ -29,9 +30,9 @@ from yaie.model.config import load_config
 from yaie.model.tokenizer import Tokenizer
 
 
-STAT_FIELDS = ("running", "waiting", "swapped", "blocks_total", "blocks_used", "steps", "prefill_steps",
-               "prompt_tokens", "generation_tokens", "requests_finished", "requests_aborted", "requests_failed",
-               "preemptions")
+# The counters the child sends the server: every field of EngineStats but the rate window, which the
+# server keeps itself (from the events it routes).
+STAT_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats) if f.name != "recent")
 
 
 class ProcessEngine:

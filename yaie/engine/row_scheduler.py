@@ -21,19 +21,10 @@ from __future__ import annotations
 
 import operator
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 from yaie.engine.request import Request, StepPlan
-
-
-@dataclass
-class RowStats:
-    """Counters the metrics read. Rows are never preempted."""
-    steps: int = 0
-    max_running: int = 0
-    preempted_by_recompute: int = 0
-    preempted_by_swap: int = 0
+from yaie.engine.scheduler import SchedulerStats
 
 
 class RowScheduler:
@@ -60,7 +51,7 @@ class RowScheduler:
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.staged: Request | None = None       # the prompt growing in the staging row
-        self.stats = RowStats()
+        self.stats = SchedulerStats()     # the paged scheduler's counters: rows are never preempted
 
     # ------------------------------------------------------------------ what the metrics read
     @property

@@ -42,7 +42,8 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An int, not a bool."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -83,23 +84,23 @@ class SamplingParams:
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+                is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
-        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+        if self.seed is not None and not (is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and self.seed + self.n - 1 > SEED_RANGE[1]:
             raise ValueError(f"seed + n - 1 must be at most 2**64 - 1 (completion i samples with seed + i), got "
                              f"seed {self.seed} and n {self.n}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:       # NaN fails the comparison too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = no limit), got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")

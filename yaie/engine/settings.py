@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from yaie import ops
+from yaie.engine.sampling import is_int
 from yaie.model.sharding import check_tensor_parallel
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -61,22 +62,22 @@ class EngineSettings:
     tensor_parallel_timeout_s: float = 120.0
 
     def __post_init__(self):
-        if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
+        if self.cpu_threads is not None and (not is_int(self.cpu_threads) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be an int >= 1, got {self.cpu_threads!r}")
-        if not _is_int(self.block_size) or not 1 <= self.block_size <= 1024:
+        if not is_int(self.block_size) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an int in 1..1024, got {self.block_size!r}")
-        if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 1):
+        if self.num_blocks is not None and (not is_int(self.num_blocks) or self.num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
-        if self.num_cpu_blocks is not None and (not _is_int(self.num_cpu_blocks) or self.num_cpu_blocks < 0):
+        if self.num_cpu_blocks is not None and (not is_int(self.num_cpu_blocks) or self.num_cpu_blocks < 0):
             raise ValueError(f"num_cpu_blocks must be an int >= 0, got {self.num_cpu_blocks!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.chunked_prefill, self.prefix_caching = bool(self.chunked_prefill), bool(self.prefix_caching)
-        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+        if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         timeout = self.tensor_parallel_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
@@ -127,7 +128,3 @@ class EngineSettings:
                 self.num_cpu_blocks = self.num_blocks
             else:
                 self.num_cpu_blocks = min(self.num_blocks, DEFAULT_SWAP_BYTES // block_bytes)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

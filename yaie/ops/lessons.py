@@ -201,17 +201,10 @@ def describe() -> str:
 
 
 def ran() -> str:
-    """Which lessons ran, for a run summary: ``"lessons run: 01, 03, 05 (yours: 01, 03; the reference: 05)"``."""
+    """The lessons whose code ran so far, for a run summary (whose code it was, :func:`describe` says):
+    ``"lessons run: 01, 03, 05"``."""
     lessons = sorted({lesson for lesson, _, _ in _ran})
-    if not lessons:
-        return "no lesson ran yet"
-    strict = set() if auto_mode() else switch.parse_spec(os.environ.get(switch.ENV_VAR))
-    reference = sorted({lesson for lesson, which, name in _ran if lesson in strict or (lesson, which, name) in _fallbacks})
-    yours = [n for n in lessons if n not in reference]
-    label = ", ".join(f"{n:02d}" for n in lessons)
-    parts = [f"yours: {', '.join(f'{n:02d}' for n in yours)}"] if yours else []
-    parts += [f"the reference: {', '.join(f'{n:02d}' for n in reference)}"] if reference else []
-    return f"lessons run: {label} ({'; '.join(parts)})"
+    return "lessons run: " + (", ".join(f"{n:02d}" for n in lessons) if lessons else "none yet")
 
 
 def reset_auto_fallback() -> None:
