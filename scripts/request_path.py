@@ -75,7 +75,6 @@ PATH = [
     ("yaie/ops/lessons.py", "run_with_fallback", "a stub falls back in auto mode"),
     ("yaie/ops/layers.py", "silu_and_mul_linear", "the MLP's gate and down product"),
     ("yaie/ops/layers.py", "silu_and_mul", "SwiGLU's gate"),
-    ("yaie/model/paged.py", "PagedStep.last_token_rows", "each sequence's last row"),
     ("yaie/model/llama.py", "LlamaModel.logits", "the LM head"),
     ("yaie/engine/sampling.py", "pick_tokens", "argmax for a greedy row"),
     ("yaie/engine/launched_step.py", "LaunchedStep.__init__", "the launched step"),

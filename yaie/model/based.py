@@ -25,9 +25,6 @@ import torch.nn.functional as F
 from yaie.model import base_conv
 from yaie.model.llama import LayerWeights, LlamaModel
 
-LESSON = 8
-
-
 class BasedModel(LlamaModel):
     """A Llama decoder whose ``config.based_layers`` run Based linear attention (see the module docstring)."""
 

@@ -56,10 +56,6 @@ class LayerWeights:
     conv: object = None            # a Based checkpoint's BaseConv layer: its weights (yaie.model.base_conv)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)  # x @ weight.T (+ bias), without materialising the transpose
-
-
 def _cat(*tensors):
     return None if tensors[0] is None else torch.cat(tensors, dim=0)
 
@@ -149,11 +145,10 @@ class LlamaModel:
         already reserved) or a :class:`yaie.model.contiguous_cache.ContiguousKVCache` of one sequence whose
         ``positions`` continue it. The tokens' keys and values are stored in the cache.
         """
-        cfg, eps = self.config, self.config.rms_norm_eps
+        eps = self.config.rms_norm_eps
         # Each norm goes with the product after it (ops.add_rms_norm_linear: one kernel for a batch-1 decode
         # step on CUDA, the two ops otherwise); a subclass with its own attention block gets the normalised h.
         fuse_qkv = type(self)._attention_block is LlamaModel._attention_block
-        # F.embedding: one index_select kernel.
         x = self.embed_tokens(token_ids)
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         residual = x
