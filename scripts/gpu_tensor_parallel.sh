@@ -1,29 +1,60 @@
 #!/usr/bin/env bash
 # Tensor parallelism on a lent 2-GPU machine, in one call (everything it writes lands in $OUT):
 #   OUT=out YAIE_GIT_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_tensor_parallel.sh
-# 1. check: a random small Llama in bf16, greedy ids over 2 GPUs against 1, with and without CUDA graphs
-#                                                                                  -> $OUT/tp_check.json
-# 2. speed: the Llama-3-8B shape (random, bf16; written once to /tmp), decode tokens/s at batch 1 and 64 over
-#    1 GPU, then 2 GPUs (each in a process of its own)                             -> $OUT/tp_speed_{1,2}.json
-# 3. collectives: one decode step's all-reduces and logits all-gather alone, in a CUDA graph, 2 GPUs
-#                                                                                  -> $OUT/tp_collectives.json
-# 4. report                                                          -> $OUT/tensor_parallel_<gpu>.{json,md}
+# Stages, in this order, each a process of its own (python -m yaie.bench.tensor_parallel ...):
+#   collectives        a decode step's all-reduces + logits all-gather alone, in a CUDA graph, 2 GPUs, by path;
+#                      one-shot sums against NCCL's                               -> $OUT/tp_collectives.json
+#   speed, 1 GPU       the Llama-3-8B shape (random, bf16; written once to /tmp): decode tokens/s, batch 1 and 64
+#   speed, 2 GPUs      the same over 2 GPUs: the engine's all-reduce (one-shot where it works), then NCCL alone
+#                      (YAIE_TP_ALL_REDUCE=nccl), then none (=skip: a step without its all-reduces, wrong output)
+#                                                                                 -> $OUT/tp_speed.json
+#   check              a random small Llama in bf16, greedy ids: 1 GPU with and without CUDA graphs and
+#                      transformers (bf16, float32), then 2 GPUs with and without -> $OUT/tp_check.json
+#   report                                                         -> $OUT/tensor_parallel_<gpu>.{json,md}
+# Each stage runs under its own time limit, in a process group of its own that is killed at the limit (its
+# worker processes with it), and never past the whole script's budget (BUDGET_S, default 400 s): a stage that
+# hangs costs its limit, the others still run. Each stage writes what it measured as soon as it has it, and
+# the log ($OUT/tensor_parallel_log.txt) is written line by line; `report` can be run again anywhere on $OUT.
 # NVLink multicast stays off (the lent machines' rule): NCCL_NVLS_ENABLE=0 and the rest, set again here.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTIONS=all
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 : "${OUT:?set OUT to the output folder}"
-run() { local limit=$1; shift; timeout "$limit" python3 -m yaie.bench.tensor_parallel "$@" --out "$OUT"; echo "== rc $?"; }
+BUDGET_S=${BUDGET_S:-400}
+TP="python3 -m yaie.bench.tensor_parallel"
+
+stage() {   # stage NAME LIMIT_S COMMAND...: run it in a process group of its own, killed at the limit
+  local name=$1 limit=$2 left=$((BUDGET_S - SECONDS - 5)); shift 2
+  if (( left < 15 )); then echo "== $name: skipped, ${left} s of the budget left"; return; fi
+  (( limit > left )) && limit=$left
+  echo "== $name (limit ${limit} s) $(date -u +%T)"
+  setsid "$@" &
+  local pid=$!
+  ( sleep "$limit" >/dev/null 2>&1; echo "== $name: ${limit} s limit reached, killing it"
+    kill -TERM -- -"$pid" 2>/dev/null; sleep 3 >/dev/null 2>&1; kill -KILL -- -"$pid" 2>/dev/null ) &
+  local watchdog=$!
+  wait "$pid"; local rc=$?
+  kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
+  kill -KILL -- -"$pid" 2>/dev/null          # whatever the stage left (its workers)
+  echo "== $name: rc $rc $(date -u +%T)"
+}
+
+mkdir -p "$OUT"
 {
-  echo "== $(date -u +%FT%TZ) commit ${YAIE_GIT_COMMIT:-unknown}"
+  echo "== $(date -u +%FT%TZ) commit ${YAIE_GIT_COMMIT:-unknown}, budget ${BUDGET_S} s"
+  echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m | head -4
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'nccl', torch.cuda.nccl.version())"
-  echo "== check"; run 150 check
-  echo "== speed, 1 GPU"; run 210 speed --tp 1
-  echo "== speed, 2 GPUs"; run 150 speed --tp 2
-  echo "== collectives"; run 60 collectives
-  run 30 report
-  cat "$OUT"/tensor_parallel_*.md
-  echo "== done $(date -u +%FT%TZ)"
-} 2>&1 | grep -v "Loading weights\|Writing model shards" | tee "$OUT/tensor_parallel_log.txt"
+  stage collectives 60 $TP collectives --out "$OUT"
+  stage "speed, 1 GPU" 150 $TP speed --tp 1 --out "$OUT"
+  stage "speed, 2 GPUs, the engine's all-reduce" 80 $TP speed --tp 2 --out "$OUT"
+  stage "check, 1 GPU and transformers" 80 $TP check --tp 1 --out "$OUT"
+  stage "check, 2 GPUs" 60 $TP check --tp 2 --out "$OUT"
+  stage "speed, 2 GPUs, NCCL" 80 env YAIE_TP_ALL_REDUCE=nccl $TP speed --tp 2 --out "$OUT"
+  stage "speed, 2 GPUs, no all-reduce" 80 env YAIE_TP_ALL_REDUCE=skip $TP speed --tp 2 --out "$OUT"
+  stage "check, 2 GPUs, eager" 50 $TP check --tp 2 --eager --out "$OUT"
+  stage report 20 $TP report --out "$OUT"
+  cat "$OUT"/tensor_parallel_*.md 2>/dev/null
+  echo "== done $(date -u +%FT%TZ), ${SECONDS} s"
+} 2>&1 | grep --line-buffered -v "Loading weights\|Writing model shards" | tee "$OUT/tensor_parallel_log.txt"

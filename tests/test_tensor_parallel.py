@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from yaie.engine import LLM, SamplingParams
+from yaie.model import parallel
 from yaie.model.config import load_config
 from yaie.model.loader import load_weights
 from yaie.model.sharding import load_shard, shard
@@ -40,6 +41,19 @@ def odd_vocab_dir(tmp_path_factory):
 def prompts(vocab: int) -> list[list[int]]:
     shared = [1] + [(7 * i) % (vocab - 3) + 3 for i in range(40)]   # 40 tokens shared: prefix-cache hits
     return [[1, 5, 9, 33, 12], shared + [4, 5], shared + [6], [1] + list(range(3, 60))]
+
+
+@pytest.fixture
+def block_copies(monkeypatch):
+    """Every block copy lesson 03's reference cache makes in this process (rank 0's), as a list of pair lists."""
+    from solutions.kernels.kv_cache import KVCacheManager
+    made, copy_blocks = [], KVCacheManager.copy_blocks
+
+    def recorded(self, pairs):
+        made.append(list(pairs))
+        copy_blocks(self, pairs)
+    monkeypatch.setattr(KVCacheManager, "copy_blocks", recorded)
+    return made
 
 
 def ids(llm: LLM, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -84,7 +98,7 @@ def test_the_shards_of_every_weight_make_up_the_whole(model_dir, odd_vocab_dir):
                 assert pieces[0].shape[0] == pieces[1].shape[0], name
 
 
-def test_two_ranks_give_one_ranks_greedy_ids_and_transformers(model_dir, reference_lessons):
+def test_two_ranks_give_one_ranks_greedy_ids_and_transformers(model_dir, reference_lessons, block_copies):
     path, hf = model_dir
     batch = prompts(96)
     single = LLM(path, device="cpu", cuda_graphs=True, graph_capture=False, max_num_batched_tokens=32)
@@ -97,6 +111,7 @@ def test_two_ranks_give_one_ranks_greedy_ids_and_transformers(model_dir, referen
     try:
         assert ids(llm, batch) == expected
         assert llm.prefix_cache_stats().cached_tokens > 0
+        assert parallel.all_reduce_path() == "gloo"      # on the CPU: no one-shot path, the reference
         with pytest.raises(RuntimeError, match="a tensor-parallel engine is open in this process already"):
             LLM(path, device="cpu", tensor_parallel_size=2)
         llm.settings.chunked_prefill = False           # a new runner on every rank, plain eager steps
@@ -105,9 +120,12 @@ def test_two_ranks_give_one_ranks_greedy_ids_and_transformers(model_dir, referen
     finally:
         llm.close()
     assert all(gone(pid) for pid in pids)
+    # Prefix-cache hits share whole blocks only, so lesson 03 never copies one (copy-on-write): rank 0 has no
+    # copy to repeat on the workers (yaie/engine/tp_runner.py).
+    assert block_copies == []
 
 
-def test_an_uneven_vocabulary_and_few_blocks_still_give_one_ranks_ids(odd_vocab_dir, reference_lessons):
+def test_an_uneven_vocabulary_and_few_blocks_still_give_one_ranks_ids(odd_vocab_dir, reference_lessons, block_copies):
     batch = prompts(97)
     # 24 blocks of 4 tokens: requests are preempted (recompute) and prefilled again on both ranks.
     options = dict(device="cpu", block_size=4, num_blocks=24, max_num_batched_tokens=64)
@@ -119,6 +137,7 @@ def test_an_uneven_vocabulary_and_few_blocks_still_give_one_ranks_ids(odd_vocab_
         assert llm.last_core.scheduler.stats.preempted_by_recompute > 0
     finally:
         llm.close()
+    assert block_copies == []
 
 
 def test_a_rank_that_dies_is_named_and_no_worker_outlives_the_engine(model_dir, reference_lessons):
@@ -152,6 +171,29 @@ def test_workers_end_when_rank_0_is_killed(model_dir):
     assert all(gone(pid) for pid in pids), "a worker outlived rank 0"
 
 
+def test_the_watchdog_ends_rank_0_when_its_gpu_waits_for_a_dead_rank(model_dir):
+    # The one-shot all-reduce spins on the GPU until its peers arrive: a dead peer would block rank 0 in its
+    # next read from the GPU for ever. The watchdog (on with that path) ends the process instead, as NCCL's
+    # does. Here on the CPU, with the GPU's "still busy" given.
+    code = ("import os, signal, sys, time\nfrom yaie.engine import LLM\n"
+            "llm = LLM(sys.argv[1], device='cpu', tensor_parallel_size=2, tensor_parallel_timeout_s=2)\n"
+            "llm._workers.watch(gpu_busy=lambda: True)\n"
+            "print(llm._workers.procs[0].pid, flush=True)\n"
+            "os.kill(llm._workers.procs[0].pid, signal.SIGKILL)\ntime.sleep(60)\nprint('still here')\n")
+    rank0 = subprocess.Popen([sys.executable, "-c", code, str(model_dir[0])], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, YAIE_SOLUTIONS="all"))
+    try:
+        pid = int(rank0.stdout.readline())
+        start = time.monotonic()
+        out, err = rank0.communicate(timeout=30)
+    finally:
+        rank0.kill()
+    assert time.monotonic() - start < 15
+    assert rank0.returncode == 1 and "still here" not in out
+    assert "tensor-parallel rank(s) [1] died or did not finish step 0 within 2 s" in err
+    assert gone(pid)
+
+
 def test_a_rank_that_hangs_is_named_within_the_timeout(model_dir, reference_lessons):
     llm = LLM(model_dir[0], device="cpu", tensor_parallel_size=2, tensor_parallel_timeout_s=3)
     (pid,) = worker_pids(llm)
@@ -169,7 +211,6 @@ def test_a_lesson_left_undone_in_strict_mode_is_reported_as_such(model_dir, monk
     monkeypatch.setenv("YAIE_SOLUTIONS", "none")          # the stubs, no fallback: lesson 01's RoPE tables
     with pytest.raises(KernelMissing, match="lesson 01"):
         LLM(model_dir[0], device="cpu", tensor_parallel_size=2)
-    from yaie.model import parallel
     assert parallel.world_size() == 1                     # the group was left, the worker ended
 
 
@@ -191,3 +232,47 @@ def test_more_ranks_than_gpus_are_refused(model_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 exceeds the 1 GPUs present"):
         LLM(model_dir[0], device="cuda", tensor_parallel_size=2)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of one rank in this process (the all-reduce's set-up runs its collectives on it)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_all_reduce_is_nccl_or_gloo_where_the_one_shot_path_is_unavailable(one_rank_group, monkeypatch):
+    from yaie.model import all_reduce
+    monkeypatch.delenv(all_reduce.ENV_VAR, raising=False)
+    monkeypatch.setattr(all_reduce, "_one_shot_tried", False)     # as in a fresh process: it is tried
+    # The set-up for NCCL tries symmetric memory, which a CPU tensor cannot have: NCCL it is, for any message.
+    reduce = all_reduce.AllReduce("nccl", torch.device("cpu"))
+    assert reduce.buffer is None and reduce.name == "nccl"
+    assert reduce.path_for(torch.zeros(1, 4096, dtype=torch.bfloat16)) == "nccl"
+    assert all_reduce.AllReduce("gloo", torch.device("cpu")).name == "gloo"
+    # Where the buffer exists: small bf16 / float32 messages go one-shot, others to the reference.
+    reduce.buffer = torch.empty(all_reduce.ONE_SHOT_MAX_BYTES, dtype=torch.uint8)
+    assert reduce.path_for(torch.zeros(1, 4096, dtype=torch.bfloat16)) == "one-shot"
+    assert reduce.path_for(torch.zeros(128, 4096, dtype=torch.bfloat16)) == "one-shot"
+    assert reduce.path_for(torch.zeros(129, 4096, dtype=torch.bfloat16)) == "nccl"      # past the buffer
+    assert reduce.path_for(torch.zeros(1, 4096, dtype=torch.float16)) == "nccl"         # not a dtype it adds
+    assert reduce.path_for(torch.zeros(4096, 2, dtype=torch.bfloat16).t()) == "nccl"    # not contiguous
+    monkeypatch.setenv(all_reduce.ENV_VAR, "nccl")                 # the reference, asked for
+    monkeypatch.setattr(all_reduce, "_one_shot_tried", False)
+    assert all_reduce.AllReduce("nccl", torch.device("cpu")).name == "nccl"
+    assert all_reduce._one_shot_tried is False                       # not even tried
+
+
+def test_the_all_reduce_setting(one_rank_group, monkeypatch):
+    from yaie.model import all_reduce
+    x = torch.ones(3)
+    assert all_reduce.AllReduce("gloo", torch.device("cpu"))(x) is x and x.tolist() == [1, 1, 1]   # one rank
+    monkeypatch.setenv(all_reduce.ENV_VAR, "skip")
+    skip = all_reduce.AllReduce("gloo", torch.device("cpu"))
+    assert skip.name == "skip" and skip.path_for(x) == "skip" and skip(x) is x
+    monkeypatch.setenv(all_reduce.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="YAIE_TP_ALL_REDUCE must be one of"):
+        all_reduce.AllReduce("gloo", torch.device("cpu"))
+    assert parallel.all_reduce_path() == "none"                      # this process is no engine's rank

@@ -1,20 +1,25 @@
-"""Tensor parallelism on GPUs: greedy ids over 2 ranks against 1, decode speed of the Llama-3-8B shape over
-1 and 2 GPUs, and what the step's collectives cost alone. Each part is one command (``scripts/
-gpu_tensor_parallel.sh`` runs them in order, each in a process of its own, and ``report`` joins them):
+"""Tensor parallelism on GPUs: greedy ids over 2 ranks against 1 and transformers, decode speed of the
+Llama-3-8B shape over 1 and 2 GPUs, and what the step's all-reduces cost. Each part is one command, run in a
+process of its own (``scripts/gpu_tensor_parallel.sh`` runs them in order, each under a time limit); each
+adds what it measured to a JSON file in ``--out`` as soon as it has it, and ``report`` joins them::
 
-    python -m yaie.bench.tensor_parallel check --out OUT        # random small Llama, bf16: N=2 ids vs N=1
-    python -m yaie.bench.tensor_parallel speed --tp 1 --out OUT  # the 8B shape: decode tokens/s at batch 1, 64
-    python -m yaie.bench.tensor_parallel collectives --out OUT  # a step's all-reduces + all-gather, 2 GPUs
-    python -m yaie.bench.tensor_parallel report --out OUT       # tensor_parallel_<gpu>.{json,md}
+    python -m yaie.bench.tensor_parallel collectives --out OUT      # a step's collectives alone, 2 GPUs
+    python -m yaie.bench.tensor_parallel speed --tp 1 --out OUT     # the 8B shape: decode tokens/s, batch 1, 64
+    YAIE_TP_ALL_REDUCE=nccl python -m yaie.bench.tensor_parallel speed --tp 2 --out OUT
+    python -m yaie.bench.tensor_parallel check --tp 1 --out OUT     # small random Llama, bf16: ids (+ transformers)
+    python -m yaie.bench.tensor_parallel check --tp 2 --out OUT     # (--eager: without CUDA graphs)
+    python -m yaie.bench.tensor_parallel report --out OUT           # tensor_parallel_<gpu>.{json,md}
 
 ``speed``: B prompts of 128 random tokens generate 128 tokens each (greedy, end-of-sequence ignored, prefix
 caching off, decode steps from CUDA graphs); timed end to end after a warm-up, and with one new token:
 ``decode tokens/s = B * 127 / (t_total - t_first)``, a decode step's time ``B / decode tokens/s``
-(:func:`yaie.bench.engine.measure`). ``collectives``: one CUDA graph holding what a decode step of the 8B
-shape communicates over 2 ranks (65 all-reduces of ``[B, 4096]``: the embedding and 2 per layer; one
-all-gather of the ``[B, 128256 / 2]`` logits), replayed; its time over the 2-rank step time is the
-collectives' share of a step (an upper bound: inside the engine they overlap nothing, but wait for nothing
-either).
+(:func:`yaie.bench.engine.measure`). Its row names the all-reduce path (``YAIE_TP_ALL_REDUCE``, see
+:mod:`yaie.model.all_reduce`): with ``skip`` the step sums nothing (its output is wrong), which times a step
+without its all-reduces: ``1 - step(skip) / step(path)`` is their share of a step.
+
+``collectives``: one CUDA graph holding what a decode step of the 8B shape communicates over 2 ranks (65
+all-reduces of ``[B, 4096]``: the embedding and 2 per layer; one all-gather of the ``[B, 128256 / 2]``
+logits), replayed, for each all-reduce path; and whether the one-shot sums equal NCCL's, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,173 +29,258 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 HIDDEN, LAYERS, VOCAB = 4096, 32, 128256            # the 8B shape (yaie.bench.engine.CONFIGS["8b"])
-CHECK_MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-                   num_key_value_heads=4, vocab_size=1000, max_position_embeddings=2048)
+# head_dim 128 and 4 query heads per KV head, as the 8B shape: the check compiles the kernels the speed runs use
+CHECK_MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024)
+CHECK_DIR = "/tmp/yaie_tp_check"
+CLOSE_LIMIT_S = 60.0
 
 
-def check(out: Path) -> dict:
-    """Greedy ids of 16 prompts over 2 ranks against 1 rank, bf16, with and without CUDA graphs."""
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def add_to(path: Path, key: str, value) -> None:
+    """Set ``key`` of the JSON object in ``path`` (made if missing) to ``value``."""
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data[key] = value
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def close(llm) -> None:
+    """``llm.close()``, timed; a close that does not return within ``CLOSE_LIMIT_S`` ends the process."""
+    def give_up():
+        log(f"close did not return within {CLOSE_LIMIT_S:g} s: exiting")
+        os._exit(3)
+    timer = threading.Timer(CLOSE_LIMIT_S, give_up)
+    timer.daemon = True
+    timer.start()
+    began = time.perf_counter()
+    llm.close()
+    timer.cancel()
+    log(f"closed in {time.perf_counter() - began:.1f} s")
+
+
+def check(out: Path, tp: int, graphs: bool) -> None:
+    """Greedy ids of 12 prompts over ``tp`` ranks in bf16 (run ``tp<N>_graphs`` or ``tp<N>_eager`` of
+    ``tp_check.json``). One rank: both runs, then transformers' ids in bf16 and in float32."""
     from yaie.engine import LLM, SamplingParams
-    from yaie.model.testing import save_random_model
+    from yaie.model import parallel
+    from yaie.model.testing import hf_greedy, save_random_model
 
-    folder = tempfile.mkdtemp()
-    save_random_model("llama", folder, seed=0, **CHECK_MODEL)
+    folder = Path(CHECK_DIR)
+    if not (folder / "config.json").is_file():
+        save_random_model("llama", folder, seed=0, **CHECK_MODEL)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 1000, (int(n),), generator=gen).tolist()
-               for n in torch.randint(4, 300, (16,), generator=gen)]
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    result = dict(model=CHECK_MODEL, init="save_random_model('llama', seed=0): initializer_range 0.2",
-                  dtype="bfloat16", prompts=len(prompts), new_tokens=64, runs={})
-    for graphs in (True, False):
-        ids = {}
-        for n in (1, 2):
-            llm = LLM(folder, dtype=torch.bfloat16, tensor_parallel_size=n, cuda_graphs=graphs)
-            ids[n] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-            print(f"check: {n} GPU(s), {'CUDA graphs' if graphs else 'eager'}: generated", flush=True)
-            llm.close()
-            del llm
-            torch.cuda.empty_cache()
-        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ids[1], ids[2])]
-        run = dict(identical=sum(f is None for f in firsts), first_divergence=[f for f in firsts if f is not None])
-        result["runs"]["cuda_graphs" if graphs else "eager"] = run
-        print(f"check ({'CUDA graphs' if graphs else 'eager'}): {run['identical']} of {len(prompts)} sequences "
-              f"identical over 2 ranks; divergences at {run['first_divergence']}", flush=True)
-    (out / "tp_check.json").write_text(json.dumps(result, indent=2) + "\n")
-    return result
+               for n in torch.randint(8, 200, (12,), generator=gen)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    path = out / "tp_check.json"
+    add_to(path, "setup", dict(model=CHECK_MODEL, init="save_random_model('llama', seed=0)", dtype="bfloat16",
+                               prompts=len(prompts), prompt_lens=[len(p) for p in prompts], new_tokens=32))
+    for with_graphs in ((True, False) if tp == 1 else (graphs,)):
+        run = f"tp{tp}_{'graphs' if with_graphs else 'eager'}"
+        log(f"check: {run}: starting")
+        llm = LLM(folder, dtype=torch.bfloat16, tensor_parallel_size=tp, cuda_graphs=with_graphs, max_num_seqs=16,
+                  num_blocks=1024, max_num_batched_tokens=1024)
+        ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        add_to(path, run, dict(ids=ids, all_reduce=parallel.all_reduce_path()))
+        log(f"check: {run}: generated (all-reduce: {parallel.all_reduce_path()})")
+        close(llm)
+    if tp == 1:
+        import transformers
+        for dtype, name in ((torch.bfloat16, "hf_bf16"), (torch.float32, "hf_fp32")):
+            hf = transformers.AutoModelForCausalLM.from_pretrained(folder).to("cuda", dtype).eval()
+            add_to(path, name, dict(ids=[hf_greedy(hf, p, params.max_tokens, []) for p in prompts]))
+            log(f"check: transformers {name} generated")
+            del hf
 
 
-def speed(out: Path, tp: int, model_dir: Path, batches: list[int], repeats: int) -> list[dict]:
-    """Decode tokens/s of the 8B shape over ``tp`` GPUs at each batch size (rows in ``tp_speed_<tp>.json``)."""
+def speed(out: Path, tp: int, model_dir: Path, batches: list[int], repeats: int) -> None:
+    """Decode tokens/s of the 8B shape over ``tp`` GPUs at each batch size (rows of ``tp_speed.json``)."""
     from yaie.bench.engine import BLOCK_SIZE, build_model, measure
+    from yaie.bench.harness import environment
     from yaie.engine import LLM, SamplingParams
+    from yaie.model import parallel
 
     if not (model_dir / "config.json").is_file():
         began = time.perf_counter()
         build_model("8b", model_dir, "cuda", torch.bfloat16)
         torch.cuda.empty_cache()
-        print(f"built the random 8B-shaped Llama in {time.perf_counter() - began:.0f} s", flush=True)
+        log(f"built the random 8B-shaped Llama in {time.perf_counter() - began:.0f} s")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (128,), generator=gen).tolist() for _ in range(max(batches))]
     began = time.perf_counter()
     llm = LLM(model_dir, dtype=torch.bfloat16, tensor_parallel_size=tp, block_size=BLOCK_SIZE, prefix_caching=False,
               max_num_seqs=max(batches), max_num_batched_tokens=8192, num_blocks=max(batches) * 17 + 64)
     started = time.perf_counter() - began
-    rows = []
+    path = parallel.all_reduce_path() if tp > 1 else "none"
+    log(f"speed: {tp} GPU(s) started in {started:.0f} s; all-reduce: {path}")
+    env = environment()
     for batch in batches:
         def run(n, batch=batch):
             llm.generate(prompts[:batch], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        row = measure(f"yaie engine, {tp} GPU(s)", run, batch, 128, repeats, "cuda", warmup=[4, 128])
-        row.update(tensor_parallel_size=tp, start_s=started, step_ms=1e3 * batch / row["decode_tokens_per_s"])
-        rows.append(row)
-        (out / f"tp_speed_{tp}.json").write_text(json.dumps(rows, indent=2) + "\n")
-    llm.close()
-    return rows
+        row = measure(f"yaie engine, {tp} GPU(s), {path}", run, batch, 128, repeats, "cuda", warmup=[4, 128])
+        row.update(tensor_parallel_size=tp, all_reduce=path, start_s=started,
+                   step_ms=1e3 * batch / row["decode_tokens_per_s"], environment=env)
+        add_to(out / "tp_speed.json", f"tp{tp}_{path}_b{batch}", row)
+    close(llm)
 
 
-def _collectives_rank(rank: int, init_file: str, batches: list[int], replays: int, result) -> None:
+def _collectives_rank(rank: int, init_file: str, out: str, batches: list[int], replays: int) -> None:
+    from yaie.bench.harness import environment
     from yaie.model import parallel
+    from yaie.model.all_reduce import AllReduce
 
     torch.cuda.set_device(rank)
-    parallel.join(rank, 2, init_file, "nccl", 120, 120)
-    times = {}
+    device = torch.device("cuda", rank)
+    parallel.join(rank, 2, init_file, "nccl", 120, 120)      # its all-reduce: one-shot where it works
+    paths = {"nccl": AllReduce("nccl", device, requested="nccl")}
+    if parallel.all_reduce_path() == "one-shot":
+        paths["one-shot"] = parallel.all_reduce
+    result = dict(all_reduces_per_step=2 * LAYERS + 1, all_reduce_shape=["B", HIDDEN],
+                  all_gather_shape=["B", VOCAB // 2], dtype="bfloat16", replays=replays,
+                  one_shot_available=parallel.all_reduce_path() == "one-shot", ms_per_step={}, same_sums={})
+    gen = torch.Generator(device=device).manual_seed(rank)
     for batch in batches:
-        x = torch.randn(batch, HIDDEN, dtype=torch.bfloat16, device="cuda")
-        scores = torch.randn(batch, VOCAB // 2, dtype=torch.bfloat16, device="cuda")
-
-        def step():
-            for _ in range(2 * LAYERS + 1):
-                parallel.all_reduce(x)
-            parallel.all_gather_last(scores)
-        step()                                                   # the communicator, warm
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step()
-        samples = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        times[batch] = statistics.median(samples)
+        x = torch.randn(batch, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
+        scores = torch.randn(batch, VOCAB // 2, dtype=torch.bfloat16, device=device)
+        if "one-shot" in paths:
+            same = torch.equal(paths["one-shot"](x.clone()), paths["nccl"](x.clone()))
+            result["same_sums"][str(batch)] = same
+        for name, reduce in paths.items():
+            def step(reduce=reduce):
+                for _ in range(2 * LAYERS + 1):
+                    reduce(x)
+                parallel.all_gather_last(scores)
+            step()                                                   # warm
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                step()
+            samples = []
+            for _ in range(replays):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            result["ms_per_step"].setdefault(name, {})[str(batch)] = statistics.median(samples)
+            if rank == 0:
+                log(f"collectives: {name}, batch {batch}: {statistics.median(samples):.3f} ms per step")
     if rank == 0:
-        result.update({str(b): t for b, t in times.items()})
-    parallel.leave()
-    os._exit(0)                 # (no teardown: the graph holds the communicator's collectives)
+        result["environment"] = environment()
+        Path(out, "tp_collectives.json").write_text(json.dumps(result, indent=2) + "\n")
+    torch.cuda.synchronize()
+    os._exit(0)                 # no teardown: the graphs hold the communicator's collectives
 
 
-def collectives(out: Path, batches: list[int], replays: int = 50) -> dict:
-    """Milliseconds of one decode step's collectives over 2 GPUs (a CUDA graph), per batch size."""
+def collectives(out: Path, batches: list[int], replays: int = 50) -> None:
+    """Milliseconds of one decode step's collectives over 2 GPUs (a CUDA graph), per path and batch size."""
     import torch.multiprocessing as mp
 
     init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_collectives_rank, args=(init_file, batches, replays, shared), nprocs=2)
-        result = dict(shared)
-    report = dict(all_reduces_per_step=2 * LAYERS + 1, all_reduce_shape=["B", HIDDEN],
-                  all_gather_shape=["B", VOCAB // 2], dtype="bfloat16", replays=replays, ms_per_step=result)
-    print(f"collectives of a decode step over 2 GPUs (ms, by batch): {result}", flush=True)
-    (out / "tp_collectives.json").write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    mp.spawn(_collectives_rank, args=(init_file, str(out), batches, replays), nprocs=2)
 
 
 def report(out: Path) -> dict:
     """Join what the other commands wrote into ``tensor_parallel_<gpu>.{json,md}``."""
-    from yaie.bench.harness import environment, gpu_slug
+    from yaie.bench.harness import gpu_slug
 
     def read(name):
         path = out / name
-        return json.loads(path.read_text()) if path.is_file() else None
+        return json.loads(path.read_text()) if path.is_file() else {}
 
-    rows = (read("tp_speed_1.json") or []) + (read("tp_speed_2.json") or [])
-    coll = read("tp_collectives.json")
+    rows = list(read("tp_speed.json").values())
+    coll, check_runs = read("tp_collectives.json"), read("tp_check.json")
     for row in rows:
-        one = next((r for r in rows if r["batch"] == row["batch"] and r["tensor_parallel_size"] == 1), None)
-        if one is not None and row["decode_tokens_per_s"]:
+        same = [r for r in rows if r["batch"] == row["batch"]]
+        one = next((r for r in same if r["tensor_parallel_size"] == 1), None)
+        if one is not None:
             row["speedup_vs_1_gpu"] = row["decode_tokens_per_s"] / one["decode_tokens_per_s"]
-        if coll and row["tensor_parallel_size"] == 2 and str(row["batch"]) in coll["ms_per_step"]:
-            row["collectives_share"] = coll["ms_per_step"][str(row["batch"])] / row["step_ms"]
-    data = dict(environment=environment(), check=read("tp_check.json"), collectives=coll, rows=rows,
+        skip = next((r for r in same if r["tensor_parallel_size"] == row["tensor_parallel_size"]
+                     and r["all_reduce"] == "skip"), None)
+        if row["tensor_parallel_size"] > 1 and row["all_reduce"] != "skip" and skip is not None:
+            row["all_reduce_share"] = 1 - skip["step_ms"] / row["step_ms"]
+        alone = coll.get("ms_per_step", {}).get(row["all_reduce"], {}).get(str(row["batch"]))
+        if alone is not None:
+            row["collectives_alone_share"] = alone / row["step_ms"]
+    env = next((r["environment"] for r in rows), None) or coll.get("environment") or {}
+    data = dict(environment=env, check=check_summary(check_runs), collectives=coll, rows=rows,
                 workload=dict(model="random Llama, 8B shape (yaie.bench.engine.CONFIGS['8b']), bfloat16",
                               prompt_len=128, new_tokens=128, sampling="greedy, ignore_eos", prefix_caching=False))
-    slug = gpu_slug()
+    slug = gpu_slug(env.get("gpu"))
     (out / f"tensor_parallel_{slug}.json").write_text(json.dumps(data, indent=2) + "\n")
     (out / f"tensor_parallel_{slug}.md").write_text(markdown(data))
     return data
 
 
+def check_summary(runs: dict) -> dict:
+    """For each pair of runs the check compares: sequences with identical ids, and where the others part."""
+    pairs = [("tp2_graphs", "tp1_graphs"), ("tp2_eager", "tp1_eager"), ("tp1_graphs", "tp1_eager"),
+             ("tp1_graphs", "hf_bf16"), ("tp2_graphs", "hf_bf16"), ("tp1_graphs", "hf_fp32"),
+             ("tp2_graphs", "hf_fp32"), ("hf_bf16", "hf_fp32")]
+    summary = dict(setup=runs.get("setup"), all_reduce={k: v.get("all_reduce") for k, v in runs.items()
+                                                         if isinstance(v, dict) and "all_reduce" in v})
+    for a, b in pairs:
+        if a in runs and b in runs:
+            x, y = runs[a]["ids"], runs[b]["ids"]
+            firsts = [next((i for i, (s, t) in enumerate(zip(p, q)) if s != t), None) for p, q in zip(x, y)]
+            summary[f"{a} vs {b}"] = dict(identical=sum(f is None for f in firsts), of=len(firsts),
+                                          first_divergence=[f for f in firsts if f is not None])
+    return summary
+
+
 def markdown(data: dict) -> str:
     env = data["environment"]
-    lines = [f"# Tensor parallelism: the Llama-3-8B shape over 1 and 2 GPUs ({env['gpu']})", "",
-             f"Versions: torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; commit {env['git_commit']}; "
-             f"{env['date_utc']}.", "Command: `bash scripts/gpu_tensor_parallel.sh` (each part: `python -m "
-             "yaie.bench.tensor_parallel check|speed|collectives|report`).", "",
-             "| GPUs | batch | decode tokens/s | step ms | vs 1 GPU | collectives share | start s |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(data["rows"], key=lambda r: (r["batch"], r["tensor_parallel_size"])):
-        speedup, share = r.get("speedup_vs_1_gpu"), r.get("collectives_share")
-        lines.append(f"| {r['tensor_parallel_size']} | {r['batch']} | {r['decode_tokens_per_s']:.0f} | "
-                     f"{r['step_ms']:.2f} | {f'{speedup:.2f}x' if speedup else ''} | "
-                     f"{f'{share:.0%}' if share is not None else ''} | {r['start_s']:.0f} |")
-    if data.get("collectives"):
-        lines += ["", f"Collectives alone (a CUDA graph of one step's {data['collectives']['all_reduces_per_step']} "
-                      f"all-reduces and 1 all-gather, 2 GPUs), ms by batch: {data['collectives']['ms_per_step']}."]
-    if data.get("check"):
-        lines += ["", f"Greedy ids, random small Llama in bf16 ({data['check']['prompts']} prompts, "
-                      f"{data['check']['new_tokens']} tokens), 2 GPUs against 1: {json.dumps(data['check']['runs'])}."]
+    lines = [f"# Tensor parallelism: the Llama-3-8B shape over 1 and 2 GPUs ({env.get('gpu')})", "",
+             f"Versions: torch {env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda')}; "
+             f"commit {env.get('git_commit')}; {env.get('date_utc')}.",
+             "Command: `bash scripts/gpu_tensor_parallel.sh` (each part: `python -m yaie.bench.tensor_parallel "
+             "collectives|speed|check|report`; the all-reduce path by `YAIE_TP_ALL_REDUCE`).", "",
+             "| GPUs | all-reduce | batch | decode tokens/s | step ms | vs 1 GPU | all-reduce share of a step "
+             "| collectives alone / step | start s |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def pct(v):
+        return f"{v:.0%}" if v is not None else ""
+    for r in sorted(data["rows"], key=lambda r: (r["batch"], r["tensor_parallel_size"], r["all_reduce"])):
+        speedup = r.get("speedup_vs_1_gpu")
+        lines.append(f"| {r['tensor_parallel_size']} | {r['all_reduce']} | {r['batch']} | "
+                     f"{r['decode_tokens_per_s']:.0f} | {r['step_ms']:.2f} | {f'{speedup:.2f}x' if speedup else ''} | "
+                     f"{pct(r.get('all_reduce_share'))} | {pct(r.get('collectives_alone_share'))} | "
+                     f"{r['start_s']:.0f} |")
+    lines += ["", "`skip` sums nothing (wrong output): a step without its all-reduces; the share is "
+                  "`1 - step(skip) / step`. 'Collectives alone': a CUDA graph of one step's all-reduces and "
+                  "all-gather, replayed without the model, over the step's time."]
+    coll = data.get("collectives")
+    if coll:
+        lines += ["", f"Collectives alone, ms per step of {coll['all_reduces_per_step']} all-reduces of "
+                      f"[B, {HIDDEN}] + 1 all-gather, by path and batch: {json.dumps(coll['ms_per_step'])}; "
+                      f"one-shot sums equal to NCCL's, bit for bit: {json.dumps(coll.get('same_sums'))}."]
+    check_data = data.get("check") or {}
+    setup = check_data.get("setup")
+    if setup:
+        lines += ["", f"Greedy ids, random small Llama in bf16 ({setup['prompts']} prompts of "
+                      f"{min(setup['prompt_lens'])}-{max(setup['prompt_lens'])} tokens, {setup['new_tokens']} new), "
+                      f"all-reduce paths {json.dumps(check_data.get('all_reduce'))}:", ""]
+        for key, value in check_data.items():
+            if " vs " in key:
+                lines.append(f"- {key}: {value['identical']} of {value['of']} identical"
+                             + (f"; the others part at tokens {value['first_divergence']}"
+                                if value["first_divergence"] else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -199,23 +289,26 @@ def main(argv=None) -> int:
     p.add_argument("part", choices=("check", "speed", "collectives", "report"))
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--eager", action="store_true", help="check: without CUDA graphs")
     p.add_argument("--model-dir", default="/tmp/yaie_tp_8b")
     p.add_argument("--batches", default="1,64")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     os.environ.setdefault("YAIE_SOLUTIONS", "all")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.part == "report":
+        report(out)
+        return 0
     if args.part == "check":
-        check(out)
+        check(out, args.tp, not args.eager)
     elif args.part == "speed":
         speed(out, args.tp, Path(args.model_dir), batches, args.repeats)
-    elif args.part == "collectives":
-        collectives(out, batches)
     else:
-        report(out)
-    return 0
+        collectives(out, batches)
+    log("done")
+    os._exit(0)                 # no interpreter teardown (NCCL, symmetric memory): what it measured is written
 
 
 if __name__ == "__main__":

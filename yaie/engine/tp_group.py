@@ -10,6 +10,10 @@ at the next step (its process is checked before each message) or by the collecti
 which raises after the group's timeout. Either way rank 0 raises a ``RuntimeError`` naming the rank, and
 every worker is ended: none outlives the engine. A worker also ends on its own when rank 0's pipe closes
 (rank 0 exited) or its parent process is gone.
+
+On GPUs a collective that waits for a dead rank never returns to Python: NCCL's watchdog ends the process
+after the timeout. The one-shot all-reduce (:mod:`yaie.model.all_reduce`) has no watchdog of its own (its
+kernel spins until the peers arrive), so :meth:`WorkerGroup.watch` stands in for it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import atexit
 import os
 import pickle
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -28,6 +34,7 @@ import torch.multiprocessing as mp
 from yaie.model import parallel
 
 READY_POLL_S = 0.5
+WATCH_POLL_S = 1.0
 STOP_WAIT_S = 5.0
 START_TIMEOUT_S = 600.0      # at least, for every rank to start and load its shard (the timeout if longer)
 
@@ -54,6 +61,8 @@ class WorkerGroup:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.steps = 0                                   # step messages sent
         self.broken: str | None = None                   # why the group cannot run any more
+        self.last_step: torch.cuda.Event | None = None   # marks the end of rank 0's last step on the GPU
+        self.watching = False
         self._dir = tempfile.mkdtemp(prefix="yaie-tp-")
         context = mp.get_context("spawn")
         self.progress = context.Array("q", world_size, lock=False)   # steps each worker has finished
@@ -93,6 +102,43 @@ class WorkerGroup:
                                          f"{self.start_timeout_s:g} s)")
             if waiting:
                 wait(list(waiting.values()) + [p.sentinel for p in self.procs], READY_POLL_S)
+
+    def launched(self) -> None:
+        """Rank 0 has queued a step's kernels (CUDA): mark their end, for :meth:`watch`."""
+        if self.device.type == "cuda":
+            self.last_step = torch.cuda.Event()
+            self.last_step.record()
+
+    def watch(self, gpu_busy=None) -> None:
+        """Stand in for NCCL's watchdog: a thread that ends this process, saying why, when a worker has died
+        or not finished a step (``progress``) for ``timeout_s`` while rank 0's GPU still runs its last step
+        (``gpu_busy()``; default: the mark of :meth:`launched` not reached). Then rank 0 waits on a collective
+        that never completes, blocked in a read of the step's result, and cannot raise; a rank 0 whose GPU is
+        idle finds the failure itself, at its next step. Once per group (later calls do nothing)."""
+        if self.watching:
+            return
+        self.watching = True
+
+        def busy() -> bool:
+            return self.last_step is not None and not self.last_step.query()
+
+        def run():
+            since = None
+            while self.procs and not self.broken:
+                time.sleep(WATCH_POLL_S)
+                procs = list(self.procs)
+                failed = [r for r, proc in enumerate(procs, start=1)
+                          if not proc.is_alive() or self.progress[r] < self.steps]
+                if not failed or not (gpu_busy or busy)():
+                    since = None
+                    continue
+                since = since or time.monotonic()
+                if time.monotonic() - since > self.timeout_s and self.procs and not self.broken:
+                    print(f"yaie: tensor-parallel rank(s) {failed} died or did not finish step {self.steps} "
+                          f"within {self.timeout_s:g} s while rank 0 waited for them on the GPU; ending this "
+                          f"process (as NCCL's watchdog would)", file=sys.stderr, flush=True)
+                    os._exit(1)
+        threading.Thread(target=run, name="yaie-tp-watchdog", daemon=True).start()
 
     def send(self, message) -> None:
         """Send every worker ``message`` (pickled once); ``RuntimeError`` if one is gone."""

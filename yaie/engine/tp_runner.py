@@ -3,12 +3,19 @@
 Rank 0 owns everything a step is planned from (the scheduler, the prefix cache, lesson 03's bookkeeping of
 blocks) and its shard of the cache's storage; each worker (:mod:`yaie.engine.tp_worker`) owns its shard of
 the storage only. Before each forward pass rank 0 sends every worker the step's
-:class:`yaie.engine.paged_runner.StepInputs` (sequences, token ids, positions, which rows get logits), the
-block tables that changed since the last step, and the block copies lesson 03 made while the step was
-planned (copy-on-write); the decodes' input ids of a looked-ahead step, which live on rank 0's device, are
-broadcast over the group. Then all ranks run the same forward pass, rank 0 included, and meet at each
-all-reduce. The block tables are the same on every rank: a block id names the same tokens everywhere, each
-rank holding its heads of them.
+:class:`yaie.engine.paged_runner.StepInputs` (sequences, token ids, positions, which rows get logits) and the
+block tables that changed since the last step; the decodes' input ids of a looked-ahead step, which live on
+rank 0's device, are broadcast over the group. Then all ranks run the same forward pass, rank 0 included, and
+meet at each all-reduce. The block tables are the same on every rank: a block id names the same tokens
+everywhere, each rank holding its heads of them.
+
+What reaches a worker's storage is only what forward passes write, and that is all a block ever holds here.
+Lesson 03 could write a block outside a forward pass in two ways: swapping (refused with tensor parallelism:
+``preemption="recompute"``) and copy-on-write (``append_slots`` copies a sequence's last block when it is
+partly filled and shared). The engine never shares a partly filled block: the prefix cache holds whole blocks
+only (lesson 05's ``cache_sequence``), so a hit gives a sequence whole blocks and its next token goes to a
+block of its own; nothing forks. So no block copy has to be repeated on the workers
+(``tests/test_tensor_parallel.py`` checks that rank 0 makes none).
 """
 
 from __future__ import annotations
@@ -40,15 +47,10 @@ class TensorParallelRunner(PagedRunner):
         self.workers = workers
         self.runner_id = next(_runner_ids)
         self._sent: dict = {}          # the tables the workers hold: sequence id -> block ids
-        self._copies: list = []        # block copies made since the last step
-        copy_blocks = self.manager.copy_blocks
-
-        def copy_and_tell(pairs):
-            copy_blocks(pairs)
-            self._copies += [tuple(p) for p in pairs]
-        self.manager.copy_blocks = copy_and_tell
         scratch = self.graphs.scratch_block if self.graphs is not None else None
         workers.send(("open", self.runner_id, settings, os.environ.get(switch.ENV_VAR), scratch))
+        if parallel.all_reduce_path() == "one-shot":
+            workers.watch()            # its all-reduce has no watchdog of its own (yaie/model/all_reduce.py)
 
     def run(self, inputs: StepInputs, device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Tell the workers, then run rank 0's part (:meth:`PagedRunner.run`); a rank that fails or hangs
@@ -59,13 +61,14 @@ class TensorParallelRunner(PagedRunner):
         self._sent = tables
         message = StepInputs(inputs.seq_ids, inputs.query_lens, inputs.num_decodes, inputs.token_ids,
                              inputs.positions, [], inputs.logit_rows)
-        copies, self._copies = self._copies, []
-        self.workers.send(("step", self.runner_id, message, changed, copies,
+        self.workers.send(("step", self.runner_id, message, changed,
                            0 if device_tokens is None else len(device_tokens)))
         try:
             if device_tokens is not None:
                 parallel.broadcast(device_tokens.contiguous())
-            return super().run(inputs, device_tokens)
+            logits = super().run(inputs, device_tokens)
+            self.workers.launched()
+            return logits
         except BaseException as err:
             # The ranks are out of step now: the workers are ended whatever failed. A collective's error is
             # told as what went wrong on which rank; rank 0's own (a lesson's KernelMissing, a kernel's

@@ -10,7 +10,7 @@ blocks a sequence holds, how many tokens) answers from the tables rank 0 sent (:
 storage and ``write_kv`` are lesson 03's, the student's where the switch says so.
 
 Messages (pickled, one pipe per worker): ``("open", runner_id, settings, solutions, scratch_block)``,
-``("step", runner_id, inputs, tables, copies, num_device_tokens)``, ``("close", runner_id)``, ``("stop",)``.
+``("step", runner_id, inputs, tables, num_device_tokens)``, ``("close", runner_id)``, ``("stop",)``.
 """
 
 from __future__ import annotations
@@ -110,9 +110,7 @@ class WorkerRunner(PagedRunner):
         self.tables.install()
         return manager
 
-    def step(self, inputs: StepInputs, changed: dict, copies: list, device_tokens: torch.Tensor | None) -> None:
-        if copies:
-            self.manager.copy_blocks(copies)
+    def step(self, inputs: StepInputs, changed: dict, device_tokens: torch.Tensor | None) -> None:
         self.tables.load(inputs, changed)
         inputs.slots = [self.tables.slots(inputs)]
         self.run(inputs, device_tokens)
@@ -153,12 +151,12 @@ def _serve(pipe, model, progress, rank: int) -> None:
             return
         kind = message[0]
         if kind == "step":
-            _, runner_id, inputs, changed, copies, num_device_tokens = message
+            _, runner_id, inputs, changed, num_device_tokens = message
             device_tokens = None
             if num_device_tokens:
                 device_tokens = parallel.broadcast(torch.empty(num_device_tokens, dtype=torch.int64,
                                                                device=model.device))
-            runners[runner_id].step(inputs, changed, copies, device_tokens)
+            runners[runner_id].step(inputs, changed, device_tokens)
             progress[rank] += 1
         elif kind == "open":
             _, runner_id, settings, solutions, scratch_block = message

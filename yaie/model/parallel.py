@@ -6,7 +6,9 @@ single-GPU engine) the rank is 0, the size 1, and every collective returns its i
 calls them unconditionally and pays nothing.
 
 The collectives are called from inside a forward pass, so on CUDA they queue work on the device and never
-wait for it (they may be recorded into a CUDA graph).
+wait for it (they may be recorded into a CUDA graph). The all-reduce takes one of two paths
+(:mod:`yaie.model.all_reduce`): NCCL's (gloo's on the CPU), or a one-shot kernel over symmetric memory for the
+small messages of decode steps; :func:`all_reduce_path` says which.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from yaie.model.all_reduce import AllReduce
+
 
 class _Group:
     rank = 0
     world_size = 1
+    all_reduce: AllReduce | None = None
 
 
 _group = _Group()
@@ -66,6 +71,8 @@ def join(rank: int, world_size: int, init_file: str, backend: str, timeout_s: fl
     store.set_timeout(datetime.timedelta(seconds=start_timeout_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    _group.all_reduce = AllReduce(backend, device)          # sets up the one-shot path (a collective)
     _group.rank, _group.world_size = rank, world_size
 
 
@@ -80,13 +87,28 @@ def leave() -> None:
         else:
             dist.destroy_process_group()
     _group.rank, _group.world_size = 0, 1
+    if _group.all_reduce is not None:
+        # Kept, not freed: the one-shot path's buffer is mapped into the other ranks, whose end is not awaited.
+        _retired.append(_group.all_reduce)
+        _group.all_reduce = None
+
+
+_retired: list = []
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x`` over the ranks, in place; returns ``x``."""
+    """The sum of ``x`` over the ranks: ``x`` summed in place or a new tensor (use the result)."""
     if _group.world_size > 1:
-        dist.all_reduce(x)
+        return _group.all_reduce(x)
     return x
+
+
+def all_reduce_path(x: torch.Tensor | None = None) -> str:
+    """How the group sums ``x`` (default: a small message): ``"one-shot"``, ``"nccl"``, ``"gloo"`` or ``"skip"``;
+    ``"none"`` outside a group."""
+    if _group.all_reduce is None:
+        return "none"
+    return _group.all_reduce.name if x is None else _group.all_reduce.path_for(x)
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
