@@ -15,6 +15,7 @@
 # worker processes with it), and never past the whole script's budget (BUDGET_S, default 400 s): a stage that
 # hangs costs its limit, the others still run. Each stage writes what it measured as soon as it has it, and
 # the log ($OUT/tensor_parallel_log.txt) is written line by line; `report` can be run again anywhere on $OUT.
+# If the one-shot all-reduce did not work in the first stage, the others run with NCCL alone.
 # NVLink multicast stays off (the lent machines' rule): NCCL_NVLS_ENABLE=0 and the rest, set again here.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} YAIE_SOLUTIONS=all
@@ -47,6 +48,10 @@ mkdir -p "$OUT"
   nvidia-smi topo -m | head -4
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'nccl', torch.cuda.nccl.version())"
   stage collectives 60 $TP collectives --out "$OUT"
+  if ! python3 -c "import json, sys; sys.exit(not json.load(open('$OUT/tp_collectives.json'))['one_shot_available'])" 2>/dev/null; then
+    echo "== the one-shot all-reduce did not run in the collectives stage: NCCL alone from here on"
+    export YAIE_TP_ALL_REDUCE=nccl
+  fi
   stage "speed, 1 GPU" 150 $TP speed --tp 1 --out "$OUT"
   stage "speed, 2 GPUs, the engine's all-reduce" 80 $TP speed --tp 2 --out "$OUT"
   stage "check, 1 GPU and transformers" 80 $TP check --tp 1 --out "$OUT"
