@@ -238,7 +238,7 @@ def check_based_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state:
 
 
 # yaie: solution-only
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _based_prefill_kernel_rows(
     Q, K, V, O, STATE_KV, STATE_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
@@ -348,7 +348,7 @@ def _based_prefill_kernel_rows(
 
 
 # yaie: solution-only
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _based_prefill_kernel(
     Q, K, V, O, STATE_KV, STATE_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
@@ -628,7 +628,7 @@ def _segment_program(
 
 
 # yaie: solution-only
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _based_segment_kernel(
     Q, K, V, O, PREFIX_KV, PREFIX_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
@@ -789,7 +789,7 @@ def _prefix_state_program(
 
 
 # yaie: solution-only
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _based_prefix_state_kernel(
     K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -805,7 +805,7 @@ def _based_prefix_state_kernel(
 
 
 # yaie: solution-only
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _based_first_launch_kernel(
     Q, K, V, O, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
