@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   echo "== $(date -u +%FT%TZ) commit ${YAIE_GIT_COMMIT:-unknown}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.version.cuda)"
-  plugin=${COMPILE_LOG:+-p scripts.triton_compile_log}
+  plugin=${COMPILE_LOG:+-p scripts.triton_compile_log --durations=12}
   for number in ${LESSONS:-01 02 03 04 05 06 07 08}; do
     dir=grader/lesson$number/
     lesson=lesson$number
