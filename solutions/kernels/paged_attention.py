@@ -108,7 +108,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 # yaie: solution-only
-@triton.jit
+# Lengths and the window are plain values: Triton would otherwise compile a new kernel when one of them
+# happens to be 1 or a multiple of 16, and it gains nothing from knowing that here.
+@triton.jit(do_not_specialize=["window", "tokens_per_split", "max_context_len"])
 def _paged_decode_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, CONTEXT_LENS, OUT, PART_OUT, PART_LSE, COUNTERS,
     stride_qb, stride_qh,
