@@ -495,6 +495,44 @@ def test_backward_on_block_edges(device, seed, which):
 
 
 @task(4, TASK4)
+@pytest.mark.parametrize("which", ["qk", "pv"])
+@pytest.mark.parametrize("extra", [0, 1], ids=["whole blocks", "one more"])
+def test_backward_on_row_block_edges(device, seed, which, extra):
+    """A random map whose rows fill whole blocks of a backward that goes by buffer rows (the reference's
+    ``_rows_blocks``: rows per program, map entries per chunk): each of ``2 x rows`` buffer rows held by
+    exactly one chunk of (position, slot) pairs; then one more: a slot that holds a last row at some
+    positions (a partial block and chunk) and is unused at the others."""
+    e, d = 2, 32
+    block_r = tile(7, 0, lambda m: m._rows_blocks(e, d)[0], 16)
+    block_k = tile(7, 0, lambda m: m._rows_blocks(e, d)[1], 16)
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * block_r
+    slots = 32 if device == "cpu" else 64
+    length = rows * block_k // slots
+    index_map = torch.arange(rows).repeat_interleave(block_k)[torch.randperm(rows * block_k, generator=gen)]
+    index_map = index_map.reshape(length, slots)
+    n = rows + extra
+    if extra:
+        last = torch.where(torch.rand(length, 1, generator=gen) < 0.5, n - 1, n + 1)
+        index_map = torch.cat([index_map, last], dim=1)
+    index_map = index_map.to(torch.int32).to(device)
+    case = (1, length, 2, e, d, index_map.shape[1], n)
+    make = make_qk_inputs if which == "qk" else make_pv_inputs
+    x, buf, _ = make(case, torch.float32, device, seed)
+    fn, ref = (L.indexed_qk_backward, ref_qk) if which == "qk" else (L.indexed_pv_backward, ref_pv)
+    dout = randn(*x.shape[:4], case[5] if which == "qk" else d, device=device, seed=seed + 5)
+    got = fn(dout, x, buf, index_map)
+    want = ref_grads(ref, x, buf, index_map, dout)
+    names = ("dq", "dk") if which == "qk" else ("dp", "dv")
+    for name, g, w, size in zip(names, got, want, (case[5] if which == "qk" else d, 4 * e)):
+        atol, rtol = tol(torch.float32, size)
+        assert_close(g, w, name=f"indexed_{which}_backward {name}", dtype=torch.float32, atol=atol, rtol=rtol,
+                     case=f"{case_id(case)}; {rows} rows of {block_k} slots each, in blocks of {block_r}",
+                     hint="every row gets each of its slots once: a block of rows whose entries fill their last "
+                          "chunk exactly leaves no partial chunk, and a row past the last whole block still counts")
+
+
+@task(4, TASK4)
 def test_autograd_through_both_products(device, seed):
     """scores -> softmax -> weights x values: gradients of q, the key buffer and the value buffer."""
     b, l, h, e, d, c, n = cases(device)[0]

@@ -512,6 +512,51 @@ def _scatter_blocks_kernel(p_ptr, a_ptr, map_ptr, dbuf_ptr, H, N, L, C, E, D,
 
 
 # yaie: solution-only
+@triton.jit
+def _scatter_rows_kernel(p_ptr, a_ptr, map_ptr, order_ptr, bounds_ptr, dbuf_ptr, H, N, C, E, D,
+                         sp_b, sp_l, sp_h, sp_e, sp_c, sa_b, sa_l, sa_h, sa_e, sa_d,
+                         sg_b, sg_n, sg_h, sg_d,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+                         FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """dbuf[b, r, h] = sum over (l, c) with M[l, c] = r of p[b, l, h, :, c]^T @ a[b, l, h], for BLOCK_R rows r.
+
+    The map inverted: where the atomic kernels go from positions to rows, this program owns BLOCK_R buffer
+    rows and fetches what adds into them. The host sorted the map's entries (``l * C + c``) by row block,
+    so this block's entries are ``order[bounds[i]:bounds[i + 1]]``. The program takes them BLOCK_K at a
+    time; their (entry, query head) pairs are a ``K = BLOCK_K * GROUP`` deep axis: ``x`` gathers one row
+    of ``a`` per pair ``[K, D]``, and ``s`` ``[BLOCK_R, K]`` holds ``p[l, e, c]`` in the block row its
+    entry adds to, 0 in the others, so one ``tl.dot`` adds the chunk into all BLOCK_R rows at once (the
+    products are exact: ``s`` holds p's own values). Every row is written once, by one program: no
+    atomics, no zeroed float32 buffer, and the sums come out in the same order every run.
+    """
+    pid_r = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    lo = tl.load(bounds_ptr + pid_r)
+    hi = tl.load(bounds_ptr + pid_r + 1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_k = tl.arange(0, BLOCK_K * GROUP)
+    k_j, k_e = offs_k // GROUP, offs_k % GROUP               # (entry of the chunk, query head) pairs
+    p_base = p_ptr + b * sp_b + h * sp_h
+    a_base = a_ptr + b * sa_b + h * sa_h
+    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    for j0 in range(lo, hi, BLOCK_K):
+        ok = (j0 + k_j < hi) & (k_e < E)
+        entry = tl.load(order_ptr + j0 + k_j, mask=ok, other=0)        # l * C + c
+        row = tl.load(map_ptr + entry, mask=ok, other=N)
+        l, c = (entry // C).to(tl.int64), entry % C
+        pk = tl.load(p_base + l * sp_l + k_e * sp_e + c * sp_c, mask=ok, other=0.0)            # [K]
+        s = tl.where(row[None, :] == offs_r[:, None], pk[None, :], 0.0).to(pk.dtype)          # [BLOCK_R, K]
+        x = tl.load(a_base + l[:, None] * sa_l + k_e[:, None] * sa_e + offs_d[None, :] * sa_d,
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)                              # [K, BLOCK_D]
+        acc = _dot(s, x, acc, FP32_DOT, PRECISION)
+    tl.store(dbuf_ptr + b * sg_b + h * sg_h + offs_r.to(tl.int64)[:, None] * sg_n + offs_d[None, :] * sg_d,
+             acc.to(dbuf_ptr.dtype.element_ty), mask=(offs_r < N)[:, None] & d_ok[None, :])
+
+
+# yaie: solution-only
 def _block_c(c: int) -> int:
     return min(64, max(16, triton.next_power_of_2(c)))
 
@@ -529,6 +574,24 @@ def _third_row_share(m: torch.Tensor, n: int, block_l: int) -> float:
 
 
 # yaie: solution-only
+def _kept(index_map: torch.Tensor, name: str, key: tuple, measure):
+    """``measure()``, once per map tensor and ``key``: kept on the tensor as attribute ``name``.
+
+    Measuring a map costs a device sync, so it is done once and kept, keyed by the tensor's version
+    counter: a map edited in place is measured again, except one edited inside ``torch.inference_mode``
+    (such tensors have no counter: they cannot be edited outside inference mode, and the engine builds
+    its maps inside it), whose measure stays as it was. Every choice the measures make gives the same
+    sums; only the speed differs.
+    """
+    key = (None if index_map.is_inference() else index_map._version, *key)
+    cached = getattr(index_map, name, None)
+    if cached is None or cached[0] != key:
+        cached = (key, measure())
+        setattr(index_map, name, cached)
+    return cached[1]
+
+
+# yaie: solution-only
 def _blocks_plan(index_map: torch.Tensor, m: torch.Tensor, n: int, e: int,
                  most_third_rows: float = 0.1) -> tuple[int, int]:
     """``(block_l, GROUP)`` for the blocked kernels, or ``(0, GROUP)`` for the per-position ones.
@@ -540,24 +603,45 @@ def _blocks_plan(index_map: torch.Tensor, m: torch.Tensor, n: int, e: int,
     even the shortest has more (a map whose entries move between columns: oldest-first order, random),
     if that shortest is under 4 positions (a block of 1 or 2 never holds a third row, but computes both
     rows of every slot: twice the per-position work) or if ``GROUP`` alone is over 128.
-    Measured once per map tensor (it costs a device sync) and kept on the tensor as ``_yaie_blocks``,
-    keyed by its version counter: a map edited in place is measured again, except one edited inside
-    ``torch.inference_mode`` (such tensors have no counter), whose plan stays as it was. Every choice
-    gives the same sums, only the speed differs.
+    Kept on the map as ``_yaie_blocks`` (:func:`_kept`).
     """
     group = triton.next_power_of_2(e)
     shortest = max(4, 16 // group)
-    block_l = max(shortest, min(8 if triton_interpreted() else 32, 128 // group))
-    # The version counter tells an edited map from the one measured (inference tensors have none: they
-    # cannot be edited outside inference mode, and the engine builds its maps inside it).
-    key = (None if index_map.is_inference() else index_map._version, n, group)
-    cached = getattr(index_map, "_yaie_blocks", None)
-    if cached is None or cached[0] != key:
+    longest = max(shortest, min(8 if triton_interpreted() else 32, 128 // group))
+
+    def measure() -> int:
+        block_l = longest
         while block_l >= shortest and _third_row_share(m, n, block_l) > most_third_rows:
             block_l //= 2
-        cached = (key, block_l if block_l >= shortest and group <= 128 else 0)
-        index_map._yaie_blocks = cached
-    return cached[1], group
+        return block_l if block_l >= shortest and group <= 128 else 0
+
+    return _kept(index_map, "_yaie_blocks", (n, group), measure), group
+
+
+# yaie: solution-only
+def _row_change_share(m: torch.Tensor) -> float:
+    """The share of (position, slot) pairs whose row is not the one the slot held at the position before
+    (the first position counts as a change): how often the atomic kernels must add to memory."""
+    changes = m.shape[1] + int((m[1:] != m[:-1]).sum())
+    return changes / m.numel()
+
+
+# yaie: solution-only
+def _rows_route(index_map: torch.Tensor, m: torch.Tensor, n: int, e: int,
+                most_changes: float = 0.1) -> bool:
+    """Whether the buffer gradient goes by rows (:func:`_scatter_rows`) rather than by atomics.
+
+    The atomic kernels add a slot's sum to memory each time its row changes, and float32 atomics to
+    scattered rows are slow (about 140 G per second on the H100). A map that keeps its columns
+    (blocked kernels) or changes rows in few (position, slot) pairs (at most ``most_changes`` of them:
+    the per-position kernel) needs few. The oldest-first map changes about a third of them (every merge
+    shifts the columns after it), a random map all: those are inverted and summed by rows instead, which
+    costs a sort and one read of ``a``'s row per entry, whatever the map. Kept on the map as
+    ``_yaie_rows`` (:func:`_kept`).
+    """
+    if _blocks_plan(index_map, m, n, e)[0]:
+        return False
+    return _kept(index_map, "_yaie_rows", (n, most_changes), lambda: _row_change_share(m) > most_changes)
 
 
 # yaie: solution-only
@@ -596,12 +680,62 @@ def _gather_acc(p: torch.Tensor, buf: torch.Tensor, index_map: torch.Tensor) -> 
 
 
 # yaie: solution-only
+def _rows_blocks(e: int, d: int) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_K)`` of :func:`_scatter_rows_kernel`: 16 buffer rows per program (the least M of
+    ``tl.dot``: every row more multiplies one more row of mostly zeros) and enough entries per chunk for
+    a K axis ``BLOCK_K * GROUP`` of 128 (64 for d over 128: registers; 32 under the interpreter)."""
+    depth = 32 if triton_interpreted() else 128 if d <= 128 else 64
+    return 16, max(1, depth // triton.next_power_of_2(e))
+
+
+# yaie: solution-only
+def _rows_order(m: torch.Tensor, n: int, block_r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The map inverted, once per call for every (b, h): ``(order, bounds)``, int32.
+
+    ``order`` lists the map's used entries (``l * c_slots + c``) sorted by block of ``block_r`` buffer
+    rows; block ``i``'s are ``order[bounds[i]:bounds[i + 1]]``. The sort is stable, so a block's entries
+    stay in position order: entries of one position sit side by side and read the same row of ``a``.
+    """
+    blocks = triton.cdiv(n, block_r)
+    key = torch.where(m < n, m // block_r, blocks).flatten()       # unused slots sort last, past every block
+    key, order = torch.sort(key, stable=True)
+    bounds = torch.searchsorted(key, torch.arange(blocks + 1, dtype=key.dtype, device=key.device))
+    if m.numel() < 2**31:
+        order = order.to(torch.int32)
+    return order, bounds.to(torch.int32)
+
+
+# yaie: solution-only
+def _scatter_rows(p: torch.Tensor, a: torch.Tensor, m: torch.Tensor, n: int, dtype: torch.dtype,
+                  block_r: int | None = None, block_k: int | None = None, **launch) -> torch.Tensor:
+    """The buffer gradient by rows (no atomics). ``block_r``, ``block_k``, ``launch`` (``num_warps``,
+    ``num_stages``): to try other tiles (bench); default :func:`_rows_blocks`'s."""
+    b, l, h, e, c = p.shape
+    d = a.shape[4]
+    default_r, default_k = _rows_blocks(e, d)
+    block_r, block_k = block_r or default_r, block_k or default_k
+    order, bounds = _rows_order(m, n, block_r)
+    dbuf = torch.empty(b, n, h, d, dtype=dtype, device=p.device)    # every row is written, once
+    options = _options(p.dtype, e, d)
+    del options["BLOCK_E"]
+    grid = (triton.cdiv(n, block_r), b * h)       # row blocks of one head together: its `a` stays in L2
+    _scatter_rows_kernel[grid](p, a, m, order, bounds, dbuf, h, n, c, e, d, *p.stride(), *a.stride(),
+                               *dbuf.stride(), BLOCK_R=block_r, BLOCK_K=block_k,
+                               GROUP=triton.next_power_of_2(e), **options, **launch)
+    return dbuf
+
+
+# yaie: solution-only
 def _scatter(p: torch.Tensor, a: torch.Tensor, index_map: torch.Tensor, n: int, dtype: torch.dtype,
-             blocks: tuple[int, int] | None = None) -> torch.Tensor:
-    """``blocks``: ``(block_l, GROUP)`` to force a variant (tests); default :func:`_blocks_plan`'s."""
+             blocks: tuple[int, int] | None = None, rows: bool | None = None) -> torch.Tensor:
+    """The buffer gradient. ``blocks``: ``(block_l, GROUP)`` forces the atomic kernels (``block_l`` 0:
+    per position), ``rows=True`` the kernel by rows (tests, bench); by default :func:`_rows_route` and
+    :func:`_blocks_plan` pick."""
     b, l, h, e, c = p.shape
     d = a.shape[4]
     m = _normalise_map(index_map, n)
+    if rows or (rows is None and blocks is None and _rows_route(index_map, m, n, e)):
+        return _scatter_rows(p, a, m, n, dtype)
     dbuf = torch.zeros(b, n, h, d, dtype=torch.float32, device=p.device)
     block_c = _block_c(c)
     block_l, group = _blocks_plan(index_map, m, n, e) if blocks is None else blocks

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Lesson 07's backward kernels on the lent GPU, in one call: the grader on the reference (its GPU shapes,
+# bf16 too), then scripts/gpu_lesson07_backward.py (the backward rows of `yaie bench lesson07` on the
+# oldest-first, random and stable maps at l 4k and 16k, ours against PyTorch gather + matmul in the same
+# run; SECTIONS adds where the time goes, a tile sweep and the route's threshold). Logs and results go to
+# $OUT: run.log, lesson07_backward_<gpu>.json and .md.
+#   bash scripts/gpu_lesson07_backward.sh                       # grader + bench
+#   SECTIONS=bench,parts,sweep,runs bash scripts/gpu_lesson07_backward.sh
+set -uo pipefail
+OUT=${OUT:-out_lesson07_backward}
+SECTIONS=${SECTIONS:-bench}
+START=$SECONDS
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+LOG="$OUT/run.log"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu,memory.total --format=csv | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" \
+    | tee -a "$LOG"
+echo "commit ${YAIE_GIT_COMMIT:-unknown}" | tee -a "$LOG"
+echo "== grader lesson 07 (reference solutions) ==" | tee -a "$LOG"
+timeout ${GRADER_TIMEOUT:-100} python3 -m pytest grader/lesson07 --solutions -q -p no:cacheprovider -rs 2>&1 \
+    | tee -a "$LOG" | tail -12
+echo "== backward: $SECTIONS ($(( SECONDS - START )) s) ==" | tee -a "$LOG"
+timeout ${BENCH_TIMEOUT:-180} python3 scripts/gpu_lesson07_backward.py --out "$OUT" --sections "$SECTIONS" 2>&1 \
+    | tee -a "$LOG" | grep -v '^sweep\|^runs\|^parts'
+echo "done in $(( SECONDS - START )) s" | tee -a "$LOG"

@@ -1,0 +1,80 @@
+"""Lesson 07's buffer gradient by rows (the reference's inverted map): the same sums as float64 autograd on
+any map, whatever its tiles, and the route each kind of map gets (blocked atomics for stable columns, the
+per-position atomic kernel for maps that rarely change a slot's row, by rows for the others)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from solutions.kernels import telescoping as ref
+
+
+def _map(kind: str, length: int, capacity: int) -> tuple[torch.Tensor, int]:
+    index_map, starts, _ = ref.telescoping_index_map(length, capacity)
+    n = starts.numel()
+    gen = torch.Generator().manual_seed(0)
+    if kind == "stable":
+        index_map = ref.stable_slots(index_map, n)
+    elif kind == "random":
+        index_map = torch.randint(0, n + 2, (length, capacity), generator=gen)
+    elif kind == "runs of 16":                    # each slot keeps a random row for 16 positions
+        rows = torch.randint(0, n, (length // 16 + 1, capacity), generator=gen)
+        index_map = rows.repeat_interleave(16, dim=0)[:length]
+    return index_map, n
+
+
+def _want(p, a, index_map, n):
+    """The buffer gradient of indexed_pv (p = weights, a = dout) by float64 autograd through the gather."""
+    v = torch.zeros(p.shape[0], n, p.shape[2], a.shape[4], dtype=torch.float64, requires_grad=True)
+    out = ref.indexed_pv_reference(p.double(), v, index_map)
+    return torch.autograd.grad(out, v, a.double())[0]
+
+
+@pytest.mark.parametrize("tiles", [{}, dict(block_r=32, block_k=4), dict(block_r=16, block_k=1)],
+                         ids=["default tiles", "32 rows, 4 entries", "16 rows, 1 entry"])
+@pytest.mark.parametrize("kind", ["random", "oldest-first", "stable"])
+def test_rows_kernel_sums_every_entry_once(kind, tiles):
+    index_map, n = _map(kind, 37, 8)
+    gen = torch.Generator().manual_seed(1)
+    p = torch.randn(2, 37, 2, 3, 8, generator=gen)
+    a = torch.randn(2, 37, 2, 3, 16, generator=gen)
+    p = p.transpose(3, 4).contiguous().transpose(3, 4)          # strided: e side by side
+    m = ref._normalise_map(index_map, n)
+    got = ref._scatter_rows(p, a, m, n, torch.float32, **tiles)
+    torch.testing.assert_close(got.double(), _want(p, a, index_map, n), atol=5e-5, rtol=1e-5)
+
+
+def test_rows_order_inverts_the_map():
+    index_map, n = _map("random", 50, 12)
+    m = ref._normalise_map(index_map, n)
+    order, bounds = ref._rows_order(m, n, 16)
+    flat = m.flatten().long()
+    assert bounds[0] == 0 and bounds[-1] == int((flat < n).sum())     # every used entry once, unused last
+    for block in range(bounds.numel() - 1):
+        entries = order[bounds[block]:bounds[block + 1]].long()
+        assert bool(((flat[entries] // 16) == block).all())
+        assert bool((entries[1:] > entries[:-1]).all())              # stable: position order kept
+
+
+@pytest.mark.parametrize("kind,route", [("stable", "blocks"), ("runs of 16", "blocks"), ("oldest-first", "rows"),
+                                        ("random", "rows")])
+def test_route_follows_the_map(kind, route):
+    """Maps whose slots keep their rows for a while go to the blocked atomic kernels, the others by rows."""
+    index_map, n = _map(kind, 300, 32)
+    m = ref._normalise_map(index_map, n)
+    assert ref._rows_route(index_map, m, n, e=4) is (route == "rows")
+    assert (ref._blocks_plan(index_map, m, n, e=4)[0] > 0) is (route == "blocks")
+
+
+def test_few_row_changes_keep_the_atomics():
+    """A map that changes rows in few (position, slot) pairs adds to memory rarely: the per-position atomic
+    kernel; more than ``most_changes`` of them: by rows. The share is measured once and kept on the map."""
+    index_map, n = _map("random", 300, 32)
+    m = ref._normalise_map(index_map, n)
+    share = ref._row_change_share(m)
+    assert 0.9 < share <= 1.0
+    assert ref._rows_route(index_map, m, n, e=4, most_changes=0.5)
+    assert index_map._yaie_rows[1] is True
+    index_map, n = _map("random", 300, 32)
+    assert not ref._rows_route(index_map, m, n, e=4, most_changes=1.0)
