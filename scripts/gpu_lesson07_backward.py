@@ -1,8 +1,8 @@
 """Lesson 07's backward kernels on the maps whose rows move (oldest-first, random), against PyTorch.
 
 The shapes of ``yaie bench lesson07`` (bf16, b 1, h 8, e 4, d 128, c 256, l 4096 and 16384; the oldest-first
-map of task 2 with its n = 2l - c buffer rows, a random map over n = l rows; the stable-column map the
-model uses as a check that its route did not move). Sections (``--sections``):
+map of task 2 with its n = 2l - c buffer rows, a random map over n = l rows; at l 4k also the stable-column
+map the model uses, as a check that its route did not move). Sections (``--sections``, in this order):
 
 * ``bench``: the two backward products, the reference's own choice of kernel against PyTorch gathering
   ``[b, h, l, c, d]`` and multiplying (its backward is autograd's, the forward graph built outside the
@@ -12,11 +12,12 @@ model uses as a check that its route did not move). Sections (``--sections``):
 * ``parts``: where the time goes: the sort, the kernel by rows alone, the per-position atomic kernel, the
   gather half (dq or dp);
 * ``sweep``: tiles of the kernel by rows (rows per program, entries per chunk, warps, stages) and p in
-  an e-contiguous copy, on the random and oldest-first maps at l 16k;
+  an e-contiguous copy, on the random and oldest-first maps at l 16k; the fastest (sum of both maps)
+  becomes the reference's tiles for the sections after it;
 * ``runs``: maps whose slots change rows every R positions (R = 1..32, n = l = 16k): the kernel by rows
   against the per-position atomic one and the route picked, to place the route's threshold on the share of row changes.
 
-    PYTHONPATH=. python3 scripts/gpu_lesson07_backward.py --out DIR [--sections bench,parts,sweep,runs]
+    PYTHONPATH=. python3 scripts/gpu_lesson07_backward.py --out DIR [--sections sweep,bench,runs,parts]
 
 Prints a table last; writes ``lesson07_backward_<gpu>.json`` and ``.md`` to DIR.
 """
@@ -24,6 +25,7 @@ Prints a table last; writes ``lesson07_backward_<gpu>.json`` and ``.md`` to DIR.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -37,6 +39,8 @@ prepare_triton()                                        # the interpreter for --
 from solutions.kernels import telescoping as ref
 from yaie.bench.harness import bench_ms, environment, gpu_slug
 from yaie.bench.lesson07 import C, D, E, H, torch_pv, torch_qk
+
+ROWS = ref._scatter_rows                                # as written, whatever the sweep makes the default
 
 LENGTHS, LONG = (4096, 16384), 16384
 WARMUP_MS, REP_MS = 25, 100
@@ -104,7 +108,7 @@ def route_name(index_map, n) -> str:
 
 def bench(results: dict, gen) -> None:
     for length in LENGTHS:
-        for kind in ("oldest-first", "random", "stable"):
+        for kind in ("oldest-first", "random", "stable")[:3 if length == LENGTHS[0] else 2]:
             index_map, n = make_map(kind, length, gen)
             t = inputs(length, n, gen)
             shape = f"b1 l{length} h{H} e{E} d{D} c{C} n{n} {kind} map"
@@ -168,14 +172,17 @@ def parts(results: dict, gen) -> None:
             torch.cuda.empty_cache()
 
 
-SWEEP = [  # (rows per program, entries per chunk, warps, stages)
-    (16, 32, 4, 2), (16, 32, 4, 3), (16, 32, 4, 4), (16, 32, 8, 3), (16, 16, 4, 3), (16, 64, 8, 3),
-    (32, 32, 4, 3), (32, 32, 8, 3), (64, 32, 8, 3), (16, 8, 4, 3),
+SWEEP = [  # (rows per program, entries per chunk, warps, stages); entries x e = the dot's K
+    (16, 32, 4, 3), (16, 32, 4, 2), (16, 32, 8, 3), (16, 16, 4, 3), (16, 64, 8, 3), (32, 32, 4, 3),
+    (32, 32, 8, 3), (64, 32, 8, 3),
 ]
 
 
 def sweep(results: dict, gen) -> None:
+    """Times each tile on both maps (pv's buffer gradient, l 16k), then makes the fastest in sum the
+    reference's tiles for the sections after it (the reference's defaults are then set to it)."""
     length = LONG
+    totals: dict[tuple, float] = {}
     for kind in ("random", "oldest-first"):
         index_map, n = make_map(kind, length, gen)
         t = inputs(length, n, gen)
@@ -184,19 +191,29 @@ def sweep(results: dict, gen) -> None:
         want = ref._scatter(p, a, index_map, n, torch.float32, blocks=(0, 4))
         p_e = p.transpose(3, 4).contiguous().transpose(3, 4)        # e side by side: one sector per entry
         for label, pp in (("p", p), ("p e-contiguous", p_e)):
-            for block_r, block_k, warps, stages in (SWEEP if label == "p" else SWEEP[:2]):
+            for cfg_tuple in (SWEEP if label == "p" else SWEEP[:1]):
+                block_r, block_k, warps, stages = cfg_tuple
                 cfg = dict(block_r=block_r, block_k=block_k, num_warps=warps, num_stages=stages)
                 try:
-                    got = ref._scatter_rows(pp, a, m, n, torch.float32, **cfg)
-                    err = rel(got, want)
-                    ms = time_ms(lambda: ref._scatter_rows(pp, a, m, n, torch.bfloat16, **cfg))
+                    err = rel(ROWS(pp, a, m, n, torch.float32, **cfg), want)
+                    ms = time_ms(lambda: ROWS(pp, a, m, n, torch.bfloat16, **cfg))
                 except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
                     err, ms = None, f"{type(exc).__name__}: {str(exc)[:120]}"
                 row = dict(map=kind, length=length, layout=label, **cfg, ms=ms, rel_err=err)
                 results["sweep"].append(row)
                 print("sweep", json.dumps(row), flush=True)
+                if label == "p":
+                    ok = isinstance(ms, float) and err is not None and err < 1e-5
+                    totals[cfg_tuple] = totals.get(cfg_tuple, 0.0) + (ms if ok else float("inf"))
         del t, want, p_e
         torch.cuda.empty_cache()
+    best = min(totals, key=totals.get)
+    block_r, block_k, warps, stages = best
+    results["tiles"] = dict(block_r=block_r, block_k=block_k, num_warps=warps, num_stages=stages,
+                            random_plus_oldest_first_ms=totals[best])
+    print(f"tiles picked: {results['tiles']}", flush=True)
+    ref._rows_blocks = lambda e, d: (block_r, block_k)          # the bench shapes all have e 4
+    ref._scatter_rows = functools.partial(ROWS, num_warps=warps, num_stages=stages)
 
 
 def runs(results: dict, gen) -> None:
@@ -229,7 +246,7 @@ def table(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="out_lesson07_backward")
-    parser.add_argument("--sections", default="bench,parts,sweep,runs")
+    parser.add_argument("--sections", default="sweep,bench,runs,parts")
     parser.add_argument("--smoke", action="store_true", help="tiny lengths on the CPU (Triton's interpreter)")
     args = parser.parse_args()
     if args.smoke:
@@ -237,7 +254,7 @@ def main() -> None:
         DEV, LENGTHS, LONG, SWEEP, H, C = "cpu", (80,), 80, SWEEP[:2], 1, 32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = dict(environment=environment(), sections=args.sections, bench=[], parts=[], sweep=[], runs=[])
+    results = dict(environment=environment(), sections=args.sections, tiles=None, bench=[], parts=[], sweep=[], runs=[])
     gen = torch.Generator(device=DEV).manual_seed(0)
     start = time.monotonic()
     for section in args.sections.split(","):

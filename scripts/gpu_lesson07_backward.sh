@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Lesson 07's backward kernels on the lent GPU, in one call: the grader on the reference (its GPU shapes,
 # bf16 too), then scripts/gpu_lesson07_backward.py (the backward rows of `yaie bench lesson07` on the
-# oldest-first, random and stable maps at l 4k and 16k, ours against PyTorch gather + matmul in the same
-# run; SECTIONS adds where the time goes, a tile sweep and the route's threshold). Logs and results go to
-# $OUT: run.log, lesson07_backward_<gpu>.json and .md.
-#   bash scripts/gpu_lesson07_backward.sh                       # grader + bench
-#   SECTIONS=bench,parts,sweep,runs bash scripts/gpu_lesson07_backward.sh
+# oldest-first and random maps at l 4k and 16k (the stable map at 4k), ours against PyTorch gather +
+# matmul in the same run; first a tile sweep whose fastest tiles the rest uses; then the route's
+# threshold and where the time goes). Logs and results go to $OUT: run.log, lesson07_backward_<gpu>.json
+# and .md.
+#   bash scripts/gpu_lesson07_backward.sh                       # grader, then every section
+#   SECTIONS=bench bash scripts/gpu_lesson07_backward.sh        # grader, then the backward rows alone
 set -uo pipefail
 OUT=${OUT:-out_lesson07_backward}
-SECTIONS=${SECTIONS:-bench}
+SECTIONS=${SECTIONS:-sweep,bench,runs,parts}
 START=$SECONDS
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
