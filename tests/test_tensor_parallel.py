@@ -245,11 +245,11 @@ def one_rank_group(tmp_path):
 
 def test_the_all_reduce_is_nccl_or_gloo_where_the_one_shot_path_is_unavailable(one_rank_group, monkeypatch):
     from yaie.model import all_reduce
-    monkeypatch.delenv(all_reduce.ENV_VAR, raising=False)
+    monkeypatch.setenv(all_reduce.ENV_VAR, "one-shot")
     monkeypatch.setattr(all_reduce, "_one_shot_tried", False)     # as in a fresh process: it is tried
     # The set-up for NCCL tries symmetric memory, which a CPU tensor cannot have: NCCL it is, for any message.
     reduce = all_reduce.AllReduce("nccl", torch.device("cpu"))
-    assert reduce.buffer is None and reduce.name == "nccl"
+    assert all_reduce._one_shot_tried and reduce.buffer is None and reduce.name == "nccl"
     assert reduce.path_for(torch.zeros(1, 4096, dtype=torch.bfloat16)) == "nccl"
     assert all_reduce.AllReduce("gloo", torch.device("cpu")).name == "gloo"
     # Where the buffer exists: small bf16 / float32 messages go one-shot, others to the reference.
@@ -259,7 +259,7 @@ def test_the_all_reduce_is_nccl_or_gloo_where_the_one_shot_path_is_unavailable(o
     assert reduce.path_for(torch.zeros(129, 4096, dtype=torch.bfloat16)) == "nccl"      # past the buffer
     assert reduce.path_for(torch.zeros(1, 4096, dtype=torch.float16)) == "nccl"         # not a dtype it adds
     assert reduce.path_for(torch.zeros(4096, 2, dtype=torch.bfloat16).t()) == "nccl"    # not contiguous
-    monkeypatch.setenv(all_reduce.ENV_VAR, "nccl")                 # the reference, asked for
+    monkeypatch.delenv(all_reduce.ENV_VAR)                           # the default: the reference
     monkeypatch.setattr(all_reduce, "_one_shot_tried", False)
     assert all_reduce.AllReduce("nccl", torch.device("cpu")).name == "nccl"
     assert all_reduce._one_shot_tried is False                       # not even tried

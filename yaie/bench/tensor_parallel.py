@@ -25,6 +25,7 @@ logits), replayed, for each all-reduce path; and whether the one-shot sums equal
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -40,6 +41,7 @@ HIDDEN, LAYERS, VOCAB = 4096, 32, 128256            # the 8B shape (yaie.bench.e
 CHECK_MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024)
 CHECK_DIR = "/tmp/yaie_tp_check"
+TOP = 5                      # log-probabilities kept per position: where two runs part, is it a near-tie?
 CLOSE_LIMIT_S = 20.0
 
 
@@ -55,9 +57,12 @@ def add_to(path: Path, key: str, value) -> None:
 
 
 def close(llm) -> None:
-    """``llm.close()``, timed; a close that does not return within ``CLOSE_LIMIT_S`` ends the process."""
+    """``llm.close()``, timed; a close that does not return within ``CLOSE_LIMIT_S`` prints where every
+    thread is, and ends the process."""
     def give_up():
-        log(f"close did not return within {CLOSE_LIMIT_S:g} s: exiting")
+        log(f"close did not return within {CLOSE_LIMIT_S:g} s; the workers alive: "
+            f"{[p.is_alive() for p in getattr(llm._workers, 'procs', [])]}; the threads:")
+        faulthandler.dump_traceback(all_threads=True)
         os._exit(3)
     timer = threading.Timer(CLOSE_LIMIT_S, give_up)
     timer.daemon = True
@@ -69,11 +74,12 @@ def close(llm) -> None:
 
 
 def check(out: Path, tp: int, graphs: bool) -> None:
-    """Greedy ids of 12 prompts over ``tp`` ranks in bf16 (run ``tp<N>_graphs`` or ``tp<N>_eager`` of
-    ``tp_check.json``). One rank: with CUDA graphs, transformers' ids in bf16 and in float32, then eager."""
+    """Greedy ids of 12 prompts over ``tp`` ranks in bf16, with the top ``TOP`` log-probabilities of every
+    position (run ``tp<N>_<path>_graphs`` or ``..._eager`` of ``tp_check.json``). One rank: with CUDA graphs,
+    then transformers in bf16 and in float32, then eager."""
     from yaie.engine import LLM, SamplingParams
     from yaie.model import parallel
-    from yaie.model.testing import hf_greedy, save_random_model
+    from yaie.model.testing import save_random_model
 
     folder = Path(CHECK_DIR)
     if not (folder / "config.json").is_file():
@@ -84,16 +90,26 @@ def check(out: Path, tp: int, graphs: bool) -> None:
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     path = out / "tp_check.json"
     add_to(path, "setup", dict(model=CHECK_MODEL, init="save_random_model('llama', seed=0)", dtype="bfloat16",
-                               prompts=len(prompts), prompt_lens=[len(p) for p in prompts], new_tokens=32))
+                               prompts=len(prompts), prompt_lens=[len(p) for p in prompts], new_tokens=32, top=TOP))
 
     def generate(with_graphs: bool) -> None:
-        run = f"tp{tp}_{'graphs' if with_graphs else 'eager'}"
-        log(f"check: {run}: starting")
+        log(f"check: {tp} GPU(s), {'CUDA graphs' if with_graphs else 'eager'}: starting")
+        # (No prefix caching: the second pass computes what the first did, not from its cached prompts.)
         llm = LLM(folder, dtype=torch.bfloat16, tensor_parallel_size=tp, cuda_graphs=with_graphs, max_num_seqs=16,
-                  num_blocks=1024, max_num_batched_tokens=1024)
-        ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        add_to(path, run, dict(ids=ids, all_reduce=parallel.all_reduce_path()))
-        log(f"check: {run}: generated (all-reduce: {parallel.all_reduce_path()})")
+                  num_blocks=1024, max_num_batched_tokens=1024, prefix_caching=False)
+        run = f"tp{tp}_{parallel.all_reduce_path() if tp > 1 else 'none'}_{'graphs' if with_graphs else 'eager'}"
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]     # looked-ahead steps
+        core = llm.open_core()                       # again, with log-probabilities (no look-ahead then)
+        requests = [core.add(p, params, logprobs=TOP) for p in prompts]
+        while core.has_unfinished():
+            core.step()
+        core.flush()
+        entries = [core.take_logprobs(r.request_id) for r in requests]
+        core.close()
+        add_to(path, run, dict(ids=[[e[0] for e in seq] for seq in entries],
+                               top=[[[[i, round(v, 4)] for i, v in e[2]] for e in seq] for seq in entries],
+                               generate_ids_same=plain == [[e[0] for e in seq] for seq in entries]))
+        log(f"check: {run} generated")
         close(llm)
 
     generate(graphs)
@@ -101,7 +117,18 @@ def check(out: Path, tp: int, graphs: bool) -> None:
         import transformers
         for dtype, name in ((torch.bfloat16, "hf_bf16"), (torch.float32, "hf_fp32")):
             hf = transformers.AutoModelForCausalLM.from_pretrained(folder).to("cuda", dtype).eval()
-            add_to(path, name, dict(ids=[hf_greedy(hf, p, params.max_tokens, []) for p in prompts]))
+            hf.generation_config.eos_token_id = None          # as ignore_eos
+            ids, top = [], []
+            for prompt in prompts:
+                x = torch.tensor([prompt], device="cuda")
+                result = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=32,
+                                     pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+                ids.append(result.sequences[0, len(prompt):].tolist())
+                logprobs = torch.log_softmax(torch.cat(result.logits).float(), dim=-1)
+                values, indices = logprobs.topk(TOP, dim=-1)
+                top.append([[[i, round(v, 4)] for i, v in zip(ii, vv)]
+                            for ii, vv in zip(indices.tolist(), values.tolist())])
+            add_to(path, name, dict(ids=ids, top=top))
             log(f"check: transformers {name} generated")
             del hf
         generate(False)
@@ -141,10 +168,11 @@ def speed(out: Path, tp: int, model_dir: Path, batches: list[int], repeats: int)
 def _collectives_rank(rank: int, init_file: str, out: str, batches: list[int], replays: int) -> None:
     from yaie.bench.harness import environment
     from yaie.model import parallel
-    from yaie.model.all_reduce import AllReduce
+    from yaie.model.all_reduce import ENV_VAR, AllReduce
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
+    os.environ[ENV_VAR] = "one-shot"
     parallel.join(rank, 2, init_file, "nccl", 120, 120)      # its all-reduce: one-shot where it works
     paths = {"nccl": AllReduce("nccl", device, requested="nccl")}
     if parallel.all_reduce_path() == "one-shot":
@@ -232,18 +260,36 @@ def report(out: Path) -> dict:
 
 
 def check_summary(runs: dict) -> dict:
-    """For each pair of runs the check compares: sequences with identical ids, and where the others part."""
-    pairs = [("tp2_graphs", "tp1_graphs"), ("tp2_eager", "tp1_eager"), ("tp1_graphs", "tp1_eager"),
-             ("tp1_graphs", "hf_bf16"), ("tp2_graphs", "hf_bf16"), ("tp1_graphs", "hf_fp32"),
-             ("tp2_graphs", "hf_fp32"), ("hf_bf16", "hf_fp32")]
-    summary = dict(setup=runs.get("setup"), all_reduce={k: v.get("all_reduce") for k, v in runs.items()
-                                                         if isinstance(v, dict) and "all_reduce" in v})
+    """Each run against the 1-GPU run with CUDA graphs, and the two transformers runs against each other: how
+    many sequences have identical ids, and where the others part, whether each run's token is among the other
+    run's ``TOP`` most likely there (a near-tie that rounding tipped) and by how much it trails the other's
+    pick there (in log-probability, the larger of the two). This is the rule vLLM's tests compare greedy
+    runs of different numerics by (``check_logprobs_close``): equal up to where they part, and parting at a
+    near-tie; a bug makes them part between tokens that are not close."""
+    named = {k: v for k, v in runs.items() if isinstance(v, dict) and "ids" in v}
+    base = "tp1_none_graphs"
+    pairs = [(k, base) for k in named if k != base] + [("hf_bf16", "hf_fp32")]
+    summary = dict(setup=runs.get("setup"))
     for a, b in pairs:
-        if a in runs and b in runs:
-            x, y = runs[a]["ids"], runs[b]["ids"]
-            firsts = [next((i for i, (s, t) in enumerate(zip(p, q)) if s != t), None) for p, q in zip(x, y)]
-            summary[f"{a} vs {b}"] = dict(identical=sum(f is None for f in firsts), of=len(firsts),
-                                          first_divergence=[f for f in firsts if f is not None])
+        if a not in named or b not in named:
+            continue
+        x, y = named[a], named[b]
+        result = dict(identical=0, of=len(x["ids"]), parted_at=[], near_tie=0, not_close=0, max_gap=0.0)
+        for i, (s, t) in enumerate(zip(x["ids"], y["ids"])):
+            pos = next((j for j, (p, q) in enumerate(zip(s, t)) if p != q), None)
+            if pos is None:
+                result["identical"] += 1
+                continue
+            result["parted_at"].append(pos)
+            top_x, top_y = dict(map(tuple, x["top"][i][pos])), dict(map(tuple, y["top"][i][pos]))
+            if t[pos] in top_x and s[pos] in top_y:
+                result["near_tie"] += 1
+                gap = max(top_x[s[pos]] - top_x[t[pos]], top_y[t[pos]] - top_y[s[pos]])
+                result["max_gap"] = max(result["max_gap"], round(gap, 4))
+            else:
+                result["not_close"] += 1
+        result["generate_ids_same"] = x.get("generate_ids_same")
+        summary[f"{a} vs {b}"] = result
     return summary
 
 
@@ -278,13 +324,15 @@ def markdown(data: dict) -> str:
     setup = check_data.get("setup")
     if setup:
         lines += ["", f"Greedy ids, random small Llama in bf16 ({setup['prompts']} prompts of "
-                      f"{min(setup['prompt_lens'])}-{max(setup['prompt_lens'])} tokens, {setup['new_tokens']} new), "
-                      f"all-reduce paths {json.dumps(check_data.get('all_reduce'))}:", ""]
-        for key, value in check_data.items():
+                      f"{min(setup['prompt_lens'])}-{max(setup['prompt_lens'])} tokens, {setup['new_tokens']} new "
+                      f"tokens each): identical sequences, and where the others part, whether at a near-tie (each "
+                      f"run's token among the other's top {setup.get('top')}; the largest log-probability gap "
+                      "there) or not:", "", "| runs | identical | parted at a near-tie | parted otherwise | "
+                      "largest gap | where they part (token) |", "|---|---:|---:|---:|---:|---|"]
+        for key, v in check_data.items():
             if " vs " in key:
-                lines.append(f"- {key}: {value['identical']} of {value['of']} identical"
-                             + (f"; the others part at tokens {value['first_divergence']}"
-                                if value["first_divergence"] else ""))
+                lines.append(f"| {key} | {v['identical']} of {v['of']} | {v['near_tie']} | {v['not_close']} | "
+                             f"{v['max_gap']:.3f} | {v['parted_at']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -63,6 +63,7 @@ class WorkerGroup:
         self.broken: str | None = None                   # why the group cannot run any more
         self.last_step: torch.cuda.Event | None = None   # marks the end of rank 0's last step on the GPU
         self.watching = False
+        self.runners: list = []                          # rank 0's open runners (yaie.engine.tp_runner)
         self._dir = tempfile.mkdtemp(prefix="yaie-tp-")
         context = mp.get_context("spawn")
         self.progress = context.Array("q", world_size, lock=False)   # steps each worker has finished
@@ -199,6 +200,13 @@ class WorkerGroup:
         ``STOP_WAIT_S``) and leave the group; safe to call twice."""
         if not self.procs:
             return
+        # Rank 0's runners first: their CUDA graphs hold the group's NCCL collectives, and a communicator that
+        # graphs still use does not end (a worker closes its runners when told, before it stops).
+        for runner in list(self.runners):
+            try:
+                runner.close()
+            except RuntimeError:               # a worker was gone: the group is stopped already
+                pass
         for pipe in self.pipes if ask else []:
             try:
                 pipe.send_bytes(pickle.dumps(("stop",)))

@@ -47,6 +47,7 @@ class TensorParallelRunner(PagedRunner):
         self.workers = workers
         self.runner_id = next(_runner_ids)
         self._sent: dict = {}          # the tables the workers hold: sequence id -> block ids
+        workers.runners.append(self)   # closed before the group ends (WorkerGroup.stop)
         scratch = self.graphs.scratch_block if self.graphs is not None else None
         workers.send(("open", self.runner_id, settings, os.environ.get(switch.ENV_VAR), scratch))
         if parallel.all_reduce_path() == "one-shot":
@@ -79,7 +80,10 @@ class TensorParallelRunner(PagedRunner):
             raise
 
     def close(self) -> None:
-        """Drop the graphs here and the workers' runner of this one."""
+        """Drop the graphs here and the workers' runner of this one (again: nothing)."""
+        if self not in self.workers.runners:
+            return
+        self.workers.runners.remove(self)
         super().close()
         if not self.workers.broken:
             self.workers.send(("close", self.runner_id))

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 ENV_VAR = "YAIE_TP_ALL_REDUCE"
-CHOICES = ("auto", "nccl", "skip")
+CHOICES = ("nccl", "one-shot", "skip")
+DEFAULT = "nccl"
 ONE_SHOT_MAX_BYTES = 1 << 20         # 128 rows of 4096 bf16: decode batches; a prefill's rows go to NCCL
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)     # what torch's one-shot kernel adds
 
@@ -54,17 +55,17 @@ class AllReduce:
     Args:
         backend: the group's, ``"nccl"`` or ``"gloo"``.
         device: this rank's device (the one-shot buffer's, on CUDA).
-        requested: ``"auto"``, ``"nccl"`` or ``"skip"`` (see the module docstring); default: ``YAIE_TP_ALL_REDUCE``,
-            else ``"auto"``.
+        requested: ``"nccl"``, ``"one-shot"`` or ``"skip"`` (see the module docstring); default:
+            ``YAIE_TP_ALL_REDUCE``, else ``DEFAULT``.
     """
 
     def __init__(self, backend: str, device: torch.device, requested: str | None = None):
-        requested = requested or os.environ.get(ENV_VAR) or "auto"
+        requested = requested or os.environ.get(ENV_VAR) or DEFAULT
         if requested not in CHOICES:
             raise ValueError(f"{ENV_VAR} must be one of {CHOICES}, got {requested!r}")
         self.backend, self.requested = backend, requested
         self.buffer: torch.Tensor | None = None
-        if backend == "nccl" and requested == "auto":
+        if backend == "nccl" and requested == "one-shot":
             self.buffer = one_shot_buffer(device, ONE_SHOT_MAX_BYTES)
         self.group_name = dist.group.WORLD.group_name if self.buffer is not None else None
 

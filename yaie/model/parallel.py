@@ -14,13 +14,18 @@ small messages of decode steps; :func:`all_reduce_path` says which.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
+import warnings
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from yaie.model.all_reduce import AllReduce
+
+
+LEAVE_WAIT_S = 10.0
 
 
 class _Group:
@@ -78,12 +83,18 @@ def join(rank: int, world_size: int, init_file: str, backend: str, timeout_s: fl
 
 def leave() -> None:
     """Leave the group (nothing when not in one); the process is a single rank again. NCCL's communicators
-    are aborted, not destroyed: a destroy waits until every collective this process queued reports done, and
-    those recorded into CUDA graphs never do."""
+    are aborted, not destroyed (a destroy waits until every collective this process queued reports done, and
+    those recorded into CUDA graphs never do), and the abort is given ``LEAVE_WAIT_S``: past that it is left
+    to finish in a thread of its own, and this process cannot join another group."""
     if dist.is_initialized():
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)     # torch >= 2.5
         if dist.get_backend() == "nccl" and abort is not None:
-            abort()
+            thread = threading.Thread(target=abort, name="yaie-tp-abort", daemon=True)
+            thread.start()
+            thread.join(LEAVE_WAIT_S)
+            if thread.is_alive():
+                warnings.warn(f"NCCL's abort did not return within {LEAVE_WAIT_S:g} s; left running",
+                              RuntimeWarning, stacklevel=2)
         else:
             dist.destroy_process_group()
     _group.rank, _group.world_size = 0, 1
