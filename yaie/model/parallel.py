@@ -7,8 +7,9 @@ calls them unconditionally and pays nothing.
 
 The collectives are called from inside a forward pass, so on CUDA they queue work on the device and never
 wait for it (they may be recorded into a CUDA graph). The all-reduce takes one of two paths
-(:mod:`yaie.model.all_reduce`): NCCL's (gloo's on the CPU), or a one-shot kernel over symmetric memory for the
-small messages of decode steps; :func:`all_reduce_path` says which.
+(:mod:`yaie.model.all_reduce`): NCCL's (gloo's on the CPU; the default), or, when ``YAIE_TP_ALL_REDUCE=one-shot``
+asks for it, a one-shot kernel over symmetric memory for the small messages of decode steps;
+:func:`all_reduce_path` says which.
 """
 
 from __future__ import annotations
