@@ -281,6 +281,8 @@ def check_summary(runs: dict) -> dict:
                 result["identical"] += 1
                 continue
             result["parted_at"].append(pos)
+            if "top" not in x or "top" not in y:                 # a run without log-probabilities: not judged
+                continue
             top_x, top_y = dict(map(tuple, x["top"][i][pos])), dict(map(tuple, y["top"][i][pos]))
             if t[pos] in top_x and s[pos] in top_y:
                 result["near_tie"] += 1
