@@ -24,12 +24,18 @@ depend on the weights having seen such lengths.
     python scripts/gpu_lesson08_memory.py MODEL_DIR --full FULL_MODEL_DIR --device cpu --lengths 64,200 \
         --batches 1,3 --decode-steps 4      # a smoke run of the script's logic on a CPU
 
+With ``--full`` on a GPU it also counts the kernels of one decode step at batch 1 and the first length, for
+both models (``--kernel-steps``, 0 to skip): torch.profiler over two ``generate`` calls (1 and 1 +
+``--kernel-steps`` new tokens), the difference divided by the steps; copies and fills (Memcpy, Memset) are
+counted apart. At the end a table puts the two models' tokens/s side by side.
+
 ``YAIE_GIT_COMMIT`` (when set) names the commit in the results.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -56,7 +62,10 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, default=512, help="decode steps timed in the --full comparison")
     p.add_argument("--memory-steps", type=int, default=64, help="decode steps of the BasedCache memory run")
     p.add_argument("--batches", default="1,16", help="sequences decoding together in the --full comparison")
+    p.add_argument("--kernel-steps", type=int, default=32,
+                   help="--full on a GPU: decode steps profiled to count the kernels of a step (0: skip)")
     args = p.parse_args()
+    started = time.perf_counter()
     cuda = args.device == "cuda"
     if not cuda:
         from yaie.device import prepare_triton
@@ -98,16 +107,26 @@ def main() -> None:
     result = dict(commit=os.environ.get("YAIE_GIT_COMMIT"), command="python " + " ".join(sys.argv),
                   model=str(args.model), gpu=torch.cuda.get_device_name() if cuda else "cpu",
                   torch=torch.__version__, rows=rows)
+    print(f"memory rows done after {time.perf_counter() - started:.0f} s", flush=True)
     if args.full:
         lengths = [int(x) for x in args.lengths.split(",")]
         batches = [int(x) for x in args.batches.split(",")]
+        count = cuda and args.kernel_steps > 0
+        kernels = {}
         decode = {"based": engine_decode_speed(llm, lengths, batches, args.decode_steps, sync, "based")}
+        if count:
+            kernels["based"] = kernels_per_decode_step(llm, lengths[0], args.kernel_steps, "based")
+        print(f"Based decode done after {time.perf_counter() - started:.0f} s", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             full = LLM(long_context_copy(args.full, tmp, max(lengths) + args.decode_steps + 16), device=args.device,
                        prefix_caching=False)
             decode["full_attention"] = engine_decode_speed(full, lengths, batches, args.decode_steps, sync,
                                                             "full attention")
+            if count:
+                kernels["full_attention"] = kernels_per_decode_step(full, lengths[0], args.kernel_steps,
+                                                                    "full attention")
             del full
+        print(f"full-attention decode done after {time.perf_counter() - started:.0f} s", flush=True)
         result["engine_decode"] = dict(
             based_model=str(args.model), full_attention_model=str(args.full), decode_steps=args.decode_steps,
             based_cuda_graphs=llm.settings.cuda_graphs,
@@ -115,8 +134,17 @@ def main() -> None:
                        full_attention_tokens_per_s=decode["full_attention"][n, b],
                        based_over_full=round(decode["based"][n, b] / decode["full_attention"][n, b], 3))
                   for n in lengths for b in batches])
+        if kernels:
+            result["engine_decode"]["kernels_per_decode_step"] = dict(prompt_tokens=lengths[0], batch=1, **kernels)
         for row in result["engine_decode"]["rows"]:
             print(json.dumps(row), flush=True)
+        print("\n| context | batch | Based tok/s | full attention tok/s | Based / full |\n|---:|---:|---:|---:|---:|")
+        for row in result["engine_decode"]["rows"]:
+            print(f"| {row['prompt_tokens']} | {row['batch']} | {row['based_tokens_per_s']:.0f} | "
+                  f"{row['full_attention_tokens_per_s']:.0f} | {row['based_over_full']:.2f} |")
+        for label, found in kernels.items():
+            print(f"kernels per decode step ({label}, batch 1, {lengths[0]} tokens): {found}")
+        print(f"done after {time.perf_counter() - started:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
@@ -140,6 +168,34 @@ def long_context_copy(model_dir: str, tmp: str, context: int) -> str:
             except OSError:
                 shutil.copy(src, os.path.join(dst, name))
     return dst
+
+
+def kernels_per_decode_step(llm, length: int, steps: int, label: str) -> dict:
+    """Kernels one decode step of one sequence launches (CUDA graphs included: the profiler sees the kernels
+    of a replay): ``{"kernels": ..., "copies_and_fills": ...}`` per step, from the difference of two profiled
+    ``generate`` calls on the same prompt of ``length`` random ids (1 and ``1 + steps`` new tokens)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(2, llm.config.vocab_size - 64, (length,), generator=gen).tolist()
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))     # graphs, compiles
+    counts = {}
+    for new in (1, 1 + steps):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+            torch.cuda.synchronize()
+        found = collections.Counter()
+        for event in prof.key_averages():
+            if event.device_type == DeviceType.CUDA:
+                kind = "copies_and_fills" if event.key.startswith(("Memcpy", "Memset")) else "kernels"
+                found[kind] += event.count
+        counts[new] = found
+    per_step = {kind: round((counts[1 + steps][kind] - counts[1][kind]) / steps, 2)
+                for kind in ("kernels", "copies_and_fills")}
+    print(f"{label}: {length} tokens, batch 1: {per_step} per decode step", flush=True)
+    return per_step
 
 
 def engine_decode_speed(llm, lengths: list[int], batches: list[int], steps: int, sync, label: str) -> dict:

@@ -161,6 +161,98 @@ def test_decode_only_grows_nothing():
     assert state.kv.shape == (1, 2, 273, 16) and state.k.shape == (1, 2, 273)
 
 
+
+# ---------------------------------------------------------------- the fused decode kernel (interpreter)
+
+def _decode_case(heads: int, value_dim: int, dtype, steps: int, seed: int, prefix: int = 5):
+    """Batch 2: a state after ``prefix`` tokens (the chunked algorithm), then ``steps`` tokens to decode."""
+    q, k, v = (torch.cat(pair, 0) for pair in zip(_qkv(prefix + steps, value_dim, heads, dtype, seed),
+                                                   _qkv(prefix + steps, value_dim, heads, dtype, seed + 1)))
+    _, state = ref.based_chunked_reference(q[:, :, :prefix], k[:, :, :prefix], v[:, :, :prefix])
+    return q, k, v, state
+
+
+@pytest.mark.parametrize("heads,value_dim,dtype", [(2, 16, torch.float32), (4, 64, torch.float16),
+                                                   (3, 100, torch.float32), (2, 64, torch.bfloat16)])
+def test_fused_decode_equals_the_float64_reference(heads, value_dim, dtype):
+    """Step after step, the fused kernel's output and state equal the PyTorch step in float64, in place."""
+    q, k, v, state = _decode_case(heads, value_dim, dtype, steps=3, seed=value_dim)
+    exact = ref.BasedState(state.kv.double(), state.k.double())
+    pointers = (state.kv.data_ptr(), state.k.data_ptr())
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # a 16-bit output
+    for t in range(5, q.shape[2]):
+        x = (q[:, :, t], k[:, :, t], v[:, :, t])
+        out = ref._launch_decode(*x, state)
+        want = ref.based_decode_reference(*(y.double() for y in x), exact)
+        assert out.dtype == dtype and out.shape == (2, heads, value_dim)
+        torch.testing.assert_close(out.double(), want, **tol)
+        torch.testing.assert_close(state.kv.double(), exact.kv, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(state.k.double(), exact.k, atol=1e-4, rtol=1e-5)
+    assert (state.kv.data_ptr(), state.k.data_ptr()) == pointers
+
+
+def test_fused_decode_reads_views_as_the_engine_passes_them():
+    """q, k, v split from one projection row per sequence (strided views) and a state that is the leading
+    rows of a larger one: the kernel equals the PyTorch step, and the rows past the batch stay untouched."""
+    heads, value_dim = 2, 24
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, heads * (16 + 16 + value_dim), generator=gen)
+    q, k, v = qkv.split([heads * 16, heads * 16, heads * value_dim], -1)
+    q, k, v = q.reshape(2, heads, 16), k.reshape(2, heads, 16), v.reshape(2, heads, value_dim)
+    rows = ref.BasedState(torch.rand(3, heads, 273, value_dim, generator=gen),
+                          torch.rand(3, heads, 273, generator=gen) + 1)
+    naive = ref.BasedState(rows.kv.clone(), rows.k.clone())
+    out = ref._launch_decode(q, k, v, ref.BasedState(rows.kv[:2], rows.k[:2]))
+    want = ref.based_decode_reference(q, k, v, ref.BasedState(naive.kv[:2], naive.k[:2]))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rows.kv, naive.kv, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(rows.k, naive.k, atol=1e-5, rtol=1e-6)
+    assert torch.equal(rows.kv[2], naive.kv[2]) and torch.equal(rows.k[2], naive.k[2])
+
+
+def test_decode_step_runs_the_kernel_and_bad_input_leaves_the_state_untouched(monkeypatch):
+    """based_decode_step on the kernel's route (CUDA's, here in the interpreter): one launch for a good step;
+    a bad call raises ValueError before anything is written."""
+    monkeypatch.setattr(ref, "_decode_kernel_runs", lambda q: True)
+    launches = []
+    real = ref._launch_decode
+    monkeypatch.setattr(ref, "_launch_decode", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    q, k, v, state = _decode_case(2, 32, torch.float32, steps=1, seed=7)
+    x = (q[:, :, 5], k[:, :, 5], v[:, :, 5])
+    before = ref.BasedState(state.kv.clone(), state.k.clone())
+    bad = [(x[0], x[1], x[2][..., :16], state),                                   # v narrower than the state
+           (x[0], x[1], x[2], ref.empty_state(2, 3, 32)),                           # other heads
+           (x[0], x[1], x[2], ref.BasedState(state.kv.double(), state.k.double())),  # a float64 state
+           (q[:, :, 5:7], k[:, :, 5:7], v[:, :, 5:7], state),                      # two tokens
+           (x[0], x[1].half(), x[2], state)]                                        # mixed dtypes
+    for args in bad:
+        with pytest.raises(ValueError):
+            ref.based_decode_step(*args)
+    assert not launches and torch.equal(state.kv, before.kv) and torch.equal(state.k, before.k)
+    out = ref.based_decode_step(*x, state)
+    assert launches == [1]
+    torch.testing.assert_close(out, ref.based_decode_reference(*x, before), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("value_dim,dtype", [(32, torch.bfloat16), (64, torch.float16), (100, torch.float32),
+                                             (256, torch.bfloat16)])
+def test_decode_step_on_cuda_runs_the_kernel_and_equals_the_pytorch_step(value_dim, dtype):
+    """On a GPU based_decode_step is the fused kernel: 16 steps (batch 2, 4 heads) equal the PyTorch step's in
+    float64."""
+    q, k, v, state = _decode_case(4, value_dim, dtype, steps=16, seed=value_dim)
+    q, k, v = (x.cuda() for x in (q, k, v))
+    assert ref._decode_kernel_runs(q)
+    exact = ref.BasedState(state.kv.double().cuda(), state.k.double().cuda())
+    state = ref.BasedState(state.kv.cuda(), state.k.cuda())
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for t in range(5, q.shape[2]):
+        x = (q[:, :, t], k[:, :, t], v[:, :, t])
+        out = ref.based_decode_step(*x, state)
+        torch.testing.assert_close(out.double(), ref.based_decode_reference(*(y.double() for y in x), exact), **tol)
+    torch.testing.assert_close(state.kv.double(), exact.kv, atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(state.k.double(), exact.k, atol=1e-3, rtol=1e-5)
+
 def test_state_and_kv_cache_memory_figures():
     # One layer of 16 heads, d_v = 64: 273 * 65 float32 numbers per head, whatever the length.
     assert ref.state_bytes(16, 64) == 16 * 273 * 65 * 4

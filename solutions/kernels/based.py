@@ -69,7 +69,12 @@ tile used here) the transposed one was 1.3-1.5x faster than the others
 (bench/results/lesson08_h100_state_forms.md). From 2k tokens on, segments of 128 and 512 tokens take 1-7%
 more time than 256; more tokens per step (256) or 8 warps are slower.
 
-**Recurrent decode** (task 3): one token updates the state and reads its output from it.
+**Recurrent decode** (task 3): one token updates the state and reads its output from it. In PyTorch that
+is some twenty small ops (two feature maps, the outer-product update, the product with the state, the
+normaliser), each a kernel launch on a GPU, for very little work at batch 1. The reference keeps that form
+for the CPU (``based_decode_reference``) and runs the step on CUDA as one kernel per call
+(:func:`_based_decode_kernel`: one program per sequence and head walks the 273 rows of its state once, adding
+the token and reading the output from the updated rows). docs/based_decode.md counts the engine's kernels.
 
 Layouts: ``q, k [batch, heads, seq, 16]``, ``v [batch, heads, seq, d_v]`` (any strides); the state is
 :class:`BasedState` (``kv [batch, heads, 273, d_v]`` and ``k [batch, heads, 273]``, float32).
@@ -990,6 +995,115 @@ def based_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size:
     return out, (state if return_state else None)
 
 
+# yaie: solution-only
+def based_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BasedState) -> torch.Tensor:
+    """The decode step in plain PyTorch: what :func:`based_decode_step` computes, op by op (the naive reference).
+
+    Same arguments, result and in-place update as :func:`based_decode_step`, without its input checks;
+    computes in float32 (float64 inputs with a float64 state: in float64, for checks). The reference's CPU
+    path. On a GPU each op is a kernel of its own: 21 per call for 16-bit inputs (each feature map a cast and
+    five ops, the cast of v, the outer product and its add, the add to ``k``, the product with the state, the
+    normaliser's product and sum, the division, the cast back; 17 for float32, whose casts do nothing),
+    where :func:`based_decode_step` launches one (:func:`_based_decode_kernel`).
+    """
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kv, ks = state
+    phi_q = taylor_feature_map(q.to(compute))                  # [b, h, 273]
+    phi_k = taylor_feature_map(k.to(compute))
+    kv.add_(phi_k[..., :, None] * v.to(compute)[..., None, :])     # one outer product per (sequence, head)
+    ks.add_(phi_k)
+    num = torch.einsum("bhf,bhfd->bhd", phi_q, kv)
+    den = (phi_q * ks).sum(-1)
+    return (num / den[..., None]).to(q.dtype)
+
+
+# yaie: solution-only
+@triton.jit
+def _taylor_rows(X, stride_x, rows):
+    """Rows ``rows`` of ``phi(x)`` (float32) for the one 16-vector ``x`` at ``X``, in the layout of
+    :func:`taylor_feature_map`: row 0 is 1, row ``1 + a`` is ``x_a / 2``, row ``17 + 16 a + b`` is
+    ``x_a x_b / (4 sqrt 2)``; rows from 273 on are 0. The entries come from memory by index (16 numbers,
+    read again from the cache)."""
+    order1 = (rows >= 1) & (rows < 17)
+    order2 = (rows >= 17) & (rows < 273)
+    pair = rows - 17
+    x1 = tl.load(X + (rows - 1) * stride_x, mask=order1, other=0.0).to(tl.float32)
+    xa = tl.load(X + (pair // 16) * stride_x, mask=order2, other=0.0).to(tl.float32)
+    xb = tl.load(X + (pair % 16) * stride_x, mask=order2, other=0.0).to(tl.float32)
+    return tl.where(rows == 0, 1.0, 0.5 * x1 + 0.17677669529663687 * xa * xb)    # 1 / (4 sqrt 2)
+
+
+# yaie: solution-only
+@triton.jit
+def _based_decode_kernel(
+    Q, K, V, O, STATE_KV, STATE_K,
+    stride_qb, stride_qh, stride_qf, stride_kb, stride_kh, stride_kf, stride_vb, stride_vh, stride_vd,
+    stride_ob, stride_oh, stride_sb, stride_sh, stride_sf, stride_sd, stride_zb, stride_zh, stride_zf,
+    heads, value_dim,
+    BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """The whole decode step of one (sequence, head) per program, in one pass over its state.
+
+    The state's 273 feature rows, ``BLOCK_F`` at a time: build those rows of ``phi(q)`` and ``phi(k)`` in
+    registers, add ``phi(k) v^T`` and ``phi(k)`` to the rows of ``kv`` and ``k`` (each read once and written
+    once, in float32, in place), and add the rows' share of ``phi(q) @ kv`` and ``phi(q) . k``, read from
+    the updated rows (the token sees itself). Then one division, stored in the output's dtype. Grid:
+    ``(batch * heads,)``.
+    """
+    pid = tl.program_id(0)
+    batch = (pid // heads).to(tl.int64)
+    head = (pid % heads).to(tl.int64)
+    q_base = Q + batch * stride_qb + head * stride_qh
+    k_base = K + batch * stride_kb + head * stride_kh
+    kv_base = STATE_KV + batch * stride_sb + head * stride_sh
+    z_base = STATE_K + batch * stride_zb + head * stride_zh
+    offs_v = tl.arange(0, BLOCK_V)
+    v_ok = offs_v < value_dim
+    v = tl.load(V + batch * stride_vb + head * stride_vh + offs_v * stride_vd, mask=v_ok, other=0.0).to(tl.float32)
+
+    num = tl.zeros([BLOCK_V], dtype=tl.float32)
+    den = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for start in range(0, 273, BLOCK_F):
+        rows = start + tl.arange(0, BLOCK_F)
+        row_ok = rows < 273
+        phi_q = _taylor_rows(q_base, stride_qf, rows)
+        phi_k = _taylor_rows(k_base, stride_kf, rows)
+        kv_ptrs = kv_base + rows[:, None] * stride_sf + offs_v[None, :] * stride_sd
+        kv_ok = row_ok[:, None] & v_ok[None, :]
+        kv = tl.load(kv_ptrs, mask=kv_ok, other=0.0) + phi_k[:, None] * v[None, :]
+        tl.store(kv_ptrs, kv, mask=kv_ok)
+        z = tl.load(z_base + rows * stride_zf, mask=row_ok, other=0.0) + phi_k
+        tl.store(z_base + rows * stride_zf, z, mask=row_ok)
+        num += tl.sum(phi_q[:, None] * kv, 0)
+        den += phi_q * z
+    out = num / tl.sum(den, 0)
+    tl.store(O + batch * stride_ob + head * stride_oh + offs_v, out.to(O.dtype.element_ty), mask=v_ok)
+
+
+# yaie: solution-only
+def _launch_decode(q, k, v, state, block_f: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """Launch :func:`_based_decode_kernel` on checked inputs (any strides); returns ``out [batch, heads, d_v]``
+    in q's dtype. ``block_f``: feature rows per block (default: a ``[block_f, d_v]`` tile of 4096 numbers).
+    Compiled for sm_90 (ptxas; bf16 and float32; d_v 32, 64, 100, 128, 256) the kernel does not spill; the
+    same loop unrolled (``tl.static_range``) spilled at d_v 100 (8.8 KB in float32) and 256 (0.5-0.8 KB)."""
+    batch, heads, value_dim = v.shape
+    kv, ks = state
+    out = torch.empty(batch, heads, value_dim, dtype=q.dtype, device=q.device)
+    block_v = max(16, triton.next_power_of_2(value_dim))
+    block_f = block_f or max(16, min(128, 4096 // block_v))
+    _based_decode_kernel[(batch * heads,)](
+        q, k, v, out, kv, ks, *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(1),
+        *kv.stride(), *ks.stride(), heads, value_dim, BLOCK_F=block_f, BLOCK_V=block_v, num_warps=num_warps)
+    return out
+
+
+# yaie: solution-only
+def _decode_kernel_runs(q: torch.Tensor) -> bool:
+    """Whether :func:`based_decode_step` runs the fused kernel: on CUDA tensors. On the CPU it runs
+    :func:`based_decode_reference` (the interpreter would run the kernel, far slower; the tests run it)."""
+    return q.is_cuda
+
+
 # yaie: task 3
 def based_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BasedState) -> torch.Tensor:
     """One decode step of Based attention: fold one new token into ``state`` (in place), then read its output.
@@ -1007,11 +1121,7 @@ def based_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: 
     Raises:
         ValueError: through :func:`check_based_inputs` (``decode=True``); the state is left untouched.
     """
-    check_based_inputs(q, k, v, state, decode=True)
-    phi_q = taylor_feature_map(q.float())                      # [b, h, 273]
-    phi_k = taylor_feature_map(k.float())
-    state.kv.add_(phi_k[..., :, None] * v.float()[..., None, :])   # one outer product per (sequence, head)
-    state.k.add_(phi_k)
-    num = torch.einsum("bhf,bhfd->bhd", phi_q, state.kv)
-    den = (phi_q * state.k).sum(-1)
-    return (num / den[..., None]).to(q.dtype)
+    check_based_inputs(q, k, v, state, decode=True)     # shapes, dtypes, devices only: no device sync
+    if _decode_kernel_runs(q):
+        return _launch_decode(q, k, v, state)            # one launch (a CUDA graph of the engine records it)
+    return based_decode_reference(q, k, v, state)

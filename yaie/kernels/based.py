@@ -73,7 +73,12 @@ tile used here) the transposed one was 1.3-1.5x faster than the others
 (bench/results/lesson08_h100_state_forms.md). From 2k tokens on, segments of 128 and 512 tokens take 1-7%
 more time than 256; more tokens per step (256) or 8 warps are slower.
 
-**Recurrent decode** (task 3): one token updates the state and reads its output from it.
+**Recurrent decode** (task 3): one token updates the state and reads its output from it. In PyTorch that
+is some twenty small ops (two feature maps, the outer-product update, the product with the state, the
+normaliser), each a kernel launch on a GPU, for very little work at batch 1. The reference keeps that form
+for the CPU (``based_decode_reference``) and runs the step on CUDA as one kernel per call
+(:func:`_based_decode_kernel`: one program per sequence and head walks the 273 rows of its state once, adding
+the token and reading the output from the updated rows). docs/based_decode.md counts the engine's kernels.
 
 Layouts: ``q, k [batch, heads, seq, 16]``, ``v [batch, heads, seq, d_v]`` (any strides); the state is
 :class:`BasedState` (``kv [batch, heads, 273, d_v]`` and ``k [batch, heads, 273]``, float32).

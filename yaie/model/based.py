@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
+from yaie import ops
 from yaie.model import base_conv
 from yaie.model.llama import LayerWeights, LlamaModel
 
@@ -45,9 +45,10 @@ class BasedModel(LlamaModel):
         if n not in cfg.based_layers:
             return super()._attention_block(layer, n, h, positions, cache)   # RoPE + sliding-window attention
         heads, feat, d = cfg.num_heads, cfg.based_feature_dim, cfg.head_dim
-        q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([heads * feat, heads * feat, heads * d], dim=-1)
+        # ops.linear: cuBLAS, or for one row on CUDA lesson 02's one-row kernel (as the other layers' products).
+        q, k, v = ops.linear(h, layer.qkv, layer.qkv_bias).split([heads * feat, heads * feat, heads * d], dim=-1)
         out = cache.attend_linear(n, q.reshape(-1, heads, feat), k.reshape(-1, heads, feat), v.reshape(-1, heads, d))
-        return F.linear(out.reshape(-1, heads * d), layer.o, layer.o_bias)
+        return ops.linear(out.reshape(-1, heads * d), layer.o, layer.o_bias)
 
 
 def based_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

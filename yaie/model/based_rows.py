@@ -89,7 +89,7 @@ class BasedRows:
         window_layers = [n for n in range(cfg.num_layers) if n not in cfg.based_layers and n not in self.conv_states]
         self.window_index = {n: i for i, n in enumerate(window_layers)}   # model layer -> ring layer
         self.window = self.block_size = 0
-        self.manager = self.tables = None
+        self.manager = self.tables = self.slots = None
         if window_layers:
             windows = {cfg.sliding_windows[n] for n in window_layers}
             if len(windows) != 1 or None in windows:
@@ -106,6 +106,9 @@ class BasedRows:
             for cache in (*self.manager.k_cache, *self.manager.v_cache):
                 cache.zero_()      # the PyTorch path weighs unwritten slots by 0, and 0 * NaN garbage is NaN
             self.tables = self.manager.block_table(rings).to(torch.int32).contiguous()   # [rows, pages]
+            # The cache slot of each ring entry, [rows, window] (int64): a decode step looks its slots up here.
+            self.slots = (self.tables.to(torch.int64)[:, :, None] * self.block_size
+                          + torch.arange(self.block_size, device=self.device)).flatten(1)
         self.ids = torch.zeros(2, rows, dtype=torch.int64, device=self.device)   # decode input: tokens, positions
         self.last_rows: int | None = None         # rows of the last decode step, while unchanged (decode_next)
         self.buckets = buckets(capacity)
@@ -202,9 +205,10 @@ class BasedRows:
         for conv in self.conv_states.values():
             conv[dst].copy_(conv[src])
         if self.tables is not None:        # a swap by copies: an index list from the host would wait for the device
-            held = self.tables[dst].clone()
-            self.tables[dst].copy_(self.tables[src])
-            self.tables[src].copy_(held)
+            for table in (self.tables, self.slots):
+                held = table[dst].clone()
+                table[dst].copy_(table[src])
+                table[src].copy_(held)
 
     # ------------------------------------------------------------------ decode step, graphs
     def _step(self, rows: int) -> torch.Tensor:
@@ -257,15 +261,12 @@ class BasedRows:
             conv[:copy.shape[0]].copy_(copy)
 
     # ------------------------------------------------------------------ the layers
-    def ring_slots(self, rows: torch.Tensor | slice, positions: torch.Tensor) -> torch.Tensor:
-        """Cache slots (int64) of the tokens at ``positions`` of the sequences in ``rows`` (one row per
-        position, or one row for all): page ``table[(p mod window) // block_size]``, then the offset in it."""
+    def ring_slots(self, rows: int | slice, positions: torch.Tensor) -> torch.Tensor:
+        """Cache slots (int64) of the tokens at ``positions`` of the sequences in ``rows`` (one row for all
+        positions, or a slice of rows, one position each): ring entry ``p mod window`` of the row's ``slots``."""
         ring = positions % self.window
-        tables = self.tables[rows]
-        if tables.dim() == 1:
-            tables = tables.expand(positions.shape[0], -1)
-        pages = tables.gather(1, (ring // self.block_size).unsqueeze(1)).squeeze(1).to(torch.int64)
-        return pages * self.block_size + ring % self.block_size
+        slots = self.slots[rows]
+        return slots[ring] if slots.dim() == 1 else slots.gather(1, ring.unsqueeze(1)).squeeze(1)
 
     def prefill_window(self, layer: int, row: int, q, k, v) -> torch.Tensor:
         """A window layer over a whole prompt (``[t, heads, d]``, RoPE applied); its last keys go to the ring."""
@@ -286,19 +287,23 @@ class BasedRows:
         ops.write_kv(self.manager, self.window_index[layer], self.ring_slots(row, positions), k[-kept:], v[-kept:])
         return out
 
-    def decode_window(self, layer: int, q, k, v, slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    def decode_window(self, layer: int, q, k, v, slots: torch.Tensor, context_lens: torch.Tensor,
+                      rope: tuple | None = None) -> torch.Tensor:
         """A window layer, one token per row (``q [rows, heads, d]``): write each row's key and value at its
-        ring slot, then attend over the ring's first ``context_lens`` slots."""
+        ring slot, then attend over the ring's first ``context_lens`` slots. ``rope``: ``(cos, sin,
+        positions)`` when ``q, k`` are not rotated yet; the rotation and the write are then one kernel on
+        CUDA (:func:`yaie.ops.rope_and_write_kv`)."""
         index, rows = self.window_index[layer], q.shape[0]
-        ops.write_kv(self.manager, index, slots, k, v)
+        if rope is None:
+            ops.write_kv(self.manager, index, slots, k, v)
+        else:
+            q, k = ops.rope_and_write_kv(self.manager, index, slots, q, k, v, *rope)
         k_cache, v_cache = self.manager.k_cache[index], self.manager.v_cache[index]
         if self.use_kernels:
             return ops.call(4, "paged_attention_forward", q, k_cache, v_cache, self.tables[:rows], context_lens,
                             self.window, validate=False)
         # PyTorch: gather each row's ring, mask the slots not written yet, lesson 01's attention.
-        ring = self.tables[:rows].to(torch.int64)[:, :, None] * self.block_size + \
-            torch.arange(self.block_size, device=q.device)                      # [rows, pages, block]
-        ring = ring.flatten(1)                                                  # [rows, window]
+        ring = self.slots[:rows]                                                # [rows, window]
         keys = k_cache.flatten(0, 1)[ring].transpose(1, 2)                      # [rows, kv_heads, window, d]
         values = v_cache.flatten(0, 1)[ring].transpose(1, 2)
         seen = torch.arange(self.window, device=q.device) < context_lens[:, None]
@@ -418,8 +423,9 @@ class _Decode:
             self.ring_slots = owner.ring_slots(slice(0, rows), positions)
             self.context_lens = (positions + 1).clamp(max=owner.window).to(torch.int32)
 
-    def attend(self, layer, q, k, v, sliding_window=None):
-        return self.owner.decode_window(layer, q, k, v, self.ring_slots, self.context_lens)
+    def rope_and_attend(self, layer, q, k, v, cos, sin, positions, sliding_window=None):
+        # The model leaves RoPE to the cache (as with a paged step): one kernel rotates and writes to the ring.
+        return self.owner.decode_window(layer, q, k, v, self.ring_slots, self.context_lens, (cos, sin, positions))
 
     def attend_linear(self, layer, q, k, v):
         return self.owner.decode_linear(layer, q, k, v)
