@@ -11,9 +11,10 @@ writes the new tokens: the kernel takes those from ``k`` and ``v``), and, with a
 that no new token sees. A kernel that reads one row it should not turns its output into NaN.
 
 Batches are ragged: one new token (a decode step), a few, many; prefixes of 0 tokens and of many blocks.
-On a CPU the kernel runs in the Triton interpreter: small shapes, float32 and float16 (the interpreter's
-bf16 tl.dot is broken; fp8 caches with float16 q). On a GPU: bf16, fp8 caches with bf16 q, and the shapes
-of real models.
+On a CPU the kernel runs in the Triton interpreter: small shapes, float32 everywhere and float16 (the
+interpreter's bf16 tl.dot is broken; fp8 caches with float16 q). On a GPU: bf16 (the engine's dtype), fp8
+caches with bf16 and float16 q, float32 in one check, and the shapes of real models (see ``GPU_CASES`` for
+why they all share one head size and block size). The float64 reference runs on the batch's device.
 """
 
 from __future__ import annotations
@@ -39,12 +40,29 @@ CPU_CASES = [
     ([50, 9], [12, 24], 4, 1, 80, 16),             # head_dim 80 (padded), multi-query
     ([70, 16, 5], [25, 3, 40], 2, 2, 96, 8),       # head_dim 96, a prefix of many blocks
 ]
+# Why the GPU cases are what they are: on a GPU each distinct set of the kernel's constexprs (head_dim,
+# block_size, the tiles max_query_len picks, dtype, window or not, sinks, fp8, skip_decode, the K layout) and
+# of its int specialisations (Triton compiles an int argument that is 1, or divisible by 16, apart: the
+# window, the GQA group, every stride) is a compile of several seconds; a run takes microseconds. So every GPU
+# check of this file shares compiled variants: head_dim 64 (Llama-3.2-1B, gpt-oss), block_size 16, a longest
+# query of 65..1023 new tokens (the 128 x 32 tiles of a prefill of a few hundred tokens), GQA groups other
+# than 1 and 16, bf16 (the engine's dtype; the interpreter checks float32 everywhere). Each check then adds
+# only what its point needs (a window, sinks, an fp8 cache, skip_decode with the vector K layout) and the later
+# checks find the rest compiled. Lengths and head counts are free but for two strides: the total of new tokens
+# (the lse's row stride) is never a multiple of 16 here, nor is a block table's width (Batch pads it). Head
+# sizes 80 and 96 (padded) are the CPU cases'; on a GPU the float32 check pads one.
 GPU_CASES = [
-    ([0, 1000, 2047, 333], [700, 1, 300, 129], 32, 8, 128, 16),   # a Llama-8B-like layer, GQA 4:1
-    ([4096, 17], [1, 1100], 16, 2, 96, 32),                        # head_dim 96, GQA 8:1
-    ([600, 1500, 64], [513, 77, 256], 12, 4, 80, 16),             # head_dim 80
+    ([0, 1000, 2047, 333], [700, 1, 300, 129], 32, 8, 64, 16),    # a Llama-3.2-1B-like layer, GQA 4:1
+    ([4096, 17], [1, 1000], 16, 2, 64, 16),                        # a long prefix, GQA 8:1
+    ([600, 1500, 64], [513, 77, 256], 12, 4, 64, 16),             # GQA 3:1
 ]
-# (case index, window): windows that start inside the prefix, inside the new tokens, or hold one token.
+# float32 on a GPU: its exact ("ieee") dot products compile into FMA loops whose size grows with the head
+# size (17 s at 128, 3 s at 8), so the float32 check runs the GPU batches at head_dim 8: padded to 16 inside
+# (the GPU's one check of the padding), one compiled variant for the three.
+GPU_FLOAT32_HEAD_DIM = 8
+# (case index, window): windows that start inside the prefix, inside the new tokens, or hold one token. On a
+# GPU the windows divisible by 16 and the others are two int specialisations: the tile-edge check needs one
+# of each (a tile of 32 keys and 33), so these use nothing else.
 CPU_WINDOWS = [(0, 10), (2, 30), (1, 1)]
 GPU_WINDOWS = [(0, 512), (1, 4096), (2, 100)]
 
@@ -55,6 +73,17 @@ def cases(device: str):
 
 def windows(device: str):
     return GPU_WINDOWS if device == "cuda" else CPU_WINDOWS
+
+
+def logic_dtype(device: str) -> torch.dtype:
+    """The dtype of the checks of the kernel's logic: float32 in the interpreter (exact), bf16 on a GPU (the
+    engine's dtype: one compiled variant; the float32 path has a check of its own)."""
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def half_dtype(device: str) -> torch.dtype:
+    """A 16-bit dtype: float16 in the interpreter (its bf16 tl.dot is broken), bf16 on a GPU."""
+    return torch.bfloat16 if device == "cuda" else torch.float16
 
 
 def case_text(case, dtype, **extra) -> str:
@@ -79,7 +108,12 @@ class Batch:
         gen = torch.Generator().manual_seed(seed)
         order = torch.randperm(num_blocks, generator=gen).tolist()
         spare = order[-1]
-        tables = torch.full((len(ctx), max(per_seq) + 1), spare, dtype=torch.int32)
+        # Padding entries after each row's blocks; a width that is never a multiple of 16 keeps the table's
+        # row stride (an int argument) on one compiled variant on a GPU.
+        width = max(per_seq) + 1
+        if width % 16 == 0:
+            width += 1
+        tables = torch.full((len(ctx), width), spare, dtype=torch.int32)
         k_cache = torch.full((num_blocks, bs, hk, d), float("nan"), dtype=torch.float64)
         v_cache = torch.full_like(k_cache, float("nan"))
         self.prefix_k, self.prefix_v = [], []
@@ -97,9 +131,9 @@ class Batch:
             self.prefix_k.append(pk)
             self.prefix_v.append(pv)
             first_seen = 0 if window is None else max(0, c - window + 1)   # rows before it: never seen
-            for t in range(first_seen, c):
-                block, row = int(tables[b, t // bs]), t % bs
-                k_cache[block, row], v_cache[block, row] = pk[t], pv[t]
+            t = torch.arange(first_seen, c)
+            blocks, rows = tables[b, t // bs].long(), t % bs
+            k_cache[blocks, rows], v_cache[blocks, rows] = pk[first_seen:], pv[first_seen:]
         if cache_dtype in (torch.float8_e4m3fn,):
             self.k_cache = (k_cache / self.K_SCALE).to(cache_dtype).to(device)
             self.v_cache = (v_cache / self.V_SCALE).to(cache_dtype).to(device)
@@ -122,34 +156,36 @@ class Batch:
                 self.context_lens)
 
     def reference(self, scale=None, sinks=None):
-        """float64 (out [total, heads, d], lse [heads, total]), one sequence at a time: its prefix and new
-        keys side by side, every query's visible keys picked by position."""
+        """float64 (out [total, heads, d], lse [heads, total]) on the CPU, one sequence at a time: its prefix
+        and new keys side by side, every query's visible keys picked by position. Computed on the batch's
+        device (float64 on a CPU takes seconds at the GPU cases' sizes)."""
         ctx, new, h, hk, d, bs = self.case
         scale = d ** -0.5 if scale is None else scale
-        q, k, v = (t.detach().double().cpu() for t in (self.q, self.k, self.v))
-        kv_of_head = torch.arange(h) // (h // hk)                         # query head -> its KV head
-        out = torch.zeros(q.shape, dtype=torch.float64)
-        lse = torch.zeros(h, q.shape[0], dtype=torch.float64)
+        dev = self.q.device
+        q, k, v = (t.detach().double() for t in (self.q, self.k, self.v))
+        kv_of_head = torch.arange(h, device=dev) // (h // hk)              # query head -> its KV head
+        out = torch.zeros(q.shape, dtype=torch.float64, device=dev)
+        lse = torch.zeros(h, q.shape[0], dtype=torch.float64, device=dev)
         start = 0
         for b, (c, n) in enumerate(zip(ctx, new)):
             if n == 0:
                 continue
-            keys = torch.cat([self.prefix_k[b], k[start:start + n]])[:, kv_of_head]     # [c + n, h, d]
-            values = torch.cat([self.prefix_v[b], v[start:start + n]])[:, kv_of_head]
+            keys = torch.cat([self.prefix_k[b].to(dev), k[start:start + n]])[:, kv_of_head]     # [c + n, h, d]
+            values = torch.cat([self.prefix_v[b].to(dev), v[start:start + n]])[:, kv_of_head]
             scores = torch.einsum("qhd,khd->hqk", q[start:start + n], keys) * scale     # [h, n, c + n]
-            query_pos = torch.arange(c, c + n)[:, None]
-            key_pos = torch.arange(c + n)[None, :]
+            query_pos = torch.arange(c, c + n, device=dev)[:, None]
+            key_pos = torch.arange(c + n, device=dev)[None, :]
             seen = key_pos <= query_pos
             if self.window is not None:
                 seen &= key_pos > query_pos - self.window
-            scores = torch.where(seen, scores, torch.tensor(float("-inf"), dtype=torch.float64))
+            scores = scores.masked_fill(~seen, float("-inf"))
             if sinks is not None:
-                scores = torch.cat([scores, sinks.double().cpu()[:, None, None].expand(h, n, 1)], dim=-1)
+                scores = torch.cat([scores, sinks.double().to(dev)[:, None, None].expand(h, n, 1)], dim=-1)
             weights = torch.softmax(scores, dim=-1)[..., :c + n]
             out[start:start + n] = torch.einsum("hqk,khd->qhd", weights, values)
             lse[:, start:start + n] = torch.logsumexp(scores, dim=-1)
             start += n
-        return out, lse
+        return out.cpu(), lse.cpu()
 
 
 HINT = ("query i of a sequence sits at position context_len + i: it sees every cached token (through the "
@@ -234,6 +270,8 @@ def test_reference_bad_input(seed):
 @pytest.mark.parametrize("case_index", [0, 1, 2])
 def test_kernel_float32(device, seed, case_index):
     case = cases(device)[case_index]
+    if device == "cuda":            # exact float32 dot products on a GPU: a small head size (GPU_FLOAT32_HEAD_DIM)
+        case = (*case[:4], GPU_FLOAT32_HEAD_DIM, case[5])
     batch = Batch(case, torch.float32, device, seed)
     out = poisoned(*batch.q.shape, dtype=torch.float32, device=device)
     got = L.prefix_prefill_attention(*batch.args(), batch.max_query_len, out=out)
@@ -242,11 +280,12 @@ def test_kernel_float32(device, seed, case_index):
 
 
 @task(4, "prefix_prefill_attention")
-@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
-                         ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case_index", [0, 2])
-def test_kernel_low_precision(device, seed, dtype, case_index):
+def test_kernel_low_precision(device, seed, case_index):
+    """A 16-bit dtype: float16 in the interpreter, bf16 on a GPU (float16 on a GPU: the fp8 check with float16
+    q and the radix glue's prefill_attention)."""
     case = cases(device)[case_index]
+    dtype = half_dtype(device)
     batch = Batch(case, dtype, device, seed)
     got = L.prefix_prefill_attention(*batch.args(), batch.max_query_len)
     check(got, batch, dtype, name="prefix_prefill_attention", case=case_text(case, dtype),
@@ -258,7 +297,7 @@ def test_kernel_low_precision(device, seed, dtype, case_index):
 def test_kernel_sliding_window(device, seed, window_index):
     case_index, window = windows(device)[window_index]
     case = cases(device)[case_index]
-    dtype = torch.float32
+    dtype = logic_dtype(device)
     batch = Batch(case, dtype, device, seed, window=window)
     got = L.prefix_prefill_attention(*batch.args(), batch.max_query_len, sliding_window=window)
     check(got, batch, dtype, name=f"prefix_prefill_attention(sliding_window={window})",
@@ -266,27 +305,43 @@ def test_kernel_sliding_window(device, seed, window_index):
 
 
 def kernel_tiles(device: str, head_dim: int, max_query_len: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the kernel at this shape (the module's ``_fixed_config``, as the reference has it)."""
+    """(BLOCK_M, BLOCK_N) of the kernel at this shape, 16-bit dtypes (the module's ``_fixed_config``, as the
+    reference has it)."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     default = 64 if device == "cuda" else 16
     return tuple(tile(5, 1, lambda m: m._fixed_config(block_d, False, max_query_len)[name], default)
                  for name in ("BLOCK_M", "BLOCK_N"))
 
 
+def edge_lengths(device: str, head_dim: int) -> tuple[list[int], list[int], int, int]:
+    """(context_lens, new tokens, BLOCK_M, BLOCK_N): prefixes of whole key tiles (and one less), queries of
+    whole query tiles (and one more or less), at the tiles the kernel picks for the longest of them (the tiles
+    depend on max_query_len: a few rounds until they stop changing)."""
+    block_m, block_n = kernel_tiles(device, head_dim, 64)
+    for _ in range(4):
+        ctx = [2 * block_n, block_n, 0, 3 * block_n, block_n - 1]
+        new = [block_m, 2 * block_m, block_m + 1, 1, block_m - 1]
+        tiles = kernel_tiles(device, head_dim, max(new))
+        if tiles == (block_m, block_n):
+            break
+        block_m, block_n = tiles
+    return ctx, new, block_m, block_n
+
+
 @task(4, "prefix_prefill_attention")
 @pytest.mark.parametrize("window", [None, "tile", "tile+1"])
 def test_kernel_tile_edges(device, seed, window):
-    """Prefixes and query lengths of whole tiles (and one more or less); windows whose first key is a tile's."""
-    block_m, block_n = kernel_tiles(device, 32, 64)
-    t = max(block_m, block_n)
-    ctx, new = [2 * t, t, 0, 3 * t, t - 1], [t, 2 * t, t + 1, 1, t]
-    block_m, block_n = kernel_tiles(device, 32, max(new))
+    """Prefixes and query lengths of whole tiles (and one more or less); a window of one key tile (the last row
+    of a query tile then sees whole key tiles from a tile edge on) and of one key more (the first row's window
+    then starts on a tile's first key). On a GPU in bf16 at head_dim 64: GPU_CASES' compiled variants."""
+    dtype, head_dim = logic_dtype(device), (64 if device == "cuda" else 32)
+    ctx, new, block_m, block_n = edge_lengths(device, head_dim)
     w = {None: None, "tile": block_n, "tile+1": block_n + 1}[window]
-    case = (ctx, new, 4, 2, 32, min(t, 16))
-    batch = Batch(case, torch.float32, device, seed, window=w)
+    case = (ctx, new, 4, 2, head_dim, min(block_n, 16))
+    batch = Batch(case, dtype, device, seed, window=w)
     got = L.prefix_prefill_attention(*batch.args(), batch.max_query_len, sliding_window=w)
-    check(got, batch, torch.float32, name="prefix_prefill_attention" + (f"(sliding_window={w})" if w else ""),
-          case=case_text(case, torch.float32, window=w) + f"; tiles of {block_m} queries x {block_n} keys",
+    check(got, batch, dtype, name="prefix_prefill_attention" + (f"(sliding_window={w})" if w else ""),
+          case=case_text(case, dtype, window=w) + f"; tiles of {block_m} queries x {block_n} keys",
           hint=(WINDOW_HINT if w else HINT) + "; a prefix or a query block that ends exactly on a tile edge has no "
                "partial tile, and a window whose first key is a tile's first key starts at that tile")
 
@@ -295,11 +350,11 @@ def test_kernel_tile_edges(device, seed, window):
 def test_kernel_sinks_with_window_and_strided_q(device, seed):
     case_index, window = windows(device)[0]
     case = cases(device)[case_index]
-    dtype = torch.float32
+    dtype = logic_dtype(device)
     batch = Batch(case, dtype, device, seed, window=window)
     h, hk = case[2], case[3]
     # q, k, v as slices of one fused projection [tokens, h + 2 hk, d]: strided along the token axis.
-    qkv = randn(batch.q.shape[0], h + 2 * hk, case[4], device=device, seed=seed + 55)
+    qkv = randn(batch.q.shape[0], h + 2 * hk, case[4], dtype=dtype, device=device, seed=seed + 55)
     batch.q, batch.k, batch.v = qkv[:, :h], qkv[:, h:h + hk], qkv[:, h + hk:]
     sinks = randn(h, device=device, seed=seed + 9, scale=2.0)
     got = L.prefix_prefill_attention(*batch.args(), batch.max_query_len, sliding_window=window, sinks=sinks,
@@ -312,7 +367,7 @@ def test_kernel_sinks_with_window_and_strided_q(device, seed):
 @task(4, "prefix_prefill_attention")
 def test_kernel_skip_decode_and_vector_layout(device, seed):
     case = cases(device)[0]                    # its second sequence has ONE new token
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = logic_dtype(device)
     batch = Batch(case, dtype, device, seed)
     batch.k_cache = L.to_vector_k_layout(batch.k_cache)
     marker = torch.full(batch.q.shape, 7.0, dtype=dtype, device=device)

@@ -771,8 +771,8 @@ def _run_plan(plan: _Plan, q, k, v, kv_indices, paged: bool):
     if plan.num_partial_rows:
         part_o = torch.empty((plan.num_partial_rows, num_heads, head_dim), device=q.device, dtype=torch.float32)
         part_lse = torch.empty((plan.num_partial_rows, num_heads), device=q.device, dtype=torch.float32)
-    else:
-        part_o, part_lse = out, lse                    # never written: unused pointers
+    else:   # never written: unused pointers, float32 as a split plan's (one compiled kernel for both kinds of plan)
+        part_o, part_lse = lse, lse
     cfg = plan.config
     if paged:
         strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
