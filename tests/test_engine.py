@@ -57,10 +57,9 @@ def test_filtered_probs_match_definition(top_k, top_p):
 def test_sampling_frequencies_follow_probabilities(llm):
     seed = fresh_seed()
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
-    params = SamplingParams(temperature=1.0)
-    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=1.0, seed=seed)
     from yaie.engine.sampling import sample
-    counts = torch.bincount(torch.tensor([sample(logits, params, gen) for _ in range(4000)]), minlength=4)
+    counts = torch.bincount(torch.tensor([sample(logits, params, index=i) for i in range(4000)]), minlength=4)
     expected = torch.softmax(logits, 0) * 4000
     sigma = (expected * (1 - expected / 4000)).sqrt()
     assert ((counts - expected).abs() < 5 * sigma).all(), f"seed={seed}: {counts.tolist()} vs {expected.tolist()}"

@@ -1,7 +1,7 @@
 """Continuous batching in the engine: many requests at once through a cache too small for them all.
 
 Every output must equal, token for token, the same request run alone in a large cache, for swap and
-for recompute preemption, greedy and seeded sampling alike (each request has its own generator); and
+for recompute preemption, greedy and seeded sampling alike (each request has its own random stream); and
 once all finish, every block of the lesson 03 cache is free again.
 """
 

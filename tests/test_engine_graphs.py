@@ -323,8 +323,8 @@ def test_generate_decodes_the_text_once_and_gets_the_streamed_text():
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     for _ in range(30):
         ids = [rng.randrange(3, tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
-        at_once = OutputState(params, tokenizer, [], torch.device("cpu"), streams=False)
-        streamed = OutputState(params, tokenizer, [], torch.device("cpu"))
+        at_once = OutputState(params, tokenizer, [], streams=False)
+        streamed = OutputState(params, tokenizer, [])
         a, b = Request(0, [1], 100), Request(1, [1], 100)
         pieces = []
         for token in ids:

@@ -2,6 +2,7 @@
 distribution (temperature, top-k, top-p, computed here in float64 one token at a time), in a batch of
 rows with different parameters; greedy rows stay the argmax; a seeded row gives the same tokens alone or
 in any batch; and the engine samples on the device, looking ahead over sampled decode steps too.
+(``tests/test_device_sampling.py``: the random streams, and the core over a stub runner.)
 
 The distribution checks draw many rows at once and bound a chi-square statistic far in its tail (a
 correct sampler fails about once in 10**7 runs); each also shows that the same counts reject a slightly
@@ -16,10 +17,19 @@ import torch
 
 from yaie.device import triton_interpreted
 from yaie.engine import DEFAULT_MODEL, LLM, SamplingParams
-from yaie.engine.sampling import StepTable, filter_logits, filtered_probs, make_generator, sample, sample_batch
+from yaie.engine.sampling import StepTable, filter_logits, filtered_probs, noise_key, sample, sample_batch
 from yaie.model.testing import fresh_seed, single_thread
 
 TAIL_Z = 5.3    # the chi-square bound's normal quantile: about 6e-8 of a correct sampler's runs exceed it
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None],
+                indices: list[int] | None = None) -> torch.Tensor:
+    """The batched sampler over ``logits`` ``[B, vocab]``, row ``i`` token ``indices[i]`` (default 0) of a
+    request with ``seeds[i]`` (None: a seed drawn from torch's default generator)."""
+    table = StepTable(params, [noise_key(s) for s in seeds], indices or [0] * len(params), logits.shape[-1],
+                      logits.device)
+    return sample_batch(logits, table)
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -129,7 +139,7 @@ def test_rows_of_one_batch_follow_their_own_distributions():
     params = [p for _, p in kinds] * draws
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        tokens = sample_batch(logits, params, [None] * len(params))
+        tokens = sample_rows(logits, params, [None] * len(params))
     assert tokens.dtype == torch.int64 and tokens.shape == (len(params),)
     for k, (name, case_logits, case_params, wrong) in enumerate(CASES):
         counts = torch.bincount(tokens[k::len(kinds)], minlength=len(case_logits)).double()
@@ -139,12 +149,11 @@ def test_rows_of_one_batch_follow_their_own_distributions():
 
 
 def test_seeded_rows_follow_the_distribution():
-    """Rows with generators of their own (one per row, as requests with seeds have) draw correctly too."""
+    """Rows of consecutive seeds (as the completions of one prompt have) draw correctly too."""
     seed = fresh_seed()
     draws = 3000
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.9)
-    generators = [make_generator(seed + i, "cpu") for i in range(draws)]
-    tokens = sample_batch(LOGITS.expand(draws, -1), [params] * draws, generators)
+    tokens = sample_rows(LOGITS.expand(draws, -1), [params] * draws, [seed + i for i in range(draws)])
     counts = torch.bincount(tokens, minlength=len(LOGITS)).double()
     check_counts(counts, reference_probs(LOGITS, params), reference_probs(LOGITS, SamplingParams(temperature=1.2)),
                  f"seed={seed}")
@@ -159,13 +168,12 @@ def test_a_single_token_left_is_always_drawn(params):
     logits = torch.randn(2000, 300, generator=torch.Generator().manual_seed(seed)) * 3
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        tokens = sample_batch(logits, [params] * len(logits), [None] * len(logits))
+        tokens = sample_rows(logits, [params] * len(logits), [None] * len(logits))
     assert torch.equal(tokens, logits.argmax(dim=-1)), f"seed={seed}"
 
 
 def test_k_1_with_a_tie_draws_both_best_tokens():
-    tokens = sample_batch(TIED.expand(4000, -1), [SamplingParams(top_k=1)] * 4000,
-                          [make_generator(fresh_seed(), "cpu")] + [None] * 3999)
+    tokens = sample_rows(TIED.expand(4000, -1), [SamplingParams(top_k=1)] * 4000, [fresh_seed()] + [None] * 3999)
     counts = torch.bincount(tokens, minlength=len(TIED))
     assert counts[[1, 3]].sum() == 4000 and counts[1] > 1700 and counts[3] > 1700, counts.tolist()
 
@@ -175,7 +183,7 @@ def test_top_p_1_is_not_cut_by_rounding():
     (here 0.5 + 0.5 before a token of probability 1e-13: a threshold of exactly 1 would drop it), in a
     batch where another row's top-p sorts the rows."""
     logits = torch.tensor([[0.0, 0.0, -30.0]] * 2)
-    table = StepTable([SamplingParams(top_p=1.0), SamplingParams(top_p=0.5)], [None, None], 3, torch.device("cpu"))
+    table = StepTable([SamplingParams(top_p=1.0), SamplingParams(top_p=0.5)], [0, 0], [0, 0], 3, torch.device("cpu"))
     filtered = filter_logits(logits, table)
     assert torch.isfinite(filtered[0]).all(), filtered
     assert torch.isfinite(filtered[1]).tolist() == [True, False, False], filtered     # ties: the lower id first
@@ -189,16 +197,14 @@ def test_a_seeded_row_gives_the_same_tokens_alone_or_in_any_batch():
     params = SamplingParams(temperature=1.1, top_p=0.9, top_k=50, seed=seed)
     others = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.4),
               SamplingParams(temperature=0.8, top_p=0.5, seed=seed + 1), SamplingParams(temperature=0, top_k=3)]
-    alone_gen = make_generator(seed, "cpu")
-    alone = [int(sample_batch(step[:1], [params], [alone_gen])[0]) for step in steps]
+    alone = [int(sample_rows(step[:1], [params], [seed], [i])[0]) for i, step in enumerate(steps)]
     for position in (0, 2, 5):
         batch = others[:position] + [params] + others[position:]
-        generators = [make_generator(p.seed, "cpu") for p in batch]
         got = []
-        for step in steps:
+        for i, step in enumerate(steps):
             # The seeded row's logits at ``position``, the others' logits around it.
             logits = torch.cat([step[1:position + 1], step[:1], step[position + 1:]])
-            got.append(int(sample_batch(logits, batch, generators)[position]))
+            got.append(int(sample_rows(logits, batch, [p.seed for p in batch], [i] * len(batch))[position]))
         assert got == alone, f"seed={seed}, position {position}: {got} vs alone {alone}"
     assert len(set(alone)) > 3, "the seeded row really samples"
 
@@ -207,21 +213,21 @@ def test_greedy_rows_are_the_argmax_in_a_sampled_batch():
     seed = fresh_seed()
     logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(seed)) * 30   # wide: no float ties
     params = [SamplingParams(temperature=0) if i % 2 else SamplingParams(temperature=2.0, top_p=0.99) for i in range(8)]
-    tokens = sample_batch(logits, params, [None] * 8)
+    tokens = sample_rows(logits, params, [None] * 8)
     assert torch.equal(tokens[1::2], logits[1::2].argmax(dim=-1)), f"seed={seed}"
 
 
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="sample_batch needs logits"):
-        sample_batch(torch.zeros(3, 10), [SamplingParams()] * 2, [None] * 2)
+        sample_rows(torch.zeros(3, 10), [SamplingParams()] * 2, [None] * 2)
     with pytest.raises(ValueError, match="sample_batch needs logits"):
-        sample_batch(torch.zeros(10), [SamplingParams()], [None])
+        sample_rows(torch.zeros(10), [SamplingParams()], [None])
 
 
 def test_sample_draws_one_row():
     seed = fresh_seed()
-    params = SamplingParams(temperature=1.0, top_k=3)
-    a = [sample(LOGITS, params, make_generator(seed, "cpu")) for _ in range(3)]
+    params = SamplingParams(temperature=1.0, top_k=3, seed=seed)
+    a = [sample(LOGITS, params) for _ in range(3)]
     assert a[0] == a[1] == a[2] and a[0] in (0, 1, 2), f"seed={seed}: {a}"
 
 
@@ -250,8 +256,9 @@ def engine_params(seed: int) -> list[SamplingParams]:
 def test_engine_samples_on_the_device_and_looks_ahead_over_sampled_steps(monkeypatch):
     """Seeded requests give the same tokens alone and batched, with and without the CUDA-graph path (run
     eagerly on the CPU), whose decode steps are looked ahead now that sampled tokens stay on the device
-    (each looked-ahead step with the sampling table of the step before it)."""
+    (each looked-ahead step with the sampling table of the step before it, one token on)."""
     from yaie.engine.core import EngineCore as Engine
+    from yaie.engine.sampling import GAMMA, as_int64
     seed = fresh_seed()
     params = engine_params(seed)
     with single_thread():
@@ -276,8 +283,11 @@ def test_engine_samples_on_the_device_and_looks_ahead_over_sampled_steps(monkeyp
         assert looked[i].token_ids == alone[i].token_ids, f"seed={seed}: request {i} looked ahead vs alone"
         assert looked[i].text == alone[i].text
     assert sum(a is not None for a in ahead) >= 10, "sampled decode steps were looked ahead"
-    # A looked-ahead step samples the same rows: it uses its predecessor's parameter table, uploaded once.
-    assert all(before is not None and after is before for before, after in tables)
+    # A looked-ahead step samples the same rows: it uses its predecessor's parameter table, uploaded once,
+    # its random states one step on.
+    assert all(before is not None and after.temperature is before.temperature and after.top_p is before.top_p
+               for before, after in tables)
+    assert all(torch.equal(after.state, before.state + as_int64(GAMMA)) for before, after in tables)
     assert len({tuple(o.token_ids) for o in alone[1:]}) == 3
 
 
@@ -303,7 +313,7 @@ def test_on_cuda_rows_follow_their_distributions_without_a_host_sync():
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            tokens = sample_batch(logits, params, [None] * len(params))
+            tokens = sample_rows(logits, params, [None] * len(params))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     tokens = tokens.cpu()
@@ -323,9 +333,8 @@ def test_on_cuda_a_seeded_row_gives_the_same_tokens_alone_or_batched():
     params = SamplingParams(temperature=1.1, top_p=0.95, seed=seed)
     others = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=40),
               SamplingParams(temperature=0.9, top_p=0.5, seed=seed + 1), SamplingParams(temperature=1.3)]
-    alone_gen = make_generator(seed, "cuda")
-    alone = [int(sample_batch(step[:1], [params], [alone_gen])[0]) for step in steps]
-    generators = [make_generator(p.seed, "cuda") for p in others[:2] + [params] + others[2:]]
-    batched = [int(sample_batch(torch.cat([step[1:3], step[:1], step[3:]]), others[:2] + [params] + others[2:],
-                                generators)[2]) for step in steps]
+    batch = others[:2] + [params] + others[2:]
+    alone = [int(sample_rows(step[:1], [params], [seed], [i])[0]) for i, step in enumerate(steps)]
+    batched = [int(sample_rows(torch.cat([step[1:3], step[:1], step[3:]]), batch, [p.seed for p in batch],
+                               [i] * len(batch))[2]) for i, step in enumerate(steps)]
     assert batched == alone, f"seed={seed}: {batched} vs alone {alone}"

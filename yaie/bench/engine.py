@@ -7,9 +7,12 @@ inter-token latency of running requests while a long prompt arrives, with and wi
 The model is a randomly initialised Llama (``--size 1b``: hidden 2048, 16 layers, 32 query heads over
 8 KV heads, SwiGLU 8192, vocabulary 32000, untied embeddings: 1.1B parameters) written once with
 ``save_pretrained`` and loaded by both. For each batch size B, B prompts of ``--prompt-len`` random
-token ids each generate exactly ``--new-tokens`` tokens, greedy (end-of-sequence ignored):
+token ids each generate exactly ``--new-tokens`` tokens (end-of-sequence ignored), greedy unless
+``--temperature`` is above 0 (then sampled with ``--top-k``, ``--top-p``; with ``--seed S`` request ``i``
+has seed ``S + i``, else each draws one; transformers samples with the same temperature, top-k and top-p):
 
-* the engine: ``LLM.generate(prompts, SamplingParams(max_tokens=N, temperature=0, ignore_eos=True))``,
+* the engine: ``LLM.generate(prompts, SamplingParams(max_tokens=N, temperature=0, ignore_eos=True))`` (or
+  the sampled parameters above),
   i.e. continuous batching over lesson 03's paged cache, lessons 02 (norms, RoPE, SiLU), 04 (decode)
   and 06 (prefill) on CUDA, the reference solutions; decode steps replayed from CUDA graphs (at batch 1
   also with ``cuda_graphs`` off: every kernel launched from Python). Prefix caching is off: the same
@@ -196,6 +199,12 @@ def main(argv=None) -> int:
     p.add_argument("--long-prompt", type=int, default=16000, help="tokens of the late prompt (0: no latency rows)")
     p.add_argument("--itl-batch", type=int, default=16, help="requests decoding when the long prompt arrives")
     p.add_argument("--profile", action="store_true", help="profile a batch-1 generate (engine_profile_<gpu>.txt)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the throughput rows' temperature (default 0: greedy); above 0 they sample")
+    p.add_argument("--top-k", type=int, default=0, help="the throughput rows' top-k when they sample (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the throughput rows' top-p when they sample")
+    p.add_argument("--seed", type=int, default=None,
+                   help="request i of a sampled throughput row samples with seed SEED + i (default: no seeds)")
     args = p.parse_args(argv)
 
     import os
@@ -214,6 +223,15 @@ def main(argv=None) -> int:
     prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(max(batches))]
     peaks = measure_peaks(args.device) if args.device == "cuda" else None
     rows, notes, latency, profiled = [], [], [], None
+    sampled = args.temperature > 0
+    sampling = (f"temperature {args.temperature}, top_k {args.top_k}, top_p {args.top_p}, "
+                + ("unseeded" if args.seed is None else f"seed {args.seed} + i") if sampled else "greedy")
+
+    def engine_params(n: int, batch: int) -> list[SamplingParams]:
+        """The throughput rows' sampling parameters, one per request."""
+        return [SamplingParams(max_tokens=n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                               seed=None if args.seed is None else args.seed + i, ignore_eos=True)
+                for i in range(batch)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = gpu_slug() if args.device == "cuda" else "cpu"
@@ -240,7 +258,7 @@ def main(argv=None) -> int:
                       model=dict(size=args.size, parameters=params_total, dtype=args.dtype,
                                  config=config | COMMON, init="random (seed 0)"),
                       workload=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, batches=batches,
-                                    repeats=args.repeats, sampling="greedy, ignore_eos", kv_block_size=BLOCK_SIZE,
+                                    repeats=args.repeats, sampling=f"{sampling}, ignore_eos", kv_block_size=BLOCK_SIZE,
                                     prefix_caching=False, max_num_batched_tokens=args.throughput_batched_tokens,
                                     max_num_batched_tokens_latency_rows=args.max_num_batched_tokens),
                       decode_step_bytes_batch1=step_bytes, rows=rows, notes=notes, chunked_prefill_latency=latency,
@@ -276,7 +294,7 @@ def main(argv=None) -> int:
             ids = prompts[:batch]
 
             def engine(n, ids=ids):
-                outs = llm.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                outs = llm.generate(ids, engine_params(n, len(ids)))
                 assert all(len(o.token_ids) == n for o in outs)
 
             rows.append(measure("yaie engine", engine, batch, args.new_tokens, args.repeats, args.device))
@@ -292,10 +310,13 @@ def main(argv=None) -> int:
             write_report()
             x = torch.tensor(prompts[:batch], device=args.device)
 
+            how = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p) \
+                if sampled else dict(do_sample=False)
+
             def huggingface(n, x=x, **extra):
                 with torch.no_grad():
-                    out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                                      min_new_tokens=n, pad_token_id=0, **extra)
+                    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                      pad_token_id=0, **how, **extra)
                 assert out.shape[1] == x.shape[1] + n
 
             for name, extra, warmup in [("transformers", {}, None),
@@ -335,8 +356,9 @@ def markdown(report: dict) -> str:
         f"{cfg['intermediate_size']}, vocab {cfg['vocab_size']} ({model['parameters'] / 1e9:.2f}B parameters), "
         f"{model['dtype']}.",
         f"Workload: B prompts of {work['prompt_len']} random tokens, {work['new_tokens']} new tokens each, "
-        f"greedy, end-of-sequence ignored; median of {work['repeats']} timed runs after a warm-up; engine prefix "
-        f"caching off, at most {work['max_num_batched_tokens']} tokens per engine step.",
+        f"{work['sampling'].replace('ignore_eos', 'end-of-sequence ignored')}; median of {work['repeats']} "
+        f"timed runs after a warm-up; engine prefix caching off, at most {work['max_num_batched_tokens']} tokens "
+        "per engine step.",
         f"Versions: torch {env['torch']}, triton {env['triton']}, transformers {env.get('transformers')}, "
         f"CUDA {env['cuda']}; commit {env['git_commit']}; {env['date_utc']}.",
         f"Command: `{env['command']}`", "",

@@ -13,8 +13,11 @@ and strings, logprobs, abort, and the pipelining of steps:
 * a step's forward pass and token picks are queued on the device first; the previous step's text is
   decoded while they run (``during``), then this step's tokens are read;
 * look-ahead: when the next step can only be the same decodes again (the scheduler's ``can_continue``), it
-  is launched before this step's tokens reach the host, its input ids taken from the device. A request that
-  turns out to end with this step's token ran one step too many: its row of the looked-ahead step is dropped.
+  is launched before this step's tokens reach the host, its input ids taken from the device. Greedy and
+  sampled rows alike: every token is picked on the device (:func:`yaie.engine.sampling.pick_tokens`). Not
+  while a request of the step wants log-probabilities (they are read from the step's logits, which the next
+  step may overwrite). A request that turns out to end with this step's token ran one step too many: its row
+  of the looked-ahead step is dropped.
 
 Not thread-safe: one thread drives a core.
 """
@@ -67,6 +70,7 @@ class EngineCore:
         self._pending: LaunchedStep | None = None    # a looked-ahead step, launched, its tokens not read yet
         self._next_id = 0
         self.prefill_steps = 0      # steps that fed prompt tokens (launched eagerly)
+        self.looked_ahead_steps = 0     # steps launched before the tokens of the step before were read
 
     # ------------------------------------------------------------------ requests
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, logprobs: int | None = None,
@@ -84,8 +88,7 @@ class EngineCore:
         self.scheduler.add(request)
         self._next_id += 1
         self.requests[request.request_id] = request
-        self.states[request.request_id] = OutputState(params, self.tokenizer, self.eos_token_ids, self.device,
-                                                      streams)
+        self.states[request.request_id] = OutputState(params, self.tokenizer, self.eos_token_ids, streams)
         if logprobs is not None:
             self.logprobs[request.request_id] = (logprobs, [])
         return request
@@ -171,12 +174,12 @@ class EngineCore:
 
     def _launch(self, plan: StepPlan, device_tokens: torch.Tensor | None = None, table=None) -> LaunchedStep:
         """Queue a step and the pick of its tokens on the device, without waiting. ``device_tokens``: the
-        decodes' input ids on the device (a looked-ahead step); ``table``: the sampled rows' parameters, made
-        by the step before for the same rows."""
+        decodes' input ids on the device (a looked-ahead step); ``table``: the sampled rows' parameters for
+        this step (a looked-ahead step: those of the step before, one token on)."""
         sampled = plan.sampled
         states = [self.states[r.request_id] for r in sampled]
         logits = self.runner.execute(plan, device_tokens)
-        tokens, table = pick_tokens(logits, states, table) if logits is not None else (None, None)
+        tokens, table = pick_tokens(logits, sampled, states, table) if logits is not None else (None, None)
         return LaunchedStep(list(sampled), states, logits, tokens, decode_only=not plan.prefills, table=table)
 
     def _look_ahead(self, pending: LaunchedStep) -> LaunchedStep | None:
@@ -197,7 +200,10 @@ class EngineCore:
             if plan.prefills or len(plan.decodes) != len(requests) or not all(
                     map(operator.is_, plan.decodes, requests)):
                 raise RuntimeError("a looked-ahead step planned other work than the same decodes (a bug)")
-            return self._launch(plan, pending.device_tokens, pending.table)
+            table = None if pending.table is None else pending.table.next()
+            following = self._launch(plan, pending.device_tokens, table)
+            self.looked_ahead_steps += 1
+            return following
         finally:
             for request in requests:
                 request.output_ids.pop()

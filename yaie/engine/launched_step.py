@@ -20,7 +20,8 @@ class LaunchedStep:
         logits: ``[len(requests), vocab]`` on the device, or None when no row samples (prefill chunks only).
         device_tokens: the picked tokens, int64 ``[len(requests)]`` on the device (None with no logits).
         decode_only: whether the step ran decodes only (a look-ahead may follow it).
-        table: the sampled rows' :class:`StepTable` (None when all are greedy), for the step after.
+        table: the rows' :class:`StepTable` (None when all are greedy); a looked-ahead step after this one
+            samples with its :meth:`StepTable.next`.
     """
 
     def __init__(self, requests: list[Request | None], states: list, logits: torch.Tensor | None,

@@ -1,6 +1,6 @@
 """Output processing: what happens to each sampled token, and what the user gets back.
 
-:class:`OutputState` is one request's per-token bookkeeping: its sampling parameters and generator, its stop
+:class:`OutputState` is one request's per-token bookkeeping: its sampling parameters and random key, its stop
 ids and stop strings, and its text, decoded incrementally. The engine core calls :meth:`OutputState.accept`
 for every sampled token (does the request end?) and :meth:`OutputState.piece` for the text that became
 final; ``generate`` reads :attr:`OutputState.final_text` once at the end instead.
@@ -13,10 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-import torch
-
 from yaie.engine.request import Request
-from yaie.engine.sampling import SamplingParams, make_generator
+from yaie.engine.sampling import SamplingParams, noise_key
 from yaie.model.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -49,16 +47,15 @@ class OutputState:
         params: the request's sampling parameters.
         tokenizer: decodes its tokens.
         eos_token_ids: the model's end-of-sequence ids (a stop unless ``params.ignore_eos``).
-        device: where its logits live (its seeded generator is made there).
         streams: whether its text is wanted piece by piece (else only :attr:`final_text` is read).
     """
 
     def __init__(self, params: SamplingParams, tokenizer: Tokenizer, eos_token_ids: Iterable[int],
-                 device: torch.device, streams: bool = True):
+                 streams: bool = True):
         self.params = params
         self.streams = streams
         self.greedy = params.greedy        # read for every request at every step: found once
-        self.generator = None if params.seed is None else make_generator(params.seed, device)
+        self.key = 0 if self.greedy else noise_key(params.seed)    # its random stream (a seed drawn now if none)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.hold = max((len(s) for s in params.stop), default=1) - 1
         self.decoder = StreamDecoder(tokenizer)
