@@ -10,7 +10,9 @@
 #    baseline again (the order swapped, so a drift of the machine shows)           -> $OUT/{base,new}{1,2}/...
 # 3. yaie serve over the tiny Based model at 1 and 16 streaming clients beside offline LLM.generate, for both trees
 #    (scripts/gpu_serve_based_load.py)                                               -> $OUT/serve_{base,new}/...
-# SIZES (default "1b 8b") and SERVE=0 split the work over calls (each call's limit is 10 minutes).
+# SIZES (default "1b 8b") and SERVE=0 split the work over calls (each call's limit is 10 minutes); BATCHES (default
+# 1,64) for the 1.1B; BENCH_EXTRA adds options to both trees' benchmark (e.g. "--temperature 1.0 --top-p 0.95" for
+# sampled requests: the baseline tree then needs this tree's yaie/bench/engine.py if it lacks those options).
 # 4. scripts/engine_ab_table.py: one Markdown table of it all                        -> $OUT/engine_ab_<gpu>.md
 set -o pipefail
 export PYTHONUNBUFFERED=1 YAIE_SOLUTIONS=all
@@ -32,9 +34,9 @@ SITE=/tmp/site
   fi
   bench() {   # tree, label
     for size in ${SIZES:-1b 8b}; do
-      batches=1,64; [ $size = 8b ] && batches=1
+      batches=${BATCHES:-1,64}; [ $size = 8b ] && batches=1
       PYTHONPATH=$1 timeout 200 python3 -m yaie.bench.engine --out "$OUT/$2/$size" --size $size --batches $batches \
-        --prompt-len 128 --new-tokens 128 --repeats 3 --long-prompt 0 --skip-hf
+        --prompt-len 128 --new-tokens 128 --repeats 3 --long-prompt 0 --skip-hf ${BENCH_EXTRA:-}
       echo "== $2 $size rc $?"
     done
   }
