@@ -45,7 +45,9 @@ neighbouring positions a slot holds one or two rows; for such maps the reference
 variants of gather-dot and scatter-add that treat a block of positions as one matmul per row
 (``K = positions x e`` deep), reading (or adding to) each slot's rows once per block instead of once per
 position, and picks them for maps of that kind (a "going further" of the lesson: the tasks do not need
-them).
+them). Maps whose slots change rows often (oldest-first order, random) would need an atomic add per slot and
+position; for those the reference inverts the map instead: it sorts the map's entries by buffer row once per
+call, and each program sums the entries of its own block of rows with ``tl.dot``, without atomics.
 Empty slots (``M >= n``) give 0 in the forward products and receive no gradient.
 """
 
@@ -551,7 +553,13 @@ def _scatter_rows_kernel(p_ptr, a_ptr, map_ptr, order_ptr, bounds_ptr, dbuf_ptr,
         s = tl.where(row[None, :] == offs_r[:, None], pk[None, :], 0.0).to(pk.dtype)          # [BLOCK_R, K]
         x = tl.load(a_base + l[:, None] * sa_l + k_e[:, None] * sa_e + offs_d[None, :] * sa_d,
                     mask=ok[:, None] & d_ok[None, :], other=0.0)                              # [K, BLOCK_D]
-        acc = _dot(s, x, acc, FP32_DOT, PRECISION)
+        if PRECISION == "ieee":
+            # float32 dots are chains of FMAs: chained into acc, every product is rounded against the
+            # whole running sum, and a row of the oldest-first map sums hundreds of entries (1e-4 off
+            # where the sum cancels to about 1). Sum the chunk from 0, then add it.
+            acc += _dot(s, x, tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32), FP32_DOT, PRECISION)
+        else:
+            acc = _dot(s, x, acc, FP32_DOT, PRECISION)
     tl.store(dbuf_ptr + b * sg_b + h * sg_h + offs_r.to(tl.int64)[:, None] * sg_n + offs_d[None, :] * sg_d,
              acc.to(dbuf_ptr.dtype.element_ty), mask=(offs_r < N)[:, None] & d_ok[None, :])
 
@@ -632,15 +640,15 @@ def _rows_route(index_map: torch.Tensor, m: torch.Tensor, n: int, e: int,
     """Whether the buffer gradient goes by rows (:func:`_scatter_rows`) rather than by atomics.
 
     The atomic kernels add a slot's sum to memory each time its row changes, and float32 atomics to
-    scattered rows are slow (about 140 G per second on the H100). A map that keeps its columns
-    (blocked kernels) or changes rows in few (position, slot) pairs (at most ``most_changes`` of them:
-    the per-position kernel) needs few. The oldest-first map changes about a third of them (every merge
-    shifts the columns after it), a random map all: those are inverted and summed by rows instead, which
-    costs a sort and one read of ``a``'s row per entry, whatever the map. Kept on the map as
-    ``_yaie_rows`` (:func:`_kept`).
+    scattered rows are slow. The kernel by rows costs a sort and one read of ``a``'s row per entry,
+    whatever the map. So: by rows when more than ``most_changes`` of the (position, slot) pairs change
+    rows. Measured on the H100 (l 16k, c 256, bf16; bench/results/lesson07_backward_h100.md): maps whose
+    slots change rows every R positions took 6.5 ms by rows for any R, 30, 12, 8.8, 6.6 and 5.7 ms by
+    per-position atomics for R = 1, 4, 8, 16, 32, and 8.8 and 8.1 ms blocked for R = 4 and 8 (4.4 and
+    2.5 for R = 16 and 32): the crossover lies between 1/16 and 1/8 of the pairs. The telescoping map
+    with stable columns changes 0.8% (blocked), the oldest-first one about a third (every merge shifts
+    the columns after it), a random one all. Kept on the map as ``_yaie_rows`` (:func:`_kept`).
     """
-    if _blocks_plan(index_map, m, n, e)[0]:
-        return False
     return _kept(index_map, "_yaie_rows", (n, most_changes), lambda: _row_change_share(m) > most_changes)
 
 
@@ -709,7 +717,9 @@ def _rows_order(m: torch.Tensor, n: int, block_r: int) -> tuple[torch.Tensor, to
 def _scatter_rows(p: torch.Tensor, a: torch.Tensor, m: torch.Tensor, n: int, dtype: torch.dtype,
                   block_r: int | None = None, block_k: int | None = None, **launch) -> torch.Tensor:
     """The buffer gradient by rows (no atomics). ``block_r``, ``block_k``, ``launch`` (``num_warps``,
-    ``num_stages``): to try other tiles (bench); default :func:`_rows_blocks`'s."""
+    ``num_stages``): to try other tiles (bench); default :func:`_rows_blocks`'s, 4 warps, 2 stages (the
+    fastest of a sweep on the H100: more warps, rows or entries per program only queue more loads on L2,
+    which bounds it; bench/results/lesson07_backward_h100.md)."""
     b, l, h, e, c = p.shape
     d = a.shape[4]
     default_r, default_k = _rows_blocks(e, d)
@@ -718,6 +728,7 @@ def _scatter_rows(p: torch.Tensor, a: torch.Tensor, m: torch.Tensor, n: int, dty
     dbuf = torch.empty(b, n, h, d, dtype=dtype, device=p.device)    # every row is written, once
     options = _options(p.dtype, e, d)
     del options["BLOCK_E"]
+    launch = {"num_warps": 4, "num_stages": 2, **launch}
     grid = (triton.cdiv(n, block_r), b * h)       # row blocks of one head together: its `a` stays in L2
     _scatter_rows_kernel[grid](p, a, m, order, bounds, dbuf, h, n, c, e, d, *p.stride(), *a.stride(),
                                *dbuf.stride(), BLOCK_R=block_r, BLOCK_K=block_k,
@@ -729,8 +740,8 @@ def _scatter_rows(p: torch.Tensor, a: torch.Tensor, m: torch.Tensor, n: int, dty
 def _scatter(p: torch.Tensor, a: torch.Tensor, index_map: torch.Tensor, n: int, dtype: torch.dtype,
              blocks: tuple[int, int] | None = None, rows: bool | None = None) -> torch.Tensor:
     """The buffer gradient. ``blocks``: ``(block_l, GROUP)`` forces the atomic kernels (``block_l`` 0:
-    per position), ``rows=True`` the kernel by rows (tests, bench); by default :func:`_rows_route` and
-    :func:`_blocks_plan` pick."""
+    per position), ``rows=True`` the kernel by rows (tests, bench); by default :func:`_rows_route`
+    picks, then (atomics) :func:`_blocks_plan`."""
     b, l, h, e, c = p.shape
     d = a.shape[4]
     m = _normalise_map(index_map, n)

@@ -49,7 +49,9 @@ neighbouring positions a slot holds one or two rows; for such maps the reference
 variants of gather-dot and scatter-add that treat a block of positions as one matmul per row
 (``K = positions x e`` deep), reading (or adding to) each slot's rows once per block instead of once per
 position, and picks them for maps of that kind (a "going further" of the lesson: the tasks do not need
-them).
+them). Maps whose slots change rows often (oldest-first order, random) would need an atomic add per slot and
+position; for those the reference inverts the map instead: it sorts the map's entries by buffer row once per
+call, and each program sums the entries of its own block of rows with ``tl.dot``, without atomics.
 Empty slots (``M >= n``) give 0 in the forward products and receive no gradient.
 """
 
