@@ -18,6 +18,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 YAIE_SOLUTIONS=all
 : "${OUT:?set OUT to the output folder}"
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 if ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -35,8 +36,10 @@ SITE=/tmp/site
   bench() {   # tree, label
     for size in ${SIZES:-1b 8b}; do
       batches=${BATCHES:-1,64}; [ $size = 8b ] && batches=1
-      PYTHONPATH=$1 timeout 200 python3 -m yaie.bench.engine --out "$OUT/$2/$size" --size $size --batches $batches \
-        --prompt-len 128 --new-tokens 128 --repeats 3 --long-prompt 0 --skip-hf ${BENCH_EXTRA:-}
+      # From inside the tree: `python -m` puts the current folder first on sys.path, before PYTHONPATH.
+      (cd "$1" && PYTHONPATH=$1 python3 -c "import yaie; print('== $2 runs', yaie.__file__)" &&
+        PYTHONPATH=$1 timeout 200 python3 -m yaie.bench.engine --out "$OUT/$2/$size" --size $size --batches $batches \
+        --prompt-len 128 --new-tokens 128 --repeats 3 --long-prompt 0 --skip-hf ${BENCH_EXTRA:-})
       echo "== $2 $size rc $?"
     done
   }
