@@ -237,7 +237,43 @@ matmuls, `P_block^T [c, K] x dO_block [K, d]`, masked to the pairs that hold eac
 per slot and row instead of one per position; the rare third row is added position by position. The same
 trick speeds up the gather-dot (`dP = dO V[M]^T`, and the Q K^T forward): the block reads each slot's two
 rows once instead of once per position. The host measures once per map how many (block, slot) pairs have
-a third row and picks the variant (random and oldest-first maps keep the per-position kernels).
+a third row and picks the variant (maps whose rows move go another way, below).
+
+**Going further: the map inverted.** Atomics are cheap only while a slot keeps its row. The oldest-first map
+changes rows in about a third of its (position, slot) pairs (every merge shifts the columns after it), a random
+map in all of them, and float32 atomics to scattered rows are slow: at `l = 16k` the per-position kernel spent
+30 ms on the random map's buffer gradient (4.3 G atomic adds), more than PyTorch's whole P V backward
+(17.6 ms). For such maps the reference turns the scatter into a gather (`_scatter_rows_kernel`):
+
+* **Sort once per call.** `torch.sort` orders the map's entries `l * c + j` by block of 16 buffer rows (unused
+  slots last), and `searchsorted` finds where each block's entries start. The map is the same for every batch
+  and head, so one sort (0.3 ms at 16k) serves them all. The sort is stable: a block's entries stay in position
+  order.
+* **Each program owns 16 rows and gathers what adds into them.** It walks its entries 32 at a time; their
+  (entry, query head) pairs are a `K = 32 x e = 128` deep axis: one row of `dO` (or `Q`) gathered per pair, and a
+  `[16, K]` matrix that holds `P[l, e, j]` in the row its entry adds to and 0 in the other 15. One `tl.dot` adds
+  the chunk to all 16 rows. No atomics, no zeroed float32 buffer, every row written once, and the sum comes out
+  in the same order every run (deterministic gradients). 16 rows because it is `tl.dot`'s smallest M: each row
+  more multiplies another row of zeros.
+* **What bounds it.** Every entry reads its position's `e x d` row of `dO`: 1 KB in bf16, 34 GB at `l = 16k` for
+  8 heads. The grid runs one head's row blocks together, so that head's `dO` (16 MB) stays in L2: 6.2 ms, about
+  5.6 TB/s, on the H100. More warps, rows or entries per program only queue more loads (the measured sweep: 16
+  rows, 32 entries, 4 warps, 2 stages were fastest).
+* **In float32, sum each chunk from 0.** A float32 `tl.dot` is a chain of FMAs. Chained into the running sum,
+  every product is rounded against the whole sum; a row of the oldest-first map sums hundreds of entries, and the
+  grader's float32 check failed by 1e-4 where such a sum cancels to about 1.
+* **Pick the route from the map.** The host measures once per map the share of (position, slot) pairs whose row
+  differs from the position before (stable columns 0.8%, oldest-first 27-36%, random 100%). Above 10% it goes by
+  rows, below it keeps the atomic kernels (blocked where they fit). On maps whose slots change rows every `R`
+  positions the kernel by rows took 6.5 ms whatever `R`, the per-position atomic kernel 30 ms at `R = 1` and
+  5.7 ms at `R = 32`, the blocked one 8.1 ms at `R = 8` and 4.4 ms at `R = 16`: the crossover lies between 1/16
+  and 1/8.
+
+Measured (`bench/results/lesson07_backward_h100.md`): on the oldest-first map both backwards are 16.5-18.2x
+PyTorch's gather + matmul at `l = 4k` and 5.6-8.8x at 16k (with atomics 9.0-10.7x and 3.8-5.8x); on the
+random map 4.8x (Q K^T) and 1.9x (P V) at 4k, 5.3x and 2.2x at 16k (0.6-1.4x with atomics). The one below 2x,
+P V at 4k, spends 1.7 ms in the kernel by rows, 0.4 ms in `dP`, 0.1 ms sorting and about 0.3 ms outside the
+kernels.
 """)
 
 code(r"""
