@@ -11,8 +11,13 @@ Two kinds of accuracy check:
   most twice the largest error of the same math done by PyTorch in that precision (plus the error of
   merely rounding the exact answer to that dtype, which no kernel can beat).
 
-On a CPU the kernels run in the Triton interpreter: sizes stay small. bf16 checks need a GPU
-(the interpreter's bf16 tl.dot is broken).
+On a CPU the kernels run in the Triton interpreter: sizes stay small, and every case runs in float32 (fp16 on
+some). bf16 checks need a GPU (the interpreter's bf16 tl.dot is broken).
+
+On a GPU every distinct compiled variant of a kernel costs seconds of Triton compile, and an exact float32
+("ieee") one several times more. So on a GPU float32 has one forward and one backward case (with the autograd
+check); the shape, varlen and window checks run in bf16 or fp16 under the FlashAttention rule and the tile-edge
+checks in fp16 within its tolerances, on cases chosen to share compiled variants (see GPU_CASES).
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grader.checks import GradingError, assert_close, describe, expect_value_error, randn, task
+from grader.checks import GradingError, assert_close, describe, expect_value_error, randn, task, tolerances
 from grader.edges import tile
 from yaie.switch import LessonProxy
 
 L = LessonProxy(6)
+
+# The device the ``device`` fixture picks (grader/framework.py asks the same): the GPU has case lists of its own.
+ON_GPU = torch.cuda.is_available()
 
 # (batch, heads, kv_heads, seq_q, seq_k, head_dim, causal): lengths off the block sizes on purpose.
 CPU_CASES = [
@@ -34,13 +42,34 @@ CPU_CASES = [
     (1, 3, 3, 33, 21, 40, False),    # head_dim 40 (padded), seq_q > seq_k without a mask
     (1, 2, 2, 17, 17, 128, True),
 ]
+# GPU cases of the fp16/bf16 checks, each in its own dtype (GPU_DTYPES). Why these: Triton compiles a kernel once
+# per set of constexprs (dtype, head_dim, causal, varlen, window, tiles) and once more per specialisation of its
+# integer arguments (an integer equal to 1, or a multiple of 16, compiles a variant of its own: lengths, heads x
+# length (the lse strides), the group size, the window), at seconds a variant. So the cases share variants:
+# * fp16, head_dim 128 (8 warps), causal, grouped heads: cases 0 and 4 (lengths, and heads x lengths, off multiples
+#   of 16) share one forward variant with the "2 tiles + 1" edge check; case 2 (lengths that are multiples of 16
+#   but not of the tiles) shares one with the whole-tile edge checks, and its backward with the backward's edge
+#   checks. fp16 because the edge checks compare within a dtype's tolerances, which bf16's coarser rounding of P
+#   and dS comes close to on its own;
+# * bf16, head_dim 64: case 1 (no mask, the engine's strided q layout; forward, backward and the autograd check);
+# * bf16, case 3 (forward only): head_dim 96, padded to 128;
+# * the varlen and window checks run fp16 at head_dim 64 on lengths kept off multiples of 16 (off_sixteen, and the
+#   last sequence of their tile-edge checks): one variant with a causal mask, one without, one with a window (and
+#   one more for the window of a whole key tile, 64).
+# Grouped heads everywhere (a group of 1 is a variant of its own): GPU_FLOAT32_CASES has the one group of 1.
 GPU_CASES = [
-    (2, 8, 8, 300, 300, 128, True),
-    (1, 8, 2, 513, 513, 64, False),
-    (2, 4, 1, 128, 700, 128, True),
-    (1, 6, 3, 257, 257, 96, True),
-    (1, 4, 4, 1000, 1000, 64, True),
+    (2, 8, 2, 301, 301, 128, True),     # GQA 4:1, two sequences
+    (1, 8, 2, 513, 513, 64, False),     # no mask, q strided
+    (2, 4, 1, 112, 720, 128, True),     # MQA, new tokens after a cached context
+    (1, 6, 3, 257, 257, 96, True),      # head_dim 96 (padded)
+    (1, 4, 2, 999, 999, 128, True),     # eight query tiles
 ]
+GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float16, torch.bfloat16, torch.float16]
+# The GPU's float32 case: the exact ("ieee") path, in one forward, one backward and one autograd check that share
+# its compiled variants. Its dots compile several times slower than fp16/bf16 ones, the more so the wider the head
+# (head_dim 128: tens of seconds a kernel), hence head_dim 16; one head per KV head, two sequences, new tokens after
+# a cached context. The CPU interpreter checks float32 on every case.
+GPU_FLOAT32_CASES = [(2, 3, 3, 190, 301, 16, True)]
 
 
 def case_id(case) -> str:
@@ -48,8 +77,50 @@ def case_id(case) -> str:
     return f"b{b}h{h}kv{hk}q{sq}k{sk}d{d}" + ("causal" if causal else "")
 
 
-def cases(device: str):
-    return GPU_CASES if device == "cuda" else CPU_CASES
+def cases(device: str, dtype: torch.dtype):
+    """The cases of ``dtype`` checks: on a GPU float32 has GPU_FLOAT32_CASES, fp16/bf16 GPU_CASES."""
+    if device != "cuda":
+        return CPU_CASES
+    return GPU_FLOAT32_CASES if dtype == torch.float32 else GPU_CASES
+
+
+def float32_params(cpu_indices) -> list:
+    """Case indices of the float32 checks: ``cpu_indices`` on a CPU, the GPU's one float32 case on a GPU."""
+    return list(range(len(GPU_FLOAT32_CASES))) if ON_GPU else list(cpu_indices)
+
+
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def low_precision_params(cpu_indices, gpu_indices) -> list:
+    """(dtype, case_index) of the fp16/bf16 checks: on a CPU fp16 and bf16 on ``cpu_indices`` (bf16 is skipped
+    there); on a GPU each of ``gpu_indices`` in its GPU_DTYPES dtype."""
+    if ON_GPU:
+        return [pytest.param(GPU_DTYPES[i], i, id=f"{DTYPE_IDS[GPU_DTYPES[i]]}-{i}") for i in gpu_indices]
+    return [pytest.param(dtype, i, id=f"{DTYPE_IDS[dtype]}-{i}",
+                         marks=[pytest.mark.gpu] if dtype == torch.bfloat16 else [])
+            for dtype in (torch.float16, torch.bfloat16) for i in cpu_indices]
+
+
+def skip_bf16_on_cpu(dtype, device) -> None:
+    if dtype == torch.bfloat16 and device != "cuda":
+        pytest.skip("bf16 tl.dot is broken in the Triton interpreter: bf16 runs on a GPU")
+
+
+def off_sixteen(lens_q: list[int], lens_k: list[int]) -> None:
+    """GPU: lengthen random sequences (in place) until the longest query and key lengths and the query token count
+    are not multiples of 16. Triton compiles a kernel again for integer arguments that are; so every random-length
+    varlen check runs one compiled variant of its kind (the tile-edge checks have whole tiles of their own)."""
+    while True:
+        if max(lens_k) % 16 == 0:
+            lens_k[lens_k.index(max(lens_k))] += 1
+        elif max(lens_q) % 16 == 0 or sum(lens_q) % 16 == 0:
+            i = lens_q.index(max(lens_q))
+            if lens_q[i] == lens_k[i]:
+                lens_k[i] += 1                  # q <= k per sequence (causal); a whole prompt stays one
+            lens_q[i] += 1
+        else:
+            return
 
 
 def make_inputs(case, dtype, device, seed, strided_q=False):
@@ -132,9 +203,9 @@ def check_value_errors(fn, good: dict, bad: list[tuple[str, dict]]) -> None:
 # ---------------------------------------------------------------- task 1: forward
 
 @task(1, "flash_attention_forward")
-@pytest.mark.parametrize("case_index", range(5))
+@pytest.mark.parametrize("case_index", float32_params(range(5)))
 def test_forward_float32_matches_float64(device, seed, case_index):
-    case = cases(device)[case_index]
+    case = cases(device, torch.float32)[case_index]
     causal = case[-1]
     q, k, v = make_inputs(case, torch.float32, device, seed, strided_q=case_index == 1)
     out, lse = L.flash_attention_forward(q, k, v, causal=causal)
@@ -149,15 +220,12 @@ def test_forward_float32_matches_float64(device, seed, case_index):
 
 
 @task(1, "flash_attention_forward")
-@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
-                         ids=["fp16", "bf16"])
-@pytest.mark.parametrize("case_index", [0, 1, 2])
+@pytest.mark.parametrize("dtype,case_index", low_precision_params([0, 1, 2], range(len(GPU_CASES))))
 def test_forward_low_precision_flash_rule(device, seed, dtype, case_index):
-    if dtype == torch.bfloat16 and device != "cuda":
-        pytest.skip("bf16 tl.dot is broken in the Triton interpreter: bf16 runs on a GPU")
-    case = cases(device)[case_index]
+    skip_bf16_on_cpu(dtype, device)
+    case = cases(device, dtype)[case_index]
     causal = case[-1]
-    q, k, v = make_inputs(case, dtype, device, seed)
+    q, k, v = make_inputs(case, dtype, device, seed, strided_q=case_index == 1)
     out, lse = L.flash_attention_forward(q, k, v, causal=causal)
     exact, exact_lse = ref_attention(q.double(), k.double(), v.double(), causal)
     torch_lowp, _ = ref_attention(q, k, v, causal)
@@ -180,23 +248,41 @@ EDGE_HINT = ("a length that fills its last tile exactly has no partial tile: the
              "one tile later, not one tile sooner); the causal diagonal may fall on a tile edge")
 
 
+def edge_setup(device: str, layout: str) -> tuple[torch.dtype, int]:
+    """(dtype, head_dim) of the tile-edge checks: float32 at head_dim 32 on a CPU; on a GPU fp16 at the head_dim of
+    compiled variants other checks share (see GPU_CASES): 128 for the dense form, 64 for varlen."""
+    if device != "cuda":
+        return torch.float32, 32
+    return torch.float16, 128 if layout == "dense" else 64
+
+
+def edge_close(got, exact, dtype: torch.dtype, *, name: str, case: str, hint: str, atol: float = 2e-5,
+               rtol: float = 1e-5) -> None:
+    """A tile-edge result of ``dtype`` against float64: float32 within ``atol + rtol |exact|``, fp16 (the GPU's) within
+    the course's tolerances of its dtype (grader/checks.py): a tile skipped, or visited twice, is off by far more."""
+    if dtype != torch.float32:
+        atol, rtol = tolerances(dtype)
+    assert_close(got, exact, name=name, dtype=dtype, case=case, atol=atol, rtol=rtol, hint=hint)
+
+
 @task(1, "flash_attention_forward")
 @pytest.mark.parametrize("shape", ["q=k=2 tiles", "q=1 tile, k=3 tiles", "q=k=2 tiles + 1"])
 def test_forward_lengths_on_tile_edges(device, seed, shape):
     """Query and key lengths of whole tiles (the kernel's own), and one more."""
-    block_m, block_n = kernel_tiles(device, "fwd", 32)
+    dtype, head_dim = edge_setup(device, "dense")
+    block_m, block_n = kernel_tiles(device, "fwd", head_dim)
     t = max(block_m, block_n)
     sq, sk = {"q=k=2 tiles": (2 * t, 2 * t), "q=1 tile, k=3 tiles": (t, 3 * t),
               "q=k=2 tiles + 1": (2 * t + 1, 2 * t + 1)}[shape]
-    case = (1, 2, 1, sq, sk, 32, True)
-    q, k, v = make_inputs(case, torch.float32, device, seed)
+    case = (1, 2, 1, sq, sk, head_dim, True)
+    q, k, v = make_inputs(case, dtype, device, seed)
     out, lse = L.flash_attention_forward(q, k, v, causal=True)
     ref_out, ref_lse = ref_attention(q.double(), k.double(), v.double(), True)
-    text = f"{case_id(case)}, causal=True; tiles of {block_m} queries x {block_n} keys"
-    assert_close(out, ref_out, name="flash_attention_forward output", dtype=torch.float32, case=text,
-                 atol=2e-5, rtol=1e-5, hint=EDGE_HINT)
+    text = f"{case_id(case)}, {describe(q=q)}, causal=True; tiles of {block_m} queries x {block_n} keys"
+    edge_close(out, ref_out, dtype, name="flash_attention_forward output", case=text, hint=EDGE_HINT)
+    atol, rtol = (2e-5, 1e-5) if dtype == torch.float32 else (1e-4, 1e-4)     # lse: float32 from the same scores
     assert_close(lse, ref_lse, name="flash_attention_forward lse", dtype=torch.float32, case=text,
-                 atol=2e-5, rtol=1e-5, hint=EDGE_HINT)
+                 atol=atol, rtol=rtol, hint=EDGE_HINT)
 
 
 @task(1, "flash_attention_forward")
@@ -220,9 +306,9 @@ def test_forward_rejects_bad_input(device, seed):
 # ---------------------------------------------------------------- task 2: backward
 
 @task(2, "flash_attention_backward")
-@pytest.mark.parametrize("case_index", [0, 1, 2, 3])
+@pytest.mark.parametrize("case_index", float32_params(range(4)))
 def test_backward_float32_matches_float64(device, seed, case_index):
-    case = cases(device)[case_index]
+    case = cases(device, torch.float32)[case_index]
     causal = case[-1]
     q, k, v = make_inputs(case, torch.float32, device, seed)
     dout = randn(*q.shape, dtype=torch.float32, device=device, seed=seed + 3)
@@ -240,47 +326,59 @@ def test_backward_float32_matches_float64(device, seed, case_index):
                           "dQ = scale dS K, dK = scale dS^T Q, dV = P^T dout; sum dK, dV over each KV group")
 
 
+def check_grads(grads, q, k, v, dout, causal: bool, *, names: tuple[str, str, str], case: str, hint: str) -> None:
+    """(dq, dk, dv) against float64 autograd: float32 within 5e-5 + 1e-4 |exact|, fp16/bf16 by the FlashAttention
+    rule against PyTorch's autograd in that dtype."""
+    if not isinstance(grads, tuple) or len(grads) != 3:
+        raise GradingError("flash_attention_backward must return a tuple (dq, dk, dv)")
+    exact = ref_grads(q, k, v, dout, causal)[1:]
+    if q.dtype == torch.float32:
+        for name, got, ref in zip(names, grads, exact):
+            assert_close(got, ref, name=name, dtype=torch.float32, case=case, atol=5e-5, rtol=1e-4, hint=hint)
+    else:
+        lowp = ref_grads(q, k, v, dout, causal, dtype=q.dtype)[1:]
+        for name, got, ref, torch_lowp in zip(names, grads, exact, lowp):
+            check_flash_rule(got, ref, torch_lowp, name=name, case=case, hint=hint)
+
+
+BACKWARD_NAMES = ("flash_attention_backward dq", "flash_attention_backward dk", "flash_attention_backward dv")
+
+
 @task(2, "flash_attention_backward")
-@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
-                         ids=["fp16", "bf16"])
-@pytest.mark.parametrize("case_index", [1, 2])
+# GPU: case 1 in bf16 (no mask) and case 2 in fp16 (causal, MQA; the variant of the backward's tile-edge checks).
+@pytest.mark.parametrize("dtype,case_index", low_precision_params([1, 2], [1, 2]))
 def test_backward_low_precision_flash_rule(device, seed, dtype, case_index):
-    if dtype == torch.bfloat16 and device != "cuda":
-        pytest.skip("bf16 tl.dot is broken in the Triton interpreter: bf16 runs on a GPU")
-    case = cases(device)[case_index]
+    skip_bf16_on_cpu(dtype, device)
+    case = cases(device, dtype)[case_index]
     causal = case[-1]
     q, k, v = make_inputs(case, dtype, device, seed)
     dout = randn(*q.shape, dtype=dtype, device=device, seed=seed + 3)
-    exact = ref_grads(q, k, v, dout, causal)
-    lowp = ref_grads(q, k, v, dout, causal, dtype=dtype)
     out, lse = ref_attention(q.double(), k.double(), v.double(), causal)
     grads = L.flash_attention_backward(dout, q, k, v, out.to(dtype), lse.float(), causal=causal)
     text = f"{case_id(case)}, {describe(q=q, k=k, v=v)}, causal={causal}"
-    for i, name in enumerate(("dq", "dk", "dv")):
-        check_flash_rule(grads[i], exact[i + 1], lowp[i + 1], name=f"flash_attention_backward {name}",
-                         case=text, hint="accumulate dq, dk, dv in float32; cast P and dS to the input dtype "
-                                         "only as matmul operands")
+    check_grads(grads, q, k, v, dout, causal, names=BACKWARD_NAMES, case=text,
+                hint="accumulate dq, dk, dv in float32; cast P and dS to the input dtype only as matmul operands")
 
 
 @task(2, "flash_attention_backward")
 @pytest.mark.parametrize("shape", ["q=k=2 tiles", "q=1 tile, k=2 tiles"])
 def test_backward_lengths_on_tile_edges(device, seed, shape):
     """The backward's own tiles (its ``_fixed_config("bwd")``): lengths of whole tiles, causal."""
-    block_m, block_n = kernel_tiles(device, "bwd", 32)
+    dtype, head_dim = edge_setup(device, "dense")
+    block_m, block_n = kernel_tiles(device, "bwd", head_dim)
     t = max(block_m, block_n)
     sq, sk = {"q=k=2 tiles": (2 * t, 2 * t), "q=1 tile, k=2 tiles": (t, 2 * t)}[shape]
-    case = (1, 2, 1, sq, sk, 32, True)
-    q, k, v = make_inputs(case, torch.float32, device, seed)
-    dout = randn(*q.shape, dtype=torch.float32, device=device, seed=seed + 3)
+    case = (1, 2, 1, sq, sk, head_dim, True)
+    q, k, v = make_inputs(case, dtype, device, seed)
+    dout = randn(*q.shape, dtype=dtype, device=device, seed=seed + 3)
     out, lse = ref_attention(q.double(), k.double(), v.double(), True)
-    grads = L.flash_attention_backward(dout, q, k, v, out.float(), lse.float(), causal=True)
+    grads = L.flash_attention_backward(dout, q, k, v, out.to(dtype), lse.float(), causal=True)
     _, dq, dk, dv = ref_grads(q, k, v, dout, True)
     if not isinstance(grads, tuple) or len(grads) != 3:
         raise GradingError("flash_attention_backward must return a tuple (dq, dk, dv)")
-    text = f"{case_id(case)}, causal=True; tiles of {block_m} x {block_n}"
-    for name, got, ref in zip(("dq", "dk", "dv"), grads, (dq, dk, dv)):
-        assert_close(got, ref, name=f"flash_attention_backward {name}", dtype=torch.float32, case=text,
-                     atol=5e-5, rtol=1e-4, hint=EDGE_HINT)
+    text = f"{case_id(case)}, {describe(q=q)}, causal=True; tiles of {block_m} x {block_n}"
+    for name, got, ref in zip(BACKWARD_NAMES, grads, (dq, dk, dv)):
+        edge_close(got, ref, dtype, name=name, case=text, atol=5e-5, rtol=1e-4, hint=EDGE_HINT)
 
 
 @task(2, "flash_attention_backward")
@@ -299,24 +397,35 @@ def test_backward_rejects_bad_input(device, seed):
 
 # ---------------------------------------------------------------- task 3: autograd
 
+# On a CPU float32 on two cases; on a GPU the float32 case and case 1 in bf16, on the compiled variants of the
+# float32 and bf16 checks (no compile of their own).
+AUTOGRAD_PARAMS = ([pytest.param(torch.float32, 0, id="fp32-0"), pytest.param(torch.bfloat16, 1, id="bf16-1")]
+                   if ON_GPU else [pytest.param(torch.float32, i, id=str(i)) for i in (1, 3)])
+
+
 @task(3, "FlashAttentionFunction")
-@pytest.mark.parametrize("case_index", [1, 3])
-def test_autograd_loss_backward(device, seed, case_index):
-    case = cases(device)[case_index]
+@pytest.mark.parametrize("dtype,case_index", AUTOGRAD_PARAMS)
+def test_autograd_loss_backward(device, seed, dtype, case_index):
+    case = cases(device, dtype)[case_index]
     causal = case[-1]
-    q, k, v = make_inputs(case, torch.float32, device, seed)
-    weight = randn(*q.shape, device=device, seed=seed + 3)
+    q, k, v = make_inputs(case, dtype, device, seed)
+    weight = randn(*q.shape, dtype=dtype, device=device, seed=seed + 3)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = L.flash_attention(*leaves, causal=causal)
     (out * weight).sum().backward()
-    ref_out, dq, dk, dv = ref_grads(q, k, v, weight, causal)
-    text = f"{case_id(case)}, causal={causal}, loss = (out * w).sum()"
-    assert_close(out, ref_out, name="flash_attention output", dtype=torch.float32, case=text, atol=2e-5, rtol=1e-5)
-    for name, leaf, ref in zip(("q.grad", "k.grad", "v.grad"), leaves, (dq, dk, dv)):
+    ref_out, _ = ref_attention(q.double(), k.double(), v.double(), causal)
+    text = f"{case_id(case)}, {describe(q=q)}, causal={causal}, loss = (out * w).sum()"
+    if dtype == torch.float32:
+        assert_close(out, ref_out, name="flash_attention output", dtype=dtype, case=text, atol=2e-5, rtol=1e-5)
+    else:
+        check_flash_rule(out, ref_out, ref_attention(q, k, v, causal)[0], name="flash_attention output", case=text,
+                         hint="")
+    for name, leaf in zip(("q.grad", "k.grad", "v.grad"), leaves):
         if leaf.grad is None:
             raise GradingError(f"{name} is None after loss.backward()\n  hint:     FlashAttentionFunction.forward "
                                "must save q, k, v, out, lse on ctx and backward must return (dq, dk, dv, None, None)")
-        assert_close(leaf.grad, ref, name=name, dtype=torch.float32, case=text, atol=5e-5, rtol=1e-4)
+    check_grads(tuple(leaf.grad for leaf in leaves), q, k, v, weight, causal, names=("q.grad", "k.grad", "v.grad"),
+                case=text, hint="")
 
 
 # ---------------------------------------------------------------- task 4: variable-length batch
@@ -342,6 +451,8 @@ def test_varlen_matches_per_sequence_reference(device, seed, causal):
     lens_k = [int(x) for x in torch.randint(1, big, (4,), generator=gen)]
     lens_q = [int(torch.randint(1, n + 1, (1,), generator=gen)) for n in lens_k]
     lens_q[1] = lens_k[1]                               # one plain prompt (seq_q == seq_k)
+    if device == "cuda":
+        off_sixteen(lens_q, lens_k)
     dtype = torch.float16 if device == "cuda" else torch.float32
     q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 4, 2, 64, dtype, device, seed)
     out, lse = L.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
@@ -370,22 +481,25 @@ def test_varlen_matches_per_sequence_reference(device, seed, causal):
 @task(4, "flash_attention_varlen_forward")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_varlen_lengths_on_tile_edges(device, seed, causal):
-    """Sequences of whole tiles, one more and one less: each next sequence starts on, or just off, a tile edge."""
-    block_m, block_n = kernel_tiles(device, "fwd", 32)
+    """Sequences of whole tiles, one more and one less: each next sequence starts on, or just off, a tile edge.
+    The last, one query after two tiles and one key, also keeps the longest lengths and the query token count off
+    multiples of 16: on a GPU the kernel then runs the compiled variant of the random-length check."""
+    dtype, head_dim = edge_setup(device, "varlen")
+    block_m, block_n = kernel_tiles(device, "fwd", head_dim)
     t = max(block_m, block_n)
-    lens_k = [t, 2 * t, t + 1, t - 1]
-    lens_q = [t, t, t + 1, t - 1]
-    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 2, 1, 32, torch.float32, device, seed)
+    lens_k = [t, 2 * t, t + 1, t - 1, 2 * t + 1]
+    lens_q = [t, t, t + 1, t - 1, 1]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 2, 1, head_dim, dtype, device, seed)
     out, lse = L.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
-    text = (f"lens_q={lens_q}, lens_k={lens_k}, heads 2, kv_heads 1, head_dim 32, float32, causal={causal}; "
+    text = (f"lens_q={lens_q}, lens_k={lens_k}, heads 2, kv_heads 1, head_dim {head_dim}, {dtype}, causal={causal}; "
             f"tiles of {block_m} queries x {block_n} keys")
     for b in range(len(lens_q)):
         rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
         rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
         qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[rq], k[rk], v[rk]))
         ref_out, ref_lse = ref_attention(qs.double(), ks.double(), vs.double(), causal)
-        assert_close(out[rq].transpose(0, 1)[None], ref_out, name="varlen output", dtype=torch.float32,
-                     case=f"{text}; sequence {b}", atol=2e-5, rtol=1e-5, hint=EDGE_HINT)
+        edge_close(out[rq].transpose(0, 1)[None], ref_out, dtype, name="varlen output", case=f"{text}; sequence {b}",
+                   hint=EDGE_HINT)
         assert_close(lse[:, rq][None], ref_lse, name="varlen lse", dtype=torch.float32, case=f"{text}; sequence {b}",
                      atol=1e-4, rtol=1e-4, hint=EDGE_HINT)
 
@@ -420,15 +534,18 @@ WINDOW_HINT = ("query i of a sequence sits at p = len_k - len_q + i and sees key
 
 
 @task(5, "sliding window (varlen)")
-@pytest.mark.parametrize("window", [1, 7, 40], ids=lambda w: f"window{w}")
+# Windows 1, 7 and 41 (GPU: 8, 56 and 328, none a multiple of 16: one compiled variant for the three).
+@pytest.mark.parametrize("window", [1, 7, 41], ids=lambda w: f"window{w}")
 def test_varlen_window_matches_reference(device, seed, window):
     gen = torch.Generator().manual_seed(seed)
-    scale_up = 8 if device == "cuda" else 1          # GPU: contexts up to ~900 tokens, windows up to 320
+    scale_up = 8 if device == "cuda" else 1          # GPU: contexts up to ~900 tokens, windows up to 328
     window *= scale_up
     lens_k = [int(x) * scale_up for x in torch.randint(1, 110, (4,), generator=gen)]
     lens_q = [int(torch.randint(1, n + 1, (1,), generator=gen)) for n in lens_k]
     lens_q[0] = lens_k[0]                             # a whole prompt
     lens_q[1] = lens_k[1]
+    if device == "cuda":
+        off_sixteen(lens_q, lens_k)
     dtype = torch.float16 if device == "cuda" else torch.float32
     q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 4, 2, 64, dtype, device, seed)
     exact_inputs = [(t.clone()) for t in (k, v)]
@@ -462,12 +579,17 @@ def test_varlen_window_matches_reference(device, seed, window):
 @pytest.mark.parametrize("edge", ["tile", "tile+1"])
 def test_varlen_window_starts_on_a_tile_edge(device, seed, edge):
     """Windows of one key tile (and one key more): the first row of every query tile then sees a first key
-    that is exactly a key tile's first key (or the last one of the tile before); lengths of whole tiles."""
-    block_m, block_n = kernel_tiles(device, "fwd", 32)
+    that is exactly a key tile's first key (or the last one of the tile before); lengths of whole tiles. In the
+    last sequence the context is one key short of a tile, which moves every window's first key back by one: there
+    the window of one tile starts on a key tile's first key. It also keeps the longest lengths and the query token
+    count off multiples of 16 (on a GPU the window of one tile and one key then runs the compiled variant of
+    test_varlen_window_matches_reference)."""
+    dtype, head_dim = edge_setup(device, "varlen")
+    block_m, block_n = kernel_tiles(device, "fwd", head_dim)
     t = max(block_m, block_n)
     window = block_n + (edge == "tile+1")
-    lens_k, lens_q = [2 * t, 3 * t, 2 * t + 1], [2 * t, t, t - 1]
-    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 2, 1, 32, torch.float32, device, seed)
+    lens_k, lens_q = [2 * t, 3 * t, 2 * t + 1, 3 * t + 1], [2 * t, t, t - 1, 2 * t + 2]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, 2, 1, head_dim, dtype, device, seed)
     exact = (k.clone(), v.clone())
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):          # keys no query sees: NaN
         hidden = max(0, lk - lq - window + 1)
@@ -476,16 +598,16 @@ def test_varlen_window_starts_on_a_tile_edge(device, seed, edge):
     out, lse = L.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                                 sliding_window=window)
     k, v = exact
-    text = (f"lens_q={lens_q}, lens_k={lens_k}, heads 2, kv_heads 1, head_dim 32, float32, sliding_window={window}; "
-            f"tiles of {block_m} queries x {block_n} keys")
+    text = (f"lens_q={lens_q}, lens_k={lens_k}, heads 2, kv_heads 1, head_dim {head_dim}, {dtype}, "
+            f"sliding_window={window}; tiles of {block_m} queries x {block_n} keys")
     for b in range(len(lens_q)):
         rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
         rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
         qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[rq], k[rk], v[rk]))
         ref_out, ref_lse = ref_attention(qs.double(), ks.double(), vs.double(), True, window=window)
         hint = WINDOW_HINT + "; when that first key is a key tile's first key, start at that tile, not the one before"
-        assert_close(out[rq].transpose(0, 1)[None], ref_out, name="varlen output with a window", dtype=torch.float32,
-                     case=f"{text}; sequence {b}", atol=2e-5, rtol=1e-5, hint=hint)
+        edge_close(out[rq].transpose(0, 1)[None], ref_out, dtype, name="varlen output with a window",
+                   case=f"{text}; sequence {b}", hint=hint)
         assert_close(lse[:, rq][None], ref_lse, name="varlen lse with a window", dtype=torch.float32,
                      case=f"{text}; sequence {b}", atol=1e-4, rtol=1e-4, hint=hint)
 
