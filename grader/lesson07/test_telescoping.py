@@ -130,6 +130,21 @@ def tol(dtype, d):
     return 2e-2 * (d / 16) ** 0.5, 1.6e-2
 
 
+def buffer_tol(dtype, d, index_map, n, e):
+    """(atol, rtol) of a buffer gradient: :func:`tol`, with float32's atol grown by the square root of the most
+    contributions one buffer row sums (its (position, slot) entries times the ``e`` query heads) over 32.
+
+    A long-lived entry of a telescoping map collects thousands of float32 products, whose rounding adds up
+    in an order the kernel picks; one missing or doubled contribution is still off by about its own size.
+    """
+    atol, rtol = tol(dtype, d)
+    if dtype != torch.float32:
+        return atol, rtol
+    used = index_map[index_map < n].flatten().long()
+    most = int(torch.bincount(used.cpu(), minlength=1).max()) * e if used.numel() else 0
+    return atol * max(1.0, (most / 32) ** 0.5), rtol
+
+
 def make_qk_inputs(case, dtype, device, seed):
     b, l, h, e, d, c, n = case
     q = randn(b, l, h, e, d, dtype=dtype, device=device, seed=seed)
@@ -576,6 +591,7 @@ def test_backward_on_a_telescoping_map(device, seed, columns, dtype):
         atol, rtol = tol(dtype, d)
         assert_close(dx, want_dx, name=f"{name}, gradient of its first input", dtype=dtype, atol=atol, rtol=rtol,
                      case=case, hint="the same gather as the forward, with dout in place of the first input")
+        atol, rtol = buffer_tol(dtype, d, index_map, n, e)
         assert_close(dbuf, want_dbuf, name=f"{name}, gradient of the buffer", dtype=dtype, atol=atol, rtol=rtol,
                      case=case, hint="a buffer row gets the sum over every (position, slot) that holds it, over "
                                      "many positions: every one must be added exactly once")
