@@ -329,10 +329,14 @@ CPU_WINDOW_CASES = [
     (CPU_CASES[2], 48),     # block_size 32: the window starts mid-block
     (CPU_CASES[1], 1),      # only the newest token: the output is its V
 ]
+# On a GPU every window case has the heads, head_dim and block size of the first (a Llama-8B-like layer): each
+# distinct set of them is a Triton compile of its own for every split count, and what a window case checks is
+# where its window starts, which the lengths decide (head_dim 96, GQA 8:1 and other block sizes are checked
+# without a window above, and with one on the CPU).
 GPU_WINDOW_CASES = [
-    (GPU_CASES[0], 1000),   # a Llama-8B-like layer, contexts 3..4096
-    (GPU_CASES[1], 4096),   # GQA 8:1, contexts 2000 and 2049 inside a Mistral-sized window
-    (GPU_CASES[2], 100),    # head_dim 96
+    (GPU_CASES[0], 1000),                               # contexts 3..4096
+    (([2000, 2049], 32, 8, 128, 16), 4096),             # contexts 2000 and 2049 inside a Mistral-sized window
+    (([777, 1500, 64], 32, 8, 128, 16), 100),           # a short window: whole blocks of every context skipped
 ]
 
 
