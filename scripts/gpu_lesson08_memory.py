@@ -13,9 +13,9 @@ over what was allocated before). Beside it, the bf16 KV cache a full-attention m
 
 ``--full``: decode speed in the engine, the Based model beside a full-attention one, at the same prompt
 lengths and batch sizes: tokens per second of ``batch`` sequences decoding together (each its own random
-prompt), from two ``generate`` calls on the same prompts (1 and 1 + ``--decode-steps`` new tokens each, the
-fastest of three tries of each; the difference is that many decode steps of the whole batch, 512 by default:
-at 16k tokens the prefill of the prompts varies by more than 64 steps take). Both run as the engine runs
+prompt), timed over ``--decode-steps`` steps (512 by default) once every sequence has its first two tokens
+(an engine core driven step by step, the clock started after the prefill: at 16k tokens the prefill of 16
+prompts varies between runs by more than the decode steps take), the fastest of three tries. Both run as the engine runs
 them on the device: CUDA graphs of the decode step. The full-attention model runs through the engine's
 paged KV cache (no prefix caching, so the second call computes its prompts again); its context limit is
 raised to cover the longest prompt (a copy of its config in a temporary folder): the speed of a step does not
@@ -199,8 +199,8 @@ def kernels_per_decode_step(llm, length: int, steps: int, label: str) -> dict:
 
 
 def engine_decode_speed(llm, lengths: list[int], batches: list[int], steps: int, sync, label: str) -> dict:
-    """Decode tokens per second of ``batch`` sequences in one ``llm.generate`` call, after prompts of
-    ``lengths`` random ids: ``{(length, batch): tokens/s}``."""
+    """Decode tokens per second of ``batch`` sequences decoding together, after prompts of ``lengths`` random
+    ids: ``{(length, batch): tokens/s}``, the fastest of three tries."""
     gen = torch.Generator().manual_seed(1)
     vocab = llm.config.vocab_size
     llm.generate([[2, 3, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))   # warm-up
@@ -209,23 +209,37 @@ def engine_decode_speed(llm, lengths: list[int], batches: list[int], steps: int,
         for batch in batches:
             prompts = [torch.randint(2, vocab - 64, (n,), generator=gen).tolist() for _ in range(batch)]
             # One untimed call of this shape first: the first prompt of a new length compiles kernels and
-            # a new batch size records graphs, which would otherwise land in one of the timed calls.
+            # a new batch size records graphs, which would otherwise land in a timed try.
             llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-            best = {}
-            for _ in range(3):                               # the fastest of three tries of each call
-                for new in (1, 1 + steps):
-                    sync()
-                    t0 = time.perf_counter()
-                    llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
-                    sync()
-                    best[new] = min(best.get(new, float("inf")), time.perf_counter() - t0)
-            decode_s = best[1 + steps] - best[1]
-            if decode_s <= 0:
-                raise RuntimeError(f"{n} tokens, batch {batch}: {steps} decode steps took no time ({best}); "
-                                   "the timing is broken")
-            speeds[n, batch] = round(batch * steps / decode_s, 1)
+            speeds[n, batch] = round(max(timed_decode(llm, prompts, steps, sync) for _ in range(3)), 1)
             print(f"{label}: {n} tokens, batch {batch}: {speeds[n, batch]} tokens/s", flush=True)
     return speeds
+
+
+def timed_decode(llm, prompts: list[list[int]], steps: int, sync) -> float:
+    """Tokens per second of the decode steps alone: an engine core takes the prompts, steps until every
+    sequence has its first two tokens (prefill done, decoding under way), then the clock runs until each has
+    ``steps`` more."""
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    core = llm.open_core(len(prompts))
+    try:
+        with core.cpu_threads_set():
+            requests = [core.add(ids, params, streams=False) for ids in prompts]
+            while core.has_unfinished() and min(len(r.output_ids) for r in requests) < 2:
+                core.step()
+            sync()
+            start, made_before = time.perf_counter(), sum(len(r.output_ids) for r in requests)
+            while core.has_unfinished():
+                core.step()
+            core.flush()
+            sync()
+            elapsed = time.perf_counter() - start
+            made = sum(len(r.output_ids) for r in requests) - made_before
+    finally:
+        core.close()
+    if made <= 0 or elapsed <= 0:
+        raise RuntimeError(f"{len(prompts)} prompts: no decode step was timed ({made} tokens in {elapsed} s)")
+    return made / elapsed
 
 
 if __name__ == "__main__":
