@@ -37,7 +37,7 @@ from yaie.device import prepare_triton
 prepare_triton()                                        # the interpreter for --smoke on a CPU; no-op on a GPU
 
 from solutions.kernels import telescoping as ref
-from yaie.bench.harness import bench_ms, environment, gpu_slug
+from yaie.bench.harness import bench_ms, environment, gpu_slug, rel_err
 from yaie.bench.lesson07 import C, D, E, H, torch_pv, torch_qk
 
 ROWS = ref._scatter_rows                                # as written, whatever the sweep makes the default
@@ -82,11 +82,6 @@ def products(t: dict) -> dict:
             "pv": (t["p"], t["k"], t["d_out"], ref.indexed_pv_backward, torch_pv, (t["p"], t["d_out"]))}
 
 
-def rel(a, b) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
-
-
 def time_ms(fn) -> float | None:
     if DEV == "cpu":                                    # --smoke: run it once, time nothing
         fn()
@@ -118,14 +113,14 @@ def bench(results: dict, gen) -> None:
                 # against float32 PyTorch, as yaie bench lesson07 does.
                 by_rows = ref._scatter(sp, sa, index_map, n, torch.float32, rows=True)
                 by_atomics = ref._scatter(sp, sa, index_map, n, torch.float32, blocks=(0, 4))
-                full = rel(by_rows, by_atomics)
+                full = rel_err(by_rows, by_atomics)
                 del by_rows, by_atomics
                 cut = 1024
                 x32, buf32, g32 = x[:, :cut].float(), buf.float(), dout[:, :cut].float()
                 leaves = [x32.requires_grad_(True), buf32.requires_grad_(True)]
                 want = torch.autograd.grad(base(leaves[0], leaves[1], index_map[:cut]), leaves, g32)
                 got = bwd(dout[:, :cut].contiguous(), x[:, :cut].contiguous(), buf, index_map[:cut])
-                errs = [rel(g, w) for g, w in zip(got, want)]
+                errs = [rel_err(g, w) for g, w in zip(got, want)]
                 del x32, buf32, g32, leaves, want, got
                 ok = max(errs) < 1e-2 and full < 1e-5
                 torch.cuda.empty_cache()
@@ -195,7 +190,7 @@ def sweep(results: dict, gen) -> None:
                 block_r, block_k, warps, stages = cfg_tuple
                 cfg = dict(block_r=block_r, block_k=block_k, num_warps=warps, num_stages=stages)
                 try:
-                    err = rel(ROWS(pp, a, m, n, torch.float32, **cfg), want)
+                    err = rel_err(ROWS(pp, a, m, n, torch.float32, **cfg), want)
                     ms = time_ms(lambda: ROWS(pp, a, m, n, torch.bfloat16, **cfg))
                 except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
                     err, ms = None, f"{type(exc).__name__}: {str(exc)[:120]}"

@@ -38,6 +38,12 @@ _COPY_BYTES = 1 << 30          # 1 GiB copied, i.e. 2 GiB moved (read + write)
 _MATMUL_SIZE = 8192            # 8192^3 bf16 product: 1.1 TFLOP
 
 
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``|got - ref| / |ref|`` in the Frobenius norm, computed in float32 (a zero ``ref`` counts as 1e-30)."""
+    got, ref = got.detach().float(), ref.detach().float()
+    return float((got - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
 def bench_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median time of ``fn()`` in milliseconds, after ``warmup_ms`` of warm-up runs.
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from yaie.bench.harness import Row, bench_ms
+from yaie.bench.harness import Row, bench_ms, rel_err
 from yaie.switch import module, uses_reference
 
 LESSON = "lesson02"
@@ -37,11 +37,6 @@ DEVICE = "cuda"     # the CPU smoke test of the course tests sets "cpu" (Triton 
 
 def token_counts(quick: bool) -> list[int]:
     return [4096] if quick else [4096, 8192, 16384]
-
-
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.float(), ref.float()
-    return float((got - ref).norm() / ref.norm())
 
 
 def rope_tables(max_position: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +84,7 @@ class RmsNormCase(Case):
         return lambda: fn(self.x, self.w)
 
     def check(self, lesson_module) -> float:
-        return _rel_err(lesson_module.rms_norm(self.x, self.w, 1e-6), self.eager(self.x, self.w))
+        return rel_err(lesson_module.rms_norm(self.x, self.w, 1e-6), self.eager(self.x, self.w))
 
     def ours(self, lesson_module):
         return lambda: lesson_module.rms_norm(self.x, self.w, 1e-6)
@@ -118,7 +113,7 @@ class FusedAddRmsNormCase(Case):
         x, res = self.x.clone(), self.res.clone()
         ex, eres = self.eager(x.clone(), res.clone(), self.w)
         lesson_module.fused_add_rms_norm(x, res, self.w, 1e-6)
-        return max(_rel_err(x, ex), _rel_err(res, eres))
+        return max(rel_err(x, ex), rel_err(res, eres))
 
     def ours(self, lesson_module):
         return lambda: lesson_module.fused_add_rms_norm(self.x, self.res, self.w, 1e-6)
@@ -160,7 +155,7 @@ class RopeCase(Case):
         saved = self.qkv.clone()
         ref_q, ref_k = self._rotate(self.q, self.cos, self.sin, self.pos), self._rotate(self.k, self.cos, self.sin, self.pos)
         lesson_module.apply_rope_qk(self.q, self.k, self.cos, self.sin, self.pos)
-        err = max(_rel_err(self.q, ref_q), _rel_err(self.k, ref_k))
+        err = max(rel_err(self.q, ref_q), rel_err(self.k, ref_k))
         untouched = torch.equal(self.qkv[:, (Q_HEADS + KV_HEADS) * HEAD_DIM:], saved[:, (Q_HEADS + KV_HEADS) * HEAD_DIM:])
         self.qkv.copy_(saved)
         return err if untouched else float("inf")
@@ -188,7 +183,7 @@ class SiluAndMulCase(Case):
         return lambda: fn(self.x)
 
     def check(self, lesson_module) -> float:
-        return _rel_err(lesson_module.silu_and_mul(self.x), self.eager(self.x))
+        return rel_err(lesson_module.silu_and_mul(self.x), self.eager(self.x))
 
     def ours(self, lesson_module):
         return lambda: lesson_module.silu_and_mul(self.x)

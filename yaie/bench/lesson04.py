@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from yaie.bench.harness import Row, bench_ms
+from yaie.bench.harness import Row, bench_ms, rel_err
 from yaie.switch import module
 
 LESSON = "lesson04"
@@ -146,11 +146,6 @@ def graphed(fn):
     return graph.replay
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm())
-
-
 def _timed(rows, impl, shape, fn, moved, warmup, rep, kernel="paged_decode"):
     """Time ``fn`` into a row; a failure (a graph that does not capture, say) is printed, not fatal."""
     try:
@@ -189,7 +184,7 @@ def run(args) -> list[Row]:
             return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
         reference = sdpa_default().squeeze(2)
-        err = _rel_err(ours(), reference)
+        err = rel_err(ours(), reference)
         status = "ok" if err < 2e-2 else "MISMATCH"
         chosen = pa.choose_num_splits(batch, kv_heads, ctx) if hasattr(pa, "choose_num_splits") else None
         programs = batch * kv_heads * (chosen or 1)

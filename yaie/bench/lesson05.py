@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from yaie.bench.harness import Row, bench_ms
+from yaie.bench.harness import Row, bench_ms, rel_err
 from yaie.switch import module
 
 LESSON = "lesson05"
@@ -68,11 +68,6 @@ def build(batch: int, prefix: int, new: int, gen: torch.Generator):
     blocks = block_tables[:, positions // BLOCK_SIZE].long()
     slots = (blocks * BLOCK_SIZE + positions % BLOCK_SIZE).reshape(-1)
     return q, k, v, k_cache, v_cache, block_tables, cu_q, context_lens, slots
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm())
 
 
 def _sdpa_fn(batch, prefix, new, q):
@@ -150,8 +145,8 @@ def run(args) -> list[Row]:
             return fa.flash_attention_varlen_forward(q, keys_, values_, cu_q, cu_k, new, total, causal=True)
 
         # Check once against SDPA (this also compiles and autotunes outside the timed region).
-        errors = {"paged": _rel_err(ours()[0], ref), "16-byte K": _rel_err(ours_vec()[0], ref),
-                  "lesson 06": _rel_err(l06(keys, values)[0], ref)}
+        errors = {"paged": rel_err(ours()[0], ref), "16-byte K": rel_err(ours_vec()[0], ref),
+                  "lesson 06": rel_err(l06(keys, values)[0], ref)}
         bad = [name for name, e in errors.items() if e > 2e-2]
         print(f"{shape}: relative difference to SDPA " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
               + (f" [MISMATCH: {bad}]" if bad else " [ok]"), flush=True)

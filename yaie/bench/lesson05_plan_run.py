@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from yaie.bench.harness import Row, bench_ms
+from yaie.bench.harness import Row, bench_ms, rel_err
 from yaie.switch import module
 
 LESSON = "lesson05"
@@ -60,11 +60,6 @@ NUM_KV_HEADS = 8
 def token_bytes(itemsize: int = 2) -> int:
     """K and V bytes of one token of one layer."""
     return 2 * NUM_KV_HEADS * HEAD_DIM * itemsize
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm())
 
 
 def _i32(values, device) -> torch.Tensor:
@@ -284,12 +279,12 @@ def mixed_step(rows, fi, pa, pp, decodes, ctx, prefills, new, cached, gen, warmu
         prefill_launch()
 
     base = torch.cat([decode_launch(), prefill_launch()])
-    err = _rel_err(out, base)
+    err = rel_err(out, base)
     exact = reference_rows(batch, [0, decodes - 1, *pre_rows])     # two decodes and the prefills, float64
     rows_checked = torch.cat([torch.arange(b, b + 1) for b in (0, decodes - 1)]
                              + [torch.arange(decodes + i * new, decodes + (i + 1) * new) for i in range(prefills)])
-    ours_err = _rel_err(out[rows_checked.to(out.device)], exact)
-    base_err = _rel_err(base[rows_checked.to(out.device)], exact)
+    ours_err = rel_err(out[rows_checked.to(out.device)], exact)
+    base_err = rel_err(base[rows_checked.to(out.device)], exact)
     status = "ok" if ours_err < 1e-2 else "MISMATCH"
     print(f"  relative error vs float64 (2 decodes + the prefills): plan/run {ours_err:.1e} [{status}], "
           f"the two baseline kernels {base_err:.1e}; plan/run vs baseline {err:.1e}; plan (host) {plan_ms:.3f} ms "
@@ -345,7 +340,7 @@ def _mixed_variants(rows, fi, batch, shape, base, plan_args, dec_rows, pre_rows,
         try:
             variant.plan(*plan_args, causal=True)
             got, _ = variant.run(batch.q, batch.k_cache, batch.v_cache)
-            bad = _rel_err(got, base) >= 2e-2
+            bad = rel_err(got, base) >= 2e-2
         except Exception as err_:  # noqa: BLE001 - a failing variant is reported, not fatal
             print(f"  {label}: failed ({type(err_).__name__}: {str(err_).splitlines()[0][:160]})", flush=True)
             continue
@@ -384,7 +379,7 @@ def cascade_decode(rows, fi, pa, batch_size, prefix, own, gen, warmup, rep, prof
     base = decode()
     for name, fn in (("cascade", lambda: cascade.run(batch.q, batch.k_cache, batch.v_cache)[0]),
                      ("single", lambda: single.run(batch.q, batch.k_cache, batch.v_cache)[0])):
-        err = _rel_err(fn(), base)
+        err = rel_err(fn(), base)
         print(f"  {name} vs lesson 04: relative difference {err:.1e} [{'ok' if err < 2e-2 else 'MISMATCH'}]", flush=True)
     _timed(rows, "cascade_decode", "yaie cascade (2 levels)", shape,
            lambda: cascade.run(batch.q, batch.k_cache, batch.v_cache), cascade_bytes + qo, warmup, rep)
@@ -400,7 +395,7 @@ def cascade_decode(rows, fi, pa, batch_size, prefix, own, gen, warmup, rep, prof
     fused = fi.CascadeAttention(config={"fuse_merge": True})
     try:
         fused.plan(*levels, *batch.sizes, causal=True)
-        ok = _rel_err(fused.run(batch.q, batch.k_cache, batch.v_cache)[0], base) < 2e-2
+        ok = rel_err(fused.run(batch.q, batch.k_cache, batch.v_cache)[0], base) < 2e-2
     except Exception as err:  # noqa: BLE001 - a solution without this setting: no rows
         print(f"  cascade with fuse_merge=True: failed ({type(err).__name__})", flush=True)
     else:

@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from yaie.bench.harness import Row, bench_ms
+from yaie.bench.harness import Row, bench_ms, rel_err
 from yaie.switch import module
 
 LESSON = "lesson06"
@@ -109,11 +109,6 @@ def _sdpa_flash(q, k, v, causal):
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm())
 
 
 def _best_configs(fa) -> str:
@@ -202,7 +197,7 @@ def run(args) -> list[Row]:
                     del impls[impl]
                     failed_hoppers.add(impl)
                     continue
-                errors = [_rel_err(out, out_ref)] + [_rel_err(a, b) for a, b in zip(grads, grads_ref)]
+                errors = [rel_err(out, out_ref)] + [rel_err(a, b) for a, b in zip(grads, grads_ref)]
                 status[impl] = "ok" if max(errors) < 2e-2 else "MISMATCH"
                 print(f"{shape}: {impl} vs {default_name}, relative difference out/dq/dk/dv = "
                       + ", ".join(f"{e:.1e}" for e in errors) + f" [{status[impl]}]", flush=True)
@@ -332,7 +327,7 @@ def sweep(out_dir: str, quick: bool = False, device: str = "cuda", sweep_shapes:
                 want = _sdpa_default(q, k, v, causal)
 
             def check_out(got):
-                return _rel_err(got[0] if isinstance(got, tuple) else got, want)
+                return rel_err(got[0] if isinstance(got, tuple) else got, want)
 
             forward = [("torch SDPA default", None, lambda: _sdpa_default(q, k, v, causal)),
                        ("torch SDPA flash", None, lambda: _sdpa_flash(q, k, v, causal)),
@@ -351,7 +346,7 @@ def sweep(out_dir: str, quick: bool = False, device: str = "cuda", sweep_shapes:
             out, lse = hopper.flash_attention_forward(q, k, v, causal=causal)
 
             def check_grads(got):
-                return max(_rel_err(a, b) for a, b in zip(got, want_grads))
+                return max(rel_err(a, b) for a, b in zip(got, want_grads))
 
             backward = [("torch SDPA default", None,
                          lambda: torch.autograd.grad(sdpa_out, leaves, dout, retain_graph=True)),
@@ -373,7 +368,7 @@ def sweep(out_dir: str, quick: bool = False, device: str = "cuda", sweep_shapes:
             for name, fn in (("preprocess: torch operations", torch_preprocess),
                              ("preprocess: fused kernel", lambda: hopper.backward_preprocess(out, dout, lse))):
                 _sweep_row(results, shape, "preprocess", name, None, fn,
-                           lambda got: _rel_err(got[0], want_delta), 0)
+                           lambda got: rel_err(got[0], want_delta), 0)
             del q, k, v, dout, want, leaves, sdpa_out, want_grads, out, lse
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from yaie.bench.harness import Row, bench_ms, gpu_slug
+from yaie.bench.harness import Row, bench_ms, gpu_slug, rel_err
 from yaie.switch import module
 
 LESSON = "lesson07"
@@ -93,11 +93,6 @@ def _time(fn, warmup, rep) -> float | None:
         return None
 
 
-def _rel_err(a, b) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
-
-
 def run(args) -> list[Row]:
     tele = module(7)
     quick = bool(getattr(args, "quick", False))
@@ -145,7 +140,7 @@ def run(args) -> list[Row]:
             ref_grads = torch.autograd.grad(base(leaves[0], leaves[1], index_map[:cut]), leaves, g32)
             prefix_grads = bwd(grad[:1, :cut].contiguous(), x[:1, :cut].contiguous(), buf[:1].contiguous(),
                                index_map[:cut])
-            errs = [_rel_err(ours_out[:1, :cut], ref_out)] + [_rel_err(a, b) for a, b in zip(prefix_grads, ref_grads)]
+            errs = [rel_err(ours_out[:1, :cut], ref_out)] + [rel_err(a, b) for a, b in zip(prefix_grads, ref_grads)]
             status = "ok" if max(errs) < 1e-2 else "MISMATCH"
             print(f"{shape} {name}: relative difference to float32 torch (prefix) out/dx/dbuf = "
                   + ", ".join(f"{e:.1e}" for e in errs) + f" [{status}]" + _plan_note(tele, index_map, n), flush=True)

@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from yaie.bench.harness import Row, bench_ms
+from yaie.bench.harness import Row, bench_ms, rel_err
 from yaie.switch import module
 
 LESSON = "lesson08"
@@ -89,11 +89,6 @@ def load_fla():
         return None, f"{type(err).__name__}: {err}"
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm())
-
-
 def _timed_setting(name, kernel, launch, check, shape, warmup, rep, flops) -> list[Row]:
     """Run ``launch`` once, compare with ``check()`` (a relative difference), time it: one row, or none
     (with a note) when the setting does not compile or run."""
@@ -122,7 +117,7 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
     found = {}
 
     def state_err(state):
-        return max(_rel_err(state.kv, ref_state.kv), _rel_err(state.k, ref_state.k))
+        return max(rel_err(state.kv, ref_state.kv), rel_err(state.k, ref_state.k))
 
     for seg, bm, bn, warps, stages in SEGMENT_SWEEP:
         if seg >= 2 * seq:                      # the same single segment as a shorter setting
@@ -132,7 +127,7 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
         rows += _timed_setting(
             name, "based_prefill",
             lambda: found.update(state=based._launch_segmented(q, k, v, out, seg, True, bm, bn, warps, stages)),
-            lambda: max(_rel_err(out, ref_out), state_err(found["state"])), shape, warmup, rep, flops)
+            lambda: max(rel_err(out, ref_out), state_err(found["state"])), shape, warmup, rep, flops)
     segments = -(-seq // STATE_SWEEP_SEGMENT)
     prefix_kv = torch.empty(BATCH, HEADS, segments - 1, 273, VALUE_DIM, device=DEVICE, dtype=q.dtype)
     prefix_k = torch.empty(BATCH, HEADS, segments - 1, 273, device=DEVICE, dtype=torch.float32)
@@ -142,12 +137,12 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
             "based_state",
             lambda: based._launch_prefix_state(k, v, prefix_kv, prefix_k, kv, ks, STATE_SWEEP_SEGMENT, groups,
                                                block_t, warps),
-            lambda: max(_rel_err(kv, ref_state.kv), _rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
+            lambda: max(rel_err(kv, ref_state.kv), rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
     for chunk, block_v, warps in CHUNKED_SWEEP:
         rows += _timed_setting(
             f"yaie chunked (registers, chunk {chunk}, BV {block_v}, {warps} warps)", "based_prefill",
             lambda: based._launch_prefill(q, k, v, out, kv, ks, chunk, block_v, warps, None, "registers"),
-            lambda: max(_rel_err(out, ref_out), _rel_err(kv, ref_state.kv)), shape, warmup, rep, flops)
+            lambda: max(rel_err(out, ref_out), rel_err(kv, ref_state.kv)), shape, warmup, rep, flops)
     return rows
 
 
@@ -200,7 +195,7 @@ def run(args) -> list[Row]:
             torch.cuda.synchronize()
         print(f"{shape}: first call {time.perf_counter() - t0:.1f} s (compile)", flush=True)
         ref, _ = based.based_chunked_reference(q[:1].float(), k[:1].float(), v[:1].float())
-        errors = {"chunked reference (fp32, sequence 0)": _rel_err(out[:1], ref)}
+        errors = {"chunked reference (fp32, sequence 0)": rel_err(out[:1], ref)}
         impls = [("yaie triton", ours),
                  ("yaie triton (output only)", lambda: based.based_prefill(q, k, v, return_state=False)[0])]
         if fla is not None:
@@ -210,7 +205,7 @@ def run(args) -> list[Row]:
             impls.append(("fla parallel_based", lambda: parallel(qt, kt, vt)))
             for name, fn in impls[2:]:
                 try:
-                    errors[name] = _rel_err(out, fn().transpose(1, 2))
+                    errors[name] = rel_err(out, fn().transpose(1, 2))
                 except Exception as exc:  # noqa: BLE001
                     print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:300]})", flush=True)
                     impls = [i for i in impls if i[0] != name]
