@@ -25,11 +25,8 @@ into the decode steps' CUDA graphs like any other. It reads from the peers: noth
 below if it is not set already). With 2 ranks both compute a + b, the same bits; with more, each rank adds
 in its own order (rounding may differ in the last bit between ranks; NCCL's ring gives every rank the same).
 
-**What it gave** on 2 H100s (NVLink; ``bench/results/tensor_parallel_h100.md``): a decode step's 65
-all-reduces and its logits' all-gather alone, in a CUDA graph, took 0.63 ms one-shot against 0.82 ms with NCCL
-at batch 1 (1.01 against 1.17 ms at batch 64), the same sums bit for bit; but the engine's step did not get
-faster (4.20 against 4.16 ms at batch 1, 5.46 against 5.31 ms at batch 64). So NCCL stays the default, and
-the one-shot path is there to read, to measure and to build on (see docs/tensor_parallel.md).
+**Why NCCL is the default:** on 2 H100s the one-shot path made the collectives alone faster but not the
+engine's step (measured in docs/tensor_parallel.md); it is there to read, to measure and to build on.
 
 **Which path** (``YAIE_TP_ALL_REDUCE``, read when the group forms; the workers inherit it): ``nccl`` (the
 default) is ``dist.all_reduce``, gloo's on the CPU. ``one-shot`` sets up the buffer on GPUs and sums a bf16 or
