@@ -53,7 +53,8 @@ H100). The route cuts the sequence into segments of ``DEFAULT_SEGMENT`` tokens i
                                               + phi(q) @ (the state before its segment)
 
 The queries of the first segment read no state, so they run in step 1's launch, beside the state
-programs (:func:`_based_first_launch_kernel`); the other segments' queries are a second launch.
+programs (``_based_first_launch_kernel`` in the reference solution, solutions/kernels/based.py); the other
+segments' queries are a second launch.
 
 Inside a segment the quadratic form tiles like flash attention but without the running maximum (the
 weights are never below 1/2: nothing can overflow the sums); its work per token grows with the segment,
@@ -75,9 +76,10 @@ more time than 256; more tokens per step (256) or 8 warps are slower.
 
 **Recurrent decode** (task 3): one token updates the state and reads its output from it. In PyTorch that
 is some twenty small ops (two feature maps, the outer-product update, the product with the state, the
-normaliser), each a kernel launch on a GPU, for very little work at batch 1. The reference keeps that form
-for the CPU (``based_decode_reference``) and runs the step on CUDA as one kernel per call
-(:func:`_based_decode_kernel`: one program per sequence and head walks the 273 rows of its state once, adding
+normaliser), each a kernel launch on a GPU, for very little work at batch 1. Your task 3 may stay in
+PyTorch. The reference solution (solutions/kernels/based.py) keeps that form for the CPU
+(``based_decode_reference``) and runs the step on CUDA as one Triton kernel per call
+(``_based_decode_kernel``: one program per sequence and head walks the 273 rows of its state once, adding
 the token and reading the output from the updated rows). docs/based_decode.md counts the engine's kernels.
 
 Layouts: ``q, k [batch, heads, seq, 16]``, ``v [batch, heads, seq, d_v]`` (any strides); the state is
