@@ -14,6 +14,8 @@
 # 1,64) for the 1.1B; BENCH_EXTRA adds options to both trees' benchmark (e.g. "--temperature 1.0 --top-p 0.95" for
 # sampled requests: the baseline tree then needs this tree's yaie/bench/engine.py if it lacks those options).
 # 4. scripts/engine_ab_table.py: one Markdown table of it all                        -> $OUT/engine_ab_<gpu>.md
+# One tree under two settings instead of two trees: BASE_TREE=. with BASE_ENV and NEW_ENV, e.g.
+#   BASE_TREE=. BASE_ENV="YAIE_PDL=0" NEW_ENV="YAIE_PDL=1" SIZES="1b 8b" BATCHES=1 SERVE=0 bash scripts/gpu_engine_ab.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 YAIE_SOLUTIONS=all
 : "${OUT:?set OUT to the output folder}"
@@ -33,20 +35,21 @@ SITE=/tmp/site
     PYTHONPATH=$PWD timeout 150 python3 -m pytest tests/test_row_engine.py tests/test_based_engine.py -q -p no:cacheprovider -k "cuda or gpu or graphs" -x
     echo "== tests rc $?"
   fi
-  bench() {   # tree, label
+  bench() {   # tree, label, environment settings (NAME=VALUE ...)
     for size in ${SIZES:-1b 8b}; do
       batches=${BATCHES:-1,64}; [ $size = 8b ] && batches=1
       # From inside the tree: `python -m` puts the current folder first on sys.path, before PYTHONPATH.
-      (cd "$1" && PYTHONPATH=$1 python3 -c "import yaie; print('== $2 runs', yaie.__file__)" &&
-        PYTHONPATH=$1 timeout 200 python3 -m yaie.bench.engine --out "$OUT/$2/$size" --size $size --batches $batches \
+      (cd "$1" && PYTHONPATH=$1 python3 -c "import yaie; print('== $2 runs', yaie.__file__, 'with', '${3:-}')" &&
+        env ${3:-} PYTHONPATH=$1 timeout 200 python3 -m yaie.bench.engine --out "$OUT/$2/$size" --size $size --batches $batches \
         --prompt-len 128 --new-tokens 128 --repeats 3 --long-prompt 0 --skip-hf ${BENCH_EXTRA:-})
       echo "== $2 $size rc $?"
     done
   }
-  bench "$PWD/.baseline" base1
-  bench "$PWD" new1
-  bench "$PWD" new2
-  bench "$PWD/.baseline" base2
+  BASE_TREE=$(cd "${BASE_TREE:-.baseline}" && pwd)
+  bench "$BASE_TREE" base1 "${BASE_ENV:-}"
+  bench "$PWD" new1 "${NEW_ENV:-}"
+  bench "$PWD" new2 "${NEW_ENV:-}"
+  bench "$BASE_TREE" base2 "${BASE_ENV:-}"
   [ "${SERVE:-1}" = "1" ] && for tree in new base; do
     root=$PWD; [ $tree = base ] && root=$PWD/.baseline
     echo "== yaie serve over tiny-based, $tree"

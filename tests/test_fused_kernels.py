@@ -327,6 +327,59 @@ def test_matvec_kernels_bf16_on_the_gpu_at_model_shapes():
         assert torch.equal(got[1], want[1])
 
 
+def _product_chain(c, steps: int):
+    """A decode step's pattern of one-row products: each reads what the one before wrote (and the residual
+    the norm prologue wrote), so a product that read its input before the kernel before it had finished
+    would show as a different result."""
+    x, residual = c["x"], c["residual"]
+    for _ in range(steps):
+        h, residual = ref.add_rms_norm_matvec(x, residual, c["norm_weight"], c["eps"], c["weight"])
+        gate_up = ref.matvec(h, c["gate_up_weight"])
+        x = ref.silu_and_mul_matvec(gate_up, c["weight"])
+    return x, residual
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_chained_products_with_programmatic_launch_equal_the_products_without(monkeypatch, graphs):
+    """With programmatic dependent launch (YAIE_PDL=1, Hopper) each product may start before the one before it
+    ends and waits for it inside the kernel: the chain must give the same bits as with YAIE_PDL=0, eagerly
+    and replayed from a CUDA graph (where the engine runs it)."""
+    from yaie.device import programmatic_launch
+    k = 2048
+    c = matvec_case(torch.bfloat16, n=k, k=k, device="cuda")
+    c["gate_up_weight"] = torch.randn(2 * k, k, device="cuda").to(torch.bfloat16) * k ** -0.5
+    results = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("YAIE_PDL", setting)
+        if not graphs:
+            results[setting] = _product_chain(c, steps=8)
+            continue
+        _product_chain(c, steps=8)                        # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _product_chain(c, steps=8)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        results[setting] = [t.clone() for t in out]
+    for got, want in zip(results["1"], results["0"]):
+        assert torch.equal(got, want), "the chain under PDL differs from the chain without it"
+    if torch.cuda.get_device_capability()[0] >= 9:
+        monkeypatch.setenv("YAIE_PDL", "1")
+        assert programmatic_launch(torch.device("cuda")), "Hopper with this Triton should launch with PDL"
+
+
+def test_programmatic_launch_setting(monkeypatch):
+    from yaie.device import programmatic_launch
+    monkeypatch.setenv("YAIE_PDL", "1")
+    assert not programmatic_launch(torch.device("cpu"))
+    monkeypatch.setenv("YAIE_PDL", "yes")
+    with pytest.raises(ValueError, match="YAIE_PDL must be 0"):
+        programmatic_launch(torch.device("cpu"))
+
+
 def test_engine_tokens_with_and_without_the_fused_kernels(monkeypatch):
     """The bundled model, greedy, batch 1 (one-row products): lesson 02's kernels (in the interpreter, as on a GPU)
     with the fused decode-step kernels give the ids of the same run with every op apart."""

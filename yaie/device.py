@@ -60,3 +60,38 @@ def prepare_triton() -> bool:
 
 def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# What ``YAIE_PDL`` may say: "0" turns programmatic dependent launch off.
+PDL_ENV_VAR = "YAIE_PDL"
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels that support it may launch with programmatic dependent launch (PDL) on ``device``.
+
+    PDL lets a kernel start while the one before it on the stream is still finishing; the kernel then
+    calls ``gdc_wait`` before it touches anything that kernel wrote (``docs/engine.md``, "Programmatic
+    dependent launch"). True on a CUDA GPU of compute capability 9.0 or newer (Hopper), when this Triton
+    can launch so and ``YAIE_PDL`` is not ``"0"``; False on the CPU and under the Triton interpreter.
+    ``ValueError`` when ``YAIE_PDL`` is set to anything but ``"0"`` or ``"1"``.
+    """
+    setting = os.environ.get(PDL_ENV_VAR, "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV_VAR} must be 0 (off) or 1 (on where the GPU supports it), got {setting!r}")
+    if setting == "0" or device.type != "cuda" or triton_interpreted():
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_PDL_SUPPORT: dict[int, bool] = {}
+
+
+def _pdl_supported(index: int) -> bool:
+    if index not in _PDL_SUPPORT:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+            triton_can = "launch_pdl" in CUDAOptions.__dataclass_fields__
+        except ImportError:
+            triton_can = False
+        _PDL_SUPPORT[index] = triton_can and torch.cuda.get_device_capability(index)[0] >= 9
+    return _PDL_SUPPORT[index]

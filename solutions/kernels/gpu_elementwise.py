@@ -526,7 +526,8 @@ def _matvec_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, K, inv_rms, PROLOGUE
 # yaie: solution-only
 @triton.jit
 def _matvec_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, N, K, stride_wn, epsilon,
-                   PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # out[n] = sum_k in[k] * w[n, k] for ONE input row: one program per BLOCK_N rows of w, over the whole K.
     # A matrix-vector product reads every weight once and does one multiply-add per weight: its time is
     # the weight's bytes over the memory bandwidth, and with BLOCK_N of 4 there are enough programs (and
@@ -535,6 +536,18 @@ def _matvec_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out
     # 0 the vector itself, 1 SwiGLU's silu(gate) * up, 2 RMSNorm of x + residual (the sum goes to res_out).
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    # The first tile of weights. The weights are the same at every step, so with programmatic dependent
+    # launch (PDL) they are read BEFORE waiting for the kernel launched before this one: that kernel's tail
+    # and this kernel's first loads overlap. Everything the earlier kernels write (the input vector, the
+    # residual) is read after gdc_wait, and this kernel writes nothing before it.
+    # "Evict first": each weight is read once, and must not push the input vector out of the cache.
+    first_cols = tl.arange(0, BLOCK_K)
+    w_first = tl.load(w_rows + first_cols[None, :], mask=row_ok[:, None] & (first_cols < K)[None, :], other=0.0,
+                      eviction_policy="evict_first")
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()   # the next kernel may start its own weight reads
+        tl.extra.cuda.gdc_wait()                # the kernel before has finished and its writes are visible
     inv_rms = 0.0
     if PROLOGUE == 2:
         # The norm needs the whole row's sum of squares first: a first pass over x + residual (each
@@ -550,14 +563,14 @@ def _matvec_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out
             h = h.to(tl.float32)
             squares += h * h
         inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + epsilon)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    vec = _matvec_input(x_ptr, res_ptr, norm_w_ptr, first_cols, first_cols < K, K, inv_rms, PROLOGUE)
+    acc = w_first.to(tl.float32) * vec[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         vec = _matvec_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, K, inv_rms, PROLOGUE)
-        # Each weight is read once: "evict first" keeps it from pushing the input vector out of the cache.
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
         acc += w.to(tl.float32) * vec[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -596,10 +609,15 @@ def _launch_matvec(prologue, x, weight, bias, residual=None, norm_weight=None, e
     if triton_interpreted():
         config = dict(config, BLOCK_K=min(config["BLOCK_K"], triton.next_power_of_2(k)))
     block_n = config["BLOCK_N"]
+    # Programmatic dependent launch on Hopper (yaie.device.programmatic_launch): the kernel may start
+    # before the one before it ends, and waits for it inside (gdc_wait) before it reads the input.
+    from yaie.device import programmatic_launch    # here, not at the top: the student's stub has no use for it
+    pdl = programmatic_launch(weight.device)
     _matvec_kernel[((n + block_n - 1) // block_n,)](
         x, x if residual is None else residual, x if norm_weight is None else norm_weight, weight,
         weight if bias is None else bias, out, out if res_out is None else res_out, n, k, weight.stride(0),
-        epsilon, PROLOGUE=prologue, HAS_BIAS=bias is not None, **config)
+        epsilon, PROLOGUE=prologue, HAS_BIAS=bias is not None, PDL=pdl, **config,
+        **({"launch_pdl": True} if pdl else {}))
     return out
 
 
