@@ -83,6 +83,16 @@ def programmatic_launch(device: torch.device) -> bool:
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def programmatic_launch_options(device: torch.device) -> dict:
+    """Keyword arguments for launching a Triton kernel that takes a ``PDL: tl.constexpr`` flag on ``device``:
+    ``{"PDL": True, "launch_pdl": True}`` where :func:`programmatic_launch` allows it, else ``{"PDL": False}``.
+
+    A kernel launched so must call ``tl.extra.cuda.gdc_wait()`` before it reads or writes anything an
+    earlier kernel may touch; it may call ``gdc_launch_dependents()`` to let the next kernel start early.
+    """
+    return {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {"PDL": False}
+
+
 _PDL_SUPPORT: dict[int, bool] = {}
 
 

@@ -318,6 +318,14 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 # yaie: solution-only
+def _pdl_options(device: torch.device) -> dict:
+    """The launch options of a kernel with a ``PDL`` flag: programmatic dependent launch on Hopper, where the
+    kernel starts while the one before it finishes and waits for it inside (``gdc_wait``)."""
+    from yaie.device import programmatic_launch_options  # imported here: the student's stub has no use for it
+    return programmatic_launch_options(device)
+
+
+# yaie: solution-only
 def apply_rope_qk_store_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                      sin: torch.Tensor, position_ids: torch.Tensor, k_cache: torch.Tensor,
                                      v_cache: torch.Tensor, slot_mapping: torch.Tensor):
@@ -362,10 +370,13 @@ def _rope_qk_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slo
                              kc_stride_slot, kc_stride_head, vc_stride_slot, vc_stride_head,
                              num_q_heads, num_k_heads, half, head_dim, max_position, num_slots,
                              BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+                             BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     # One program per token, as _rope_qk_kernel, plus the cache write of lesson 03's write_kv: the rotated
     # k heads and the v heads go to row `slot` of the caches seen as [slots, kv_heads, head_dim]. One
     # launch instead of three (RoPE, then one scatter for K and one for V).
+    if PDL:    # launched early (programmatic dependent launch): let the next kernel start, wait for the last
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(pos_ptr + token).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -475,7 +486,8 @@ def apply_rope_qk_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         num_q_heads, num_k_heads, half, head_dim, cos.shape[0], num_slots,
         BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), BLOCK_K_HEADS=triton.next_power_of_2(num_k_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        **_pdl_options(q.device))
     return q, k
 
 
@@ -526,8 +538,8 @@ def _matvec_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, K, inv_rms, PROLOGUE
 # yaie: solution-only
 @triton.jit
 def _matvec_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, N, K, stride_wn, epsilon,
-                   PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr = False):
     # out[n] = sum_k in[k] * w[n, k] for ONE input row: one program per BLOCK_N rows of w, over the whole K.
     # A matrix-vector product reads every weight once and does one multiply-add per weight: its time is
     # the weight's bytes over the memory bandwidth, and with BLOCK_N of 4 there are enough programs (and
@@ -611,13 +623,11 @@ def _launch_matvec(prologue, x, weight, bias, residual=None, norm_weight=None, e
     block_n = config["BLOCK_N"]
     # Programmatic dependent launch on Hopper (yaie.device.programmatic_launch): the kernel may start
     # before the one before it ends, and waits for it inside (gdc_wait) before it reads the input.
-    from yaie.device import programmatic_launch    # here, not at the top: the student's stub has no use for it
-    pdl = programmatic_launch(weight.device)
     _matvec_kernel[((n + block_n - 1) // block_n,)](
         x, x if residual is None else residual, x if norm_weight is None else norm_weight, weight,
         weight if bias is None else bias, out, out if res_out is None else res_out, n, k, weight.stride(0),
-        epsilon, PROLOGUE=prologue, HAS_BIAS=bias is not None, PDL=pdl, **config,
-        **({"launch_pdl": True} if pdl else {}))
+        epsilon, PROLOGUE=prologue, HAS_BIAS=bias is not None, **config,
+        **_pdl_options(weight.device))
     return out
 
 
