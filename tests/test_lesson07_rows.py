@@ -81,3 +81,62 @@ def test_few_row_changes_keep_the_atomics():
     assert index_map._yaie_rows[1] is True
     index_map, n = _map("random", 300, 32)
     assert not ref._rows_route(index_map, m, n, e=4, most_changes=1.0)
+
+
+def _pv_case(length: int = 30, capacity: int = 8, seed: int = 2):
+    index_map, n = _map("random", length, capacity)
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(1, length, 2, 3, capacity, generator=gen)
+    v = torch.randn(1, n, 2, 16, generator=gen)
+    dout = torch.randn(1, length, 2, 3, 16, generator=gen)
+    return index_map, n, p, v, dout
+
+
+def test_a_valid_map_is_read_once_per_version(monkeypatch):
+    """The map's minimum (a device sync on a GPU) is read at the first call and after each in-place edit,
+    not at every call; an edit that makes an entry negative is still a ValueError."""
+    index_map, n, p, v, dout = _pv_case()
+    reads = []
+    real_min = torch.Tensor.min
+    monkeypatch.setattr(torch.Tensor, "min", lambda t, *a, **k: reads.append(1) or real_min(t, *a, **k))
+    ref.indexed_pv_backward(dout, p, v, index_map)
+    ref.indexed_pv_backward(dout, p, v, index_map)
+    ref.indexed_pv_forward(p, v, index_map)
+    assert len(reads) == 1 and index_map._yaie_checked == index_map._version
+    index_map[3, 1] = -1
+    with pytest.raises(ValueError, match="negative"):
+        ref.indexed_pv_backward(dout, p, v, index_map)
+    with pytest.raises(ValueError, match="negative"):           # an invalid map is never marked
+        ref.indexed_pv_forward(p, v, index_map)
+    index_map[3, 1] = 0
+    ref.indexed_pv_forward(p, v, index_map)
+    assert len(reads) == 4
+
+
+def test_a_map_of_inference_mode_is_checked_at_every_call():
+    """Inference tensors have no version counter: nothing is kept that could hide an edit."""
+    with torch.inference_mode():
+        index_map, n, p, v, _ = _pv_case()
+        ref.indexed_pv_forward(p, v, index_map)
+        assert getattr(index_map, "_yaie_checked", None) is None
+        index_map[0, 0] = -2
+        with pytest.raises(ValueError, match="negative"):
+            ref.indexed_pv_forward(p, v, index_map)
+
+
+def test_the_sorted_order_is_kept_and_follows_edits():
+    """The normalised map and its sorted order are made once per map and version: the second backward
+    reuses them; after an in-place edit of the map the buffer gradient follows the new map."""
+    index_map, n, p, v, dout = _pv_case()
+    assert ref._rows_route(index_map, ref._normalise_map(index_map, n), n, e=3)
+    _, dv = ref.indexed_pv_backward(dout, p, v, index_map)
+    m = ref._normalise_map(index_map, n)
+    order = m._yaie_order[1][0]
+    _, dv_again = ref.indexed_pv_backward(dout, p, v, index_map)
+    assert ref._normalise_map(index_map, n) is m and m._yaie_order[1][0] is order
+    assert torch.equal(dv, dv_again)
+    index_map[:, 0] = index_map[:, 1]                          # every position: slot 0 now holds slot 1's row
+    _, dv_edited = ref.indexed_pv_backward(dout, p, v, index_map)
+    assert ref._normalise_map(index_map, n) is not m
+    torch.testing.assert_close(dv_edited.double(), _want(p, dout, index_map, n), atol=5e-5, rtol=1e-5)
+    assert not torch.allclose(dv_edited, dv)

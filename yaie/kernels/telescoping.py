@@ -51,7 +51,8 @@ variants of gather-dot and scatter-add that treat a block of positions as one ma
 position, and picks them for maps of that kind (a "going further" of the lesson: the tasks do not need
 them). Maps whose slots change rows often (oldest-first order, random) would need an atomic add per slot and
 position; for those the reference inverts the map instead: it sorts the map's entries by buffer row once per
-call, and each program sums the entries of its own block of rows with ``tl.dot``, without atomics.
+map (kept on the map tensor), and each program sums the entries of its own block of rows with ``tl.dot``,
+without atomics.
 Empty slots (``M >= n``) give 0 in the forward products and receive no gradient.
 """
 
@@ -67,8 +68,8 @@ from yaie.device import triton_interpreted
 
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/telescoping_given.py
 from yaie.kernels.telescoping_given import (
-    MAX_GROUP, MAX_HEAD_DIM, SUPPORTED_DTYPES, check_count, check_dout, check_indexed_inputs, entry_level,
-    indexed_pv_reference, indexed_qk_reference, span_sizes, stable_slots,
+    MAX_GROUP, MAX_HEAD_DIM, SUPPORTED_DTYPES, check_count, check_dout, check_indexed_inputs, check_map_entries,
+    entry_level, indexed_pv_reference, indexed_qk_reference, span_sizes, stable_slots,
 )
 
 

@@ -8,7 +8,8 @@ before), and the graders rely on them as they are.
   :func:`span_sizes`, :func:`stable_slots` (the column order the backward's scatter kernel likes);
 * the naive gather references of the indexed products, :func:`indexed_qk_reference` and
   :func:`indexed_pv_reference` (not tasks: the kernels of tasks 3 and 4 are checked against them);
-* the input checks the kernels call: :func:`check_indexed_inputs`, :func:`check_dout`.
+* the input checks the kernels call: :func:`check_indexed_inputs` (its map check, :func:`check_map_entries`,
+  reads the map once per tensor and version), :func:`check_dout`.
 """
 
 from __future__ import annotations
@@ -148,8 +149,28 @@ def check_indexed_inputs(x: torch.Tensor, buf: torch.Tensor, index_map: torch.Te
     if min(x.shape) == 0 or min(buf.shape) == 0 or c == 0:
         raise ValueError(f"empty tensors are not allowed: x {tuple(x.shape)}, buffer {tuple(buf.shape)}, "
                          f"index_map {tuple(index_map.shape)}")
+    check_map_entries(index_map)
+
+
+def check_map_entries(index_map: torch.Tensor) -> None:
+    """Raise ``ValueError`` if ``index_map`` has a negative entry (a kernel would read before the buffer).
+
+    Finding the minimum means reading a number back from the GPU: the host waits until the GPU has run
+    everything queued before it (a device sync), and while the host then queues the next kernels the GPU
+    idles. A model calls the kernels with the same map again and again (every layer, every step), so a
+    map found valid is marked so on the tensor, with its version counter (PyTorch bumps it at every
+    in-place edit, ``index_map[0, 0] = -1`` too): the same map, unedited, is not read again, and the
+    kernels' calls queue without a wait. An edited map is checked again. Inference tensors (made inside
+    ``torch.inference_mode``) have no version counter: they are checked at every call. Edits that bypass
+    the counter (through ``.data``, or by a kernel writing into the map's memory) are not seen.
+    """
+    counted = not index_map.is_inference()
+    if counted and getattr(index_map, "_yaie_checked", None) == index_map._version:
+        return
     if int(index_map.min()) < 0:
         raise ValueError("index_map has negative entries: buffer rows are 0..n-1 (n or more = unused slot)")
+    if counted:
+        index_map._yaie_checked = index_map._version
 
 
 def check_dout(dout, want: tuple[int, ...], like: torch.Tensor) -> None:
