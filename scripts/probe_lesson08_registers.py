@@ -8,7 +8,9 @@ The chunked "registers" kernel (what based_prefill runs when given a chunk size:
 registers, order-2 features built as [C, 16, 16] products) spills kilobytes at every setting; the "rows"
 design keeps the order-2 state in memory 16 rows at a time and spills little or nothing. The default
 route's kernels (segment kernel, boundary-state kernel) do not spill at their default settings.
-Uses the ptxas bundled with triton (its newest one, which reads the PTX version triton writes).
+Uses the ptxas bundled with triton (its newest one, which reads the PTX version triton writes), or $PTXAS.
+The counts depend on the Triton version: the GPU machine has Triton 3.6 (``pip install --target DIR
+triton==3.6.0``, then ``PYTHONPATH=DIR``; its own ``DIR/triton/backends/nvidia/bin/ptxas`` as $PTXAS).
 """
 
 from __future__ import annotations
@@ -32,24 +34,30 @@ from solutions.kernels import based  # noqa: E402
 
 def ptxas() -> str:
     tools = sorted(glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas*")))
-    return next((t for t in tools if t.endswith("blackwell")), tools[0])
+    return os.environ.get("PTXAS") or next((t for t in tools if t.endswith("blackwell")), tools[0])
 
 
 def probe(kernel, consts: dict, num_warps: int, num_stages: int = 3, types: dict | None = None) -> dict:
-    sig = {}
-    for name in kernel.arg_names:
+    # Pointers, strides and the sizes a launch passes as multiples of 16 get the divisibility a real launch
+    # specializes on (16-byte vector loads): without it ptxas reports other counts (the segment kernel 255
+    # registers instead of the 128 that Nsight Compute saw on the H100).
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
         if types and name in types:
             sig[name] = types[name]
         elif name in consts:
             sig[name] = "constexpr"
+            continue
         elif name in ("Q", "K", "V", "O"):
             sig[name] = "*bf16"
         elif name in ("STATE_KV", "STATE_K", "PREFIX_KV", "PREFIX_K"):     # float32 unless `types` says
-
             sig[name] = "*fp32"
         else:
             sig[name] = "i32"
-    src = triton.compiler.ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
+        if sig[name].startswith("*") or name.startswith("stride") or name in ("value_dim", "heads", "segment_len"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()},
+                                    attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = compiled.asm["ptx"]
@@ -87,12 +95,16 @@ def main() -> None:
             ("segment BM 64 BN 64, bfloat16 states (the default)", based._based_segment_kernel,
              {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_V": 64, "PRECISION": "tf32", "PREFIX_16BIT": True}, 4,
              {"PREFIX_KV": "*bf16"}),
-            *((f"boundary states groups {g} tokens {t}", based._based_prefix_state_kernel,
-               {"GROUPS": g, "BLOCK_T": t, "BLOCK_V": 64, "PRECISION": "tf32"}, w, {"PREFIX_KV": "*bf16"})
-              for g, t, w in ((4, 128, 4), (4, 64, 4), (2, 128, 4), (8, 128, 8))),
-            ("first launch (boundary states + first segment), the default", based._based_first_launch_kernel,
-             {"GROUPS": 4, "BLOCK_T": 128, "STATE_BLOCK_V": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_V": 64,
-              "PRECISION": "tf32", "PREFIX_16BIT": True}, 4, {"PREFIX_KV": "*bf16"})):
+            *((f"boundary states groups {g} tokens {t}" + (", split" if sp else ""), based._based_prefix_state_kernel,
+               {"GROUPS": g, "BLOCK_T": t, "BLOCK_V": 64, "PRECISION": "tf32", "SPLIT_V": sp}, w,
+               {"PREFIX_KV": "*bf16"})
+              for g, t, w, sp in ((4, 128, 4, False), (4, 128, 4, True), (4, 64, 4, False), (2, 128, 4, False),
+                                  (8, 128, 8, False), (8, 128, 4, True))),
+            *((f"first launch (boundary states + first segment)" + (", split" if sp else ""),
+               based._based_first_launch_kernel,
+               {"GROUPS": 4, "BLOCK_T": 128, "STATE_BLOCK_V": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_V": 64,
+                "PRECISION": "tf32", "PREFIX_16BIT": True, "SPLIT_V": sp}, 4, {"PREFIX_KV": "*bf16"})
+              for sp in (False, True))):
         try:
             result = probe(kernel, consts, warps, types=types)
         except Exception as err:  # noqa: BLE001 - report and go on

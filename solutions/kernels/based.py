@@ -699,6 +699,7 @@ def _prefix_state_program(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     seq_len, value_dim, heads, segment_len,
     GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_V: tl.constexpr,
 ):
     """The state at every segment boundary, ``phi(K)^T V`` and ``sum phi(K)`` over the tokens before it.
 
@@ -721,6 +722,15 @@ def _prefix_state_program(
     The constant ``1 / (4 sqrt 2)`` is applied once, when the sums are stored. The segments' edges fall on
     tile edges (``segment_len`` is a multiple of ``BLOCK_T``), so one loop over the tiles serves every
     segment and Triton can pipeline its loads.
+
+    ``SPLIT_V``: the order-2 product as two of ``BLOCK_V / 2`` value rows each (``BLOCK_V >= 32``), both
+    from the same features. On the H100 a product of 64 rows compiles to wgmma, whose second operand (the
+    features, built in registers) must first be stored to shared memory: with 4 warps that store and the
+    shared-memory pipe it loads were the state programs' bound (bench/results/lesson08_ncu_h100.txt: 206
+    registers, 2 programs a multiprocessor, the L1/shared pipe 79% busy). Products of 32 rows compile to
+    mma.sync, which takes the features straight from registers: for the same programs ptxas reports 123
+    registers (4 programs a multiprocessor) and 45 KB of shared memory instead of 76 KB
+    (``scripts/probe_lesson08_registers.py``).
     """
     batch = (bh // heads).to(tl.int64)
     head = (bh % heads).to(tl.int64)
@@ -771,26 +781,47 @@ def _prefix_state_program(
         offs_r = tl.arange(0, GROUPS * 16)
         kv_t = tl.zeros([BLOCK_V, GROUPS * 16], dtype=tl.float32)
         ksum = tl.zeros([GROUPS * 16], dtype=tl.float32)
+        offs_h = first_v + tl.arange(0, BLOCK_V // 2)
+        kv_lo = tl.zeros([BLOCK_V // 2, GROUPS * 16], dtype=tl.float32)
+        kv_hi = tl.zeros([BLOCK_V // 2, GROUPS * 16], dtype=tl.float32)
         for start in range(0, seq_len, BLOCK_T):
             tokens = start + offs_t
             t_ok = tokens < seq_len
             # Tokens past the end read k = 0 and v = 0: they add nothing.
+            if not SPLIT_V:
+                v_t = tl.load(v_base + tokens[None, :] * stride_vs + offs_v[:, None],
+                              mask=t_ok[None, :] & v_ok[:, None], other=0.0)
             k = tl.load(k_base + tokens[:, None] * stride_ks + offs_f[None, :], mask=t_ok[:, None], other=0.0)
             k_a = tl.load(k_base + tokens[:, None] * stride_ks + offs_a[None, :], mask=t_ok[:, None], other=0.0)
-            v_t = tl.load(v_base + tokens[None, :] * stride_vs + offs_v[:, None],
-                          mask=t_ok[None, :] & v_ok[:, None], other=0.0)
             # k_a k_b for every (a, b) of the block, in float32 (exact for 16-bit k); cast for the product.
             feats = tl.reshape(k_a.to(tl.float32)[:, :, None] * k.to(tl.float32)[:, None, :],
                                [BLOCK_T, GROUPS * 16])
-            kv_t = tl.dot(v_t, feats.to(v_t.dtype), kv_t, input_precision=PRECISION)
+            if SPLIT_V:
+                v_lo = tl.load(v_base + tokens[None, :] * stride_vs + offs_h[:, None],
+                               mask=t_ok[None, :] & (offs_h < value_dim)[:, None], other=0.0)
+                v_hi = tl.load(v_base + tokens[None, :] * stride_vs + (offs_h + BLOCK_V // 2)[:, None],
+                               mask=t_ok[None, :] & (offs_h + BLOCK_V // 2 < value_dim)[:, None], other=0.0)
+                kv_lo = tl.dot(v_lo, feats.to(v_lo.dtype), kv_lo, input_precision=PRECISION)
+                kv_hi = tl.dot(v_hi, feats.to(v_hi.dtype), kv_hi, input_precision=PRECISION)
+            else:
+                kv_t = tl.dot(v_t, feats.to(v_t.dtype), kv_t, input_precision=PRECISION)
             ksum += tl.sum(feats, 0)
             boundary = start + BLOCK_T                            # segment_len is a multiple of BLOCK_T
             if (boundary % segment_len == 0) & (boundary < seq_len):      # the state before the next segment
                 entry = boundary // segment_len - 1
-                _store_rows_t(prefix_kv, entry * 273 + first_row, first_v, value_dim, kv_t * order2_scale)
+                if SPLIT_V:
+                    _store_rows_t(prefix_kv, entry * 273 + first_row, first_v, value_dim, kv_lo * order2_scale)
+                    _store_rows_t(prefix_kv, entry * 273 + first_row, first_v + BLOCK_V // 2, value_dim,
+                                  kv_hi * order2_scale)
+                else:
+                    _store_rows_t(prefix_kv, entry * 273 + first_row, first_v, value_dim, kv_t * order2_scale)
                 if pid_v == 0:
                     tl.store(prefix_k + entry * 273 + first_row + offs_r, ksum * order2_scale)
-        _store_rows_t(state_kv, first_row, first_v, value_dim, kv_t * order2_scale)
+        if SPLIT_V:
+            _store_rows_t(state_kv, first_row, first_v, value_dim, kv_lo * order2_scale)
+            _store_rows_t(state_kv, first_row, first_v + BLOCK_V // 2, value_dim, kv_hi * order2_scale)
+        else:
+            _store_rows_t(state_kv, first_row, first_v, value_dim, kv_t * order2_scale)
         if pid_v == 0:
             tl.store(state_k + first_row + offs_r, ksum * order2_scale)
 
@@ -802,13 +833,15 @@ def _based_prefix_state_kernel(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     seq_len, value_dim, heads, segment_len,
     GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_V: tl.constexpr,
 ):
     """The boundary states alone (:func:`_prefix_state_program`). Grid: (1 + 16 / GROUPS row blocks, value
     blocks, batch * heads)."""
     _prefix_state_program(tl.program_id(0), tl.program_id(1), tl.program_id(2),
                           K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
                           stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                          seq_len, value_dim, heads, segment_len, GROUPS, BLOCK_T, BLOCK_V, PRECISION)
+                          seq_len, value_dim, heads, segment_len, GROUPS, BLOCK_T, BLOCK_V, PRECISION,
+                          SPLIT_V)
 
 
 # yaie: solution-only
@@ -821,7 +854,7 @@ def _based_first_launch_kernel(
     state_programs, state_v_blocks, first_blocks, v_blocks,
     GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, STATE_BLOCK_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
-    PREFIX_16BIT: tl.constexpr,
+    PREFIX_16BIT: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
     """Two independent jobs in one launch: the boundary states, and the queries of the first segment.
 
@@ -837,7 +870,8 @@ def _based_first_launch_kernel(
         _prefix_state_program(pid % rows, (pid // rows) % state_v_blocks, pid // (rows * state_v_blocks),
                               K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
                               stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                              seq_len, value_dim, heads, segment_len, GROUPS, BLOCK_T, STATE_BLOCK_V, PRECISION)
+                              seq_len, value_dim, heads, segment_len, GROUPS, BLOCK_T, STATE_BLOCK_V, PRECISION,
+                              SPLIT_V)
     else:
         pid = pid - state_programs
         pid_m = first_blocks - 1 - pid % first_blocks            # the last query blocks first, as above
@@ -863,7 +897,8 @@ def _state_settings(segment_len: int, groups: int, block_t: int, value_dim: int,
 
 # yaie: solution-only
 def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len: int, groups: int = 4,
-                         block_t: int = 128, num_warps: int = 4, block_v: int | None = None) -> None:
+                         block_t: int = 128, num_warps: int = 4, block_v: int | None = None,
+                         split: bool = True) -> None:
     """Launch :func:`_based_prefix_state_kernel`: the state before every segment but the first into
     contiguous ``prefix_kv [b, h, segments - 1, 273, d_v]`` (float32, or the inputs' 16-bit dtype) and
     ``prefix_k [b, h, segments - 1, 273]`` (float32), the final state into ``state_kv [b, h, 273, d_v]``,
@@ -871,27 +906,32 @@ def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_l
     batch, heads, seq, _ = k.shape
     value_dim = v.shape[-1]
     block_t, block_v = _state_settings(segment_len, groups, block_t, value_dim, block_v)
+    split = split and block_v >= 32
     grid = (1 + FEATURE_DIM // groups, triton.cdiv(value_dim, block_v), batch * heads)
     _based_prefix_state_kernel[grid](
         k, v, prefix_kv, prefix_k, state_kv, state_k,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         seq, value_dim, heads, segment_len,
         GROUPS=groups, BLOCK_T=block_t, BLOCK_V=block_v,
-        PRECISION="ieee" if k.dtype == torch.float32 else "tf32", num_warps=num_warps)
+        PRECISION="ieee" if k.dtype == torch.float32 else "tf32", SPLIT_V=split,
+        num_warps=num_warps)
 
 
 # yaie: solution-only
 def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_state: bool = True,
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
                       state_groups: int = 4, state_block_t: int = 128, state_warps: int = 4,
-                      prefix_16bit: bool | None = None) -> BasedState | None:
+                      prefix_16bit: bool | None = None, state_split: bool = True,
+                      state_block_v: int | None = None, fuse: bool | None = None) -> BasedState | None:
     """The default route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
 
     Two launches. 1. (:func:`_based_first_launch_kernel`) the state at every segment boundary and the
     final state (skipped for a single segment whose state is not wanted), and beside them the queries of
     the first segment, which need no state; 2. (:func:`_based_segment_kernel`) the queries of the other
     segments: the quadratic form inside their segment, the state before it. With ``state_warps`` other
-    than ``num_warps`` the states get a launch of their own (one launch has one warp count).
+    than ``num_warps`` the states get a launch of their own (one launch has one warp count), and with
+    ``fuse=False`` too. ``state_split``: the state programs' order-2 product in two halves of the value
+    block (``SPLIT_V`` of :func:`_prefix_state_program`); ``state_block_v``: value columns per state program.
     ``prefix_16bit``: keep the boundary states in the inputs' 16-bit dtype (read by one long tensor-core
     product); ``None``: for bfloat16 (float16's range, 65504, is too short for long sums; float32 inputs
     keep float32 states).
@@ -903,7 +943,8 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
         # (the unmasked loop would count keys of the diagonal block, which the masked loop counts again).
         raise ValueError(f"segment_len must be a multiple of block_m and block_m of block_n, got "
                          f"{segment_len}, {block_m}, {block_n}")
-    state_block_t, state_block_v = _state_settings(segment_len, state_groups, state_block_t, value_dim)
+    state_block_t, state_block_v = _state_settings(segment_len, state_groups, state_block_t, value_dim,
+                                                   state_block_v)
     segments = triton.cdiv(seq, segment_len)
     if prefix_16bit is None:
         prefix_16bit = q.dtype == torch.bfloat16
@@ -922,10 +963,11 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
     if with_states:
         state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, **f32),
                            torch.empty(batch, heads, EXPANDED_DIM, **f32))
-    fused = state_warps == num_warps
+    fused = state_warps == num_warps if fuse is None else fuse and state_warps == num_warps
+    state_split = state_split and state_block_v >= 32
     if with_states and not fused:
         _launch_prefix_state(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len, state_groups,
-                             state_block_t, state_warps)
+                             state_block_t, state_warps, state_block_v, state_split)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
     v_blocks = triton.cdiv(value_dim, block_v)
@@ -942,7 +984,7 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
             seq, value_dim, heads, segment_len, state_programs, state_v_blocks, first_blocks, v_blocks,
             GROUPS=state_groups, BLOCK_T=state_block_t, STATE_BLOCK_V=state_block_v,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_V=block_v, PRECISION=precision, PREFIX_16BIT=prefix_16bit,
-            num_warps=num_warps, **extra)
+            SPLIT_V=state_split, num_warps=num_warps, **extra)
     first = first_blocks if fused else 0
     if query_blocks > first:
         _based_segment_kernel[(query_blocks - first, v_blocks, batch * heads)](

@@ -56,8 +56,13 @@ SEGMENT_SWEEP = [  # (segment_len, block_m, block_n, num_warps, num_stages or No
     (128, 64, 64, 4, None), (512, 64, 64, 4, None), (1024, 64, 64, 4, None), (256, 64, 32, 4, None),
     (256, 128, 64, 8, None),
 ]
-STATE_SWEEP = [  # (groups of 16 order-2 rows per program, tokens per step, num_warps)
-    (4, 128, 4), (4, 256, 8), (4, 128, 8), (2, 128, 4), (8, 128, 8), (4, 64, 4),
+STATE_SWEEP = [  # (groups of 16 order-2 rows per program, tokens per step, num_warps, order-2 product split)
+    (4, 128, 4, False), (4, 256, 8, False), (4, 128, 8, False), (2, 128, 4, False), (8, 128, 8, False),
+    (4, 64, 4, False), (4, 128, 4, True), (8, 128, 4, True), (2, 128, 4, True), (4, 64, 4, True),
+]
+ROUTE_VARIANTS = [  # (name, keyword arguments of _launch_segmented): timed in the rounds beside the route
+    ("yaie route, state products on wgmma", {"state_split": False}),
+    ("yaie route, split state products, two launches", {"state_split": True, "fuse": False}),
 ]
 STATE_SWEEP_SEGMENT = 256
 WARM_SECONDS = 5.0          # _settle before the first timing
@@ -131,12 +136,13 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
     segments = -(-seq // STATE_SWEEP_SEGMENT)
     prefix_kv = torch.empty(BATCH, HEADS, segments - 1, 273, VALUE_DIM, device=DEVICE, dtype=q.dtype)
     prefix_k = torch.empty(BATCH, HEADS, segments - 1, 273, device=DEVICE, dtype=torch.float32)
-    for groups, block_t, warps in STATE_SWEEP:
+    for groups, block_t, warps, split in STATE_SWEEP:
         rows += _timed_setting(
-            f"yaie boundary states (segment {STATE_SWEEP_SEGMENT}, groups {groups}, tokens {block_t}, {warps} warps)",
+            f"yaie boundary states (segment {STATE_SWEEP_SEGMENT}, groups {groups}, tokens {block_t}, {warps} warps"
+            + (", split)" if split else ")"),
             "based_state",
             lambda: based._launch_prefix_state(k, v, prefix_kv, prefix_k, kv, ks, STATE_SWEEP_SEGMENT, groups,
-                                               block_t, warps),
+                                               block_t, warps, None, split),
             lambda: max(rel_err(kv, ref_state.kv), rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
     for chunk, block_v, warps in CHUNKED_SWEEP:
         rows += _timed_setting(
@@ -203,9 +209,16 @@ def run(args) -> list[Row]:
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))     # [b, s, h, d] views of the same memory
             impls.append(("fla fused_chunk_based", lambda: fused_chunk(qt, kt, vt)))
             impls.append(("fla parallel_based", lambda: parallel(qt, kt, vt)))
-            for name, fn in impls[2:]:
+        if hasattr(based, "_launch_segmented"):
+            for name, kwargs in ROUTE_VARIANTS:
+                variant_out = torch.empty_like(v)
+                impls.append((name, lambda kw=kwargs, o=variant_out: (
+                    based._launch_segmented(q, k, v, o, based.DEFAULT_SEGMENT, True, **kw), o)[1]))
+        for name, fn in impls[2:]:
+            if fla is not None or not name.startswith("fla"):
                 try:
-                    errors[name] = rel_err(out, fn().transpose(1, 2))
+                    got = fn()
+                    errors[name] = rel_err(out, got.transpose(1, 2) if name.startswith("fla") else got)
                 except Exception as exc:  # noqa: BLE001
                     print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:300]})", flush=True)
                     impls = [i for i in impls if i[0] != name]
@@ -239,6 +252,7 @@ def run(args) -> list[Row]:
         if fla_best is not None:
             line += (f"; yaie vs faster fla: {fla_best / timed['yaie triton']:.2f}x with the state, "
                      f"{fla_best / timed['yaie triton (output only)']:.2f}x output only")
+            line += "".join(f", {n}: {fla_best / timed[n]:.2f}x" for n, _ in ROUTE_VARIANTS if n in timed)
         print("  " + line, flush=True)
         del q, k, v
         if DEVICE == "cuda":
