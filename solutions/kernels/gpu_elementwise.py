@@ -370,13 +370,10 @@ def _rope_qk_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slo
                              kc_stride_slot, kc_stride_head, vc_stride_slot, vc_stride_head,
                              num_q_heads, num_k_heads, half, head_dim, max_position, num_slots,
                              BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                             BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                             BLOCK_D: tl.constexpr):
     # One program per token, as _rope_qk_kernel, plus the cache write of lesson 03's write_kv: the rotated
     # k heads and the v heads go to row `slot` of the caches seen as [slots, kv_heads, head_dim]. One
     # launch instead of three (RoPE, then one scatter for K and one for V).
-    if PDL:    # launched early (programmatic dependent launch): let the next kernel start, wait for the last
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(pos_ptr + token).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -486,8 +483,7 @@ def apply_rope_qk_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         num_q_heads, num_k_heads, half, head_dim, cos.shape[0], num_slots,
         BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), BLOCK_K_HEADS=triton.next_power_of_2(num_k_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
-        **_pdl_options(q.device))
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
     return q, k
 
 

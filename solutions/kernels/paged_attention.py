@@ -120,7 +120,7 @@ def _paged_decode_kernel(
     scale_log2, tokens_per_split, max_context_len,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    WINDOWED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    WINDOWED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: one sequence, one KV head (all its GROUP query heads), one range of the context.
 
@@ -128,9 +128,6 @@ def _paged_decode_kernel(
     ``[batch, num_heads, num_splits]`` are the launcher's own contiguous buffers: their strides follow from
     the sizes, so they are not passed.
     """
-    if PDL:   # launched early (programmatic dependent launch, Hopper): let the next kernel start, wait for the last
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -353,8 +350,6 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
                 BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, FUSE_MERGE=fused, WINDOWED=sliding_window is not None,
                 FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **settings)
-    from yaie.device import programmatic_launch_options  # imported here: the student's stub has no use for it
-    meta.update(programmatic_launch_options(q.device))
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         q.stride(0), q.stride(1),
