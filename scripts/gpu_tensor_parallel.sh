@@ -10,6 +10,7 @@
 #   check              a random small Llama in bf16, greedy ids and top-5 log-probabilities: 1 GPU with CUDA
 #                      graphs, transformers (bf16, float32), 1 GPU eager; 2 GPUs with CUDA graphs over each
 #                      path                                                       -> $OUT/tp_check.json
+#   speed, YAIE_PDL=0  (PDL_AB=1) 1 and 2 GPUs with the one-row products launched without PDL -> $OUT/tp_speed.json
 #   report                                                         -> $OUT/tensor_parallel_<gpu>.{json,md}
 # Each stage runs under its own time limit, in a process group of its own that is killed at the limit (its
 # worker processes with it), and never past the whole script's budget (BUDGET_S, default 400 s): a stage that
@@ -64,6 +65,10 @@ mkdir -p "$OUT"
   stage "check, 2 GPUs, NCCL" 60 env YAIE_TP_ALL_REDUCE=nccl $TP check --tp 2 --out "$OUT"
   [ -n "$ONE_SHOT" ] && stage "check, 2 GPUs, one-shot" 60 env YAIE_TP_ALL_REDUCE=one-shot $TP check --tp 2 --out "$OUT"
   stage "speed, 2 GPUs, no all-reduce" 80 env YAIE_TP_ALL_REDUCE=skip $TP speed --tp 2 --out "$OUT"
+  if [ "${PDL_AB:-0}" = 1 ]; then   # the one-row products without programmatic dependent launch, 1 and 2 GPUs
+    stage "speed, 1 GPU, YAIE_PDL=0" 100 env YAIE_PDL=0 $TP speed --tp 1 --out "$OUT"
+    stage "speed, 2 GPUs, NCCL, YAIE_PDL=0" 80 env YAIE_PDL=0 YAIE_TP_ALL_REDUCE=nccl $TP speed --tp 2 --out "$OUT"
+  fi
   stage report 20 $TP report --out "$OUT"
   cat "$OUT"/tensor_parallel_*.md 2>/dev/null
   echo "== done $(date -u +%FT%TZ), ${SECONDS} s"

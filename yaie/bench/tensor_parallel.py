@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from yaie.device import PDL_ENV_VAR
+
 HIDDEN, LAYERS, VOCAB = 4096, 32, 128256            # the 8B shape (yaie.bench.engine.CONFIGS["8b"])
 # head_dim 128 and 4 query heads per KV head, as the 8B shape: the check compiles the kernels the speed runs use
 CHECK_MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
@@ -153,15 +155,16 @@ def speed(out: Path, tp: int, model_dir: Path, batches: list[int], repeats: int)
               max_num_seqs=max(batches), max_num_batched_tokens=8192, num_blocks=max(batches) * 17 + 64)
     started = time.perf_counter() - began
     path = parallel.all_reduce_path() if tp > 1 else "none"
-    log(f"speed: {tp} GPU(s) started in {started:.0f} s; all-reduce: {path}")
+    pdl = os.environ.get(PDL_ENV_VAR, "1") != "0"       # the one-row products' programmatic dependent launch
+    log(f"speed: {tp} GPU(s) started in {started:.0f} s; all-reduce: {path}; PDL: {pdl}")
     env = environment()
     for batch in batches:
         def run(n, batch=batch):
             llm.generate(prompts[:batch], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         row = measure(f"yaie engine, {tp} GPU(s), {path}", run, batch, 128, repeats, "cuda", warmup=[4, 128])
-        row.update(tensor_parallel_size=tp, all_reduce=path, start_s=started,
+        row.update(tensor_parallel_size=tp, all_reduce=path, pdl=pdl, start_s=started,
                    step_ms=1e3 * batch / row["decode_tokens_per_s"], environment=env)
-        add_to(out / "tp_speed.json", f"tp{tp}_{path}_b{batch}", row)
+        add_to(out / "tp_speed.json", f"tp{tp}_{path}_b{batch}{'' if pdl else '_nopdl'}", row)
     close(llm)
 
 
@@ -238,7 +241,7 @@ def report(out: Path) -> dict:
     rows = list(read("tp_speed.json").values())
     coll, check_runs = read("tp_collectives.json"), read("tp_check.json")
     for row in rows:
-        same = [r for r in rows if r["batch"] == row["batch"]]
+        same = [r for r in rows if r["batch"] == row["batch"] and r.get("pdl", True) == row.get("pdl", True)]
         one = next((r for r in same if r["tensor_parallel_size"] == 1), None)
         if one is not None:
             row["speedup_vs_1_gpu"] = row["decode_tokens_per_s"] / one["decode_tokens_per_s"]
@@ -302,15 +305,17 @@ def markdown(data: dict) -> str:
              f"commit {env.get('git_commit')}; {env.get('date_utc')}.",
              "Command: `bash scripts/gpu_tensor_parallel.sh` (each part: `python -m yaie.bench.tensor_parallel "
              "collectives|speed|check|report`; the all-reduce path by `YAIE_TP_ALL_REDUCE`).", "",
-             "| GPUs | all-reduce | batch | decode tokens/s | step ms | vs 1 GPU | all-reduce share of a step "
-             "| collectives alone / step | start s |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| GPUs | all-reduce | PDL | batch | decode tokens/s | step ms | vs 1 GPU (same PDL) "
+             "| all-reduce share of a step | collectives alone / step | start s |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def pct(v):
         return f"{v:.0%}" if v is not None else ""
-    for r in sorted(data["rows"], key=lambda r: (r["batch"], r["tensor_parallel_size"], r["all_reduce"])):
+    for r in sorted(data["rows"], key=lambda r: (r["batch"], not r.get("pdl", True), r["tensor_parallel_size"],
+                                                 r["all_reduce"])):
         speedup = r.get("speedup_vs_1_gpu")
-        lines.append(f"| {r['tensor_parallel_size']} | {r['all_reduce']} | {r['batch']} | "
+        lines.append(f"| {r['tensor_parallel_size']} | {r['all_reduce']} | {'on' if r.get('pdl', True) else 'off'} "
+                     f"| {r['batch']} | "
                      f"{r['decode_tokens_per_s']:.0f} | {r['step_ms']:.2f} | {f'{speedup:.2f}x' if speedup else ''} | "
                      f"{pct(r.get('all_reduce_share'))} | {pct(r.get('collectives_alone_share'))} | "
                      f"{r['start_s']:.0f} |")
