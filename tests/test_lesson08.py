@@ -85,6 +85,22 @@ def test_segmented_route_equals_the_quadratic_form(seq, value_dim, segment, bloc
     torch.testing.assert_close(again, out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("value_dim,groups,fuse,state_block_v", [(64, 8, True, None), (40, 4, False, None),
+                                                                (96, 8, True, 64), (16, 4, True, None)])
+def test_split_state_products_give_the_same_route(value_dim, groups, fuse, state_block_v):
+    """``state_split``: the state programs' order-2 product in two halves of the value block (a partial
+    second half at d_v 40 and 96; none at d_v 16, where the split falls back to one product), in the first
+    launch or in a launch of its own: the same output and state as the quadratic form."""
+    q, k, v = _qkv(300, value_dim=value_dim, seed=value_dim)
+    out = torch.full_like(v, float("nan"))
+    state = ref._launch_segmented(q, k, v, out, 64, True, 64, 32, 4, state_groups=groups, state_block_t=32,
+                                  state_split=True, state_block_v=state_block_v, fuse=fuse)
+    torch.testing.assert_close(out.double(), _exact(q, k, v), atol=2e-5, rtol=1e-4)
+    phi_k = ref.taylor_feature_map(k.double())
+    torch.testing.assert_close(state.kv.double(), phi_k.transpose(-1, -2) @ v.double(), atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(state.k.double(), phi_k.sum(-2), atol=1e-4, rtol=1e-6)
+
+
 @pytest.mark.parametrize("groups,block_t", [(8, 32), (4, 64), (16, 16), (1, 32)])
 def test_boundary_state_kernel_writes_every_prefix(groups, block_t):
     """Step 1 of the default route: the state after each segment but the last (phi(K)^T V and sum phi(K)

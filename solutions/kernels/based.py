@@ -730,7 +730,11 @@ def _prefix_state_program(
     registers, 2 programs a multiprocessor, the L1/shared pipe 79% busy). Products of 32 rows compile to
     mma.sync, which takes the features straight from registers: for the same programs ptxas reports 123
     registers (4 programs a multiprocessor) and 45 KB of shared memory instead of 76 KB
-    (``scripts/probe_lesson08_registers.py``).
+    (``scripts/probe_lesson08_registers.py``). Measured on the H100 (bench/results/lesson08_split_h100.md):
+    at 4 groups the state kernel takes the same time either way; split with 8 groups (160 registers, 3
+    programs a multiprocessor, the features of 128 rows built once for both halves) it takes 19-20% less
+    time than the default at every length (0.086 against 0.106 ms at 1k). The route does not take it yet:
+    split at 4 groups it was 1% faster at 1k and 2-3% slower from 2k on; at 8 groups it is not timed.
     """
     batch = (bh // heads).to(tl.int64)
     head = (bh % heads).to(tl.int64)
@@ -898,7 +902,7 @@ def _state_settings(segment_len: int, groups: int, block_t: int, value_dim: int,
 # yaie: solution-only
 def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len: int, groups: int = 4,
                          block_t: int = 128, num_warps: int = 4, block_v: int | None = None,
-                         split: bool = True) -> None:
+                         split: bool = False) -> None:
     """Launch :func:`_based_prefix_state_kernel`: the state before every segment but the first into
     contiguous ``prefix_kv [b, h, segments - 1, 273, d_v]`` (float32, or the inputs' 16-bit dtype) and
     ``prefix_k [b, h, segments - 1, 273]`` (float32), the final state into ``state_kv [b, h, 273, d_v]``,
@@ -921,7 +925,7 @@ def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_l
 def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_state: bool = True,
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
                       state_groups: int = 4, state_block_t: int = 128, state_warps: int = 4,
-                      prefix_16bit: bool | None = None, state_split: bool = True,
+                      prefix_16bit: bool | None = None, state_split: bool = False,
                       state_block_v: int | None = None, fuse: bool | None = None) -> BasedState | None:
     """The default route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
 
