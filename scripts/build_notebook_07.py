@@ -245,10 +245,19 @@ map in all of them, and float32 atomics to scattered rows are slow: at `l = 16k`
 30 ms on the random map's buffer gradient (4.3 G atomic adds), more than PyTorch's whole P V backward
 (17.6 ms). For such maps the reference turns the scatter into a gather (`_scatter_rows_kernel`):
 
-* **Sort once per call.** `torch.sort` orders the map's entries `l * c + j` by block of 16 buffer rows (unused
+* **Sort once per map.** `torch.sort` orders the map's entries `l * c + j` by block of 16 buffer rows (unused
   slots last), and `searchsorted` finds where each block's entries start. The map is the same for every batch
-  and head, so one sort (0.3 ms at 16k) serves them all. The sort is stable: a block's entries stay in position
-  order.
+  and head, so one sort serves them all. The sort is stable: a block's entries stay in position order. It is
+  about ten launches and 0.13 ms at 4k (0.34 ms at 16k), and a model calls the backward with the same map
+  in every layer and step, so the order is kept on the map tensor, as the route's measures are, keyed by the
+  tensor's version counter (an in-place edit of the map sorts again).
+* **Let the host run ahead.** Checking that no map entry is negative reads the map's minimum back from the GPU:
+  the host waits until the GPU has finished everything queued, then queues the next kernels while the GPU
+  idles. The given check (`check_map_entries`) marks a map found valid on the tensor with its version, so
+  later calls with the same, unedited map queue their kernels without a wait; an edited map is checked again
+  and a negative entry is still a `ValueError` at the call (a check inside the kernel could only fail later,
+  far from the bad input). Maps made in `torch.inference_mode` have no version counter: they are checked every
+  call, and nothing made from them (the int32 copy, the order) is kept.
 * **Each program owns 16 rows and gathers what adds into them.** It walks its entries 32 at a time; their
   (entry, query head) pairs are a `K = 32 x e = 128` deep axis: one row of `dO` (or `Q`) gathered per pair, and a
   `[16, K]` matrix that holds `P[l, e, j]` in the row its entry adds to and 0 in the other 15. One `tl.dot` adds
@@ -256,8 +265,8 @@ map in all of them, and float32 atomics to scattered rows are slow: at `l = 16k`
   in the same order every run (deterministic gradients). 16 rows because it is `tl.dot`'s smallest M: each row
   more multiplies another row of zeros.
 * **What bounds it.** Every entry reads its position's `e x d` row of `dO`: 1 KB in bf16, 34 GB at `l = 16k` for
-  8 heads. The grid runs one head's row blocks together, so that head's `dO` (16 MB) stays in L2: 6.2 ms, about
-  5.6 TB/s, on the H100. More warps, rows or entries per program only queue more loads (the measured sweep: 16
+  8 heads. The grid runs one head's row blocks together, so that head's `dO` (16 MB) stays in L2: 6.0 ms, about
+  5.7 TB/s, on the H100. More warps, rows or entries per program only queue more loads (the measured sweep: 16
   rows, 32 entries, 4 warps, 2 stages were fastest).
 * **In float32, sum each chunk from 0.** A float32 `tl.dot` is a chain of FMAs. Chained into the running sum,
   every product is rounded against the whole sum; a row of the oldest-first map sums hundreds of entries, and the
@@ -269,11 +278,13 @@ map in all of them, and float32 atomics to scattered rows are slow: at `l = 16k`
   5.7 ms at `R = 32`, the blocked one 8.1 ms at `R = 8` and 4.4 ms at `R = 16`: the crossover lies between 1/16
   and 1/8.
 
-Measured (`bench/results/lesson07_backward_h100.md`): on the oldest-first map both backwards are 16.5-18.2x
-PyTorch's gather + matmul at `l = 4k` and 5.6-8.8x at 16k (with atomics 9.0-10.7x and 3.8-5.8x); on the
-random map 4.8x (Q K^T) and 1.9x (P V) at 4k, 5.3x and 2.2x at 16k (0.6-1.4x with atomics). The one below 2x,
-P V at 4k, spends 1.7 ms in the kernel by rows, 0.4 ms in `dP`, 0.1 ms sorting and about 0.3 ms outside the
-kernels.
+Measured (`bench/results/lesson07_backward_h100.md`, the map tensor reused as a model does): on the oldest-first
+map both backwards are 18.6-21.9x PyTorch's gather + matmul at `l = 4k` and 6.1-9.4x at 16k (with atomics
+9.0-10.7x and 3.8-5.8x); on the random map 5.5x (Q K^T) and 2.3x (P V) at 4k, 5.7x and 2.3x at 16k (0.6-1.4x
+with atomics). P V on the random map at 4k is its two kernels and nothing else: 1.63 ms in the kernel by rows,
+0.40 ms in `dP`. Before the check and the order were kept it took 0.39 ms more (0.13 ms sorting, about 0.26 ms
+of GPU idle while the host queued after the check's sync) and was 1.9x. A new map tensor at every call still
+pays all of it, and the route's measures: 1.5x at 4k.
 """)
 
 code(r"""
