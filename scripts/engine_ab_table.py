@@ -2,11 +2,13 @@
 
     python scripts/engine_ab_table.py OUT          # reads OUT/{base1,new1,new2,base2}/{1b,8b}/engine_*.json and
                                                    # OUT/serve_{base,new}/serve_based_*.json; writes OUT/engine_ab_<gpu>.md
+    AB_BASE, AB_NEW: what the two arms are, for the title (gpu_engine_ab.sh sets them)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -47,7 +49,9 @@ def environment(out: Path) -> str:
 
 
 def main(out: Path) -> None:
-    lines = [f"# The engine core beside the baseline engine ({environment(out)})", "",
+    base = os.environ.get("AB_BASE", "the baseline")
+    new = os.environ.get("AB_NEW", "this tree")
+    lines = [f"# The engine: {new} beside {base} ({environment(out)})", "",
              "Engine rows of `python -m yaie.bench.engine` (random Llamas, bf16, 128 + 128 tokens per request, "
              "CUDA graphs), run four times in one call: baseline, new, new, baseline. Decode tokens/s (end to end "
              "in brackets); the ratio is the median of the new runs over the median of the baseline runs.", "",

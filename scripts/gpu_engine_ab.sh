@@ -58,6 +58,8 @@ SITE=/tmp/site
       python3 scripts/gpu_serve_based_load.py "$OUT/serve_$tree" cuda yaie/assets/tiny-based)
     echo "== serve $tree rc $?"
   done
-  PYTHONPATH=$PWD python3 scripts/engine_ab_table.py "$OUT"
+  base_label="commit ${BASE_COMMIT:-unknown}"
+  [ -n "${BASE_ENV:-}" ] && base_label="the tree at $BASE_TREE with $BASE_ENV"
+  AB_BASE=$base_label AB_NEW="this tree${NEW_ENV:+ with $NEW_ENV}" PYTHONPATH=$PWD python3 scripts/engine_ab_table.py "$OUT"
   echo "== done"
 } 2>&1 | grep -v "Loading weights\|Writing model shards" | tee "$OUT/engine_ab_log.txt"
