@@ -733,8 +733,9 @@ def _prefix_state_program(
     (``scripts/probe_lesson08_registers.py``). Measured on the H100 (bench/results/lesson08_split_h100.md):
     at 4 groups the state kernel takes the same time either way; split with 8 groups (160 registers, 3
     programs a multiprocessor, the features of 128 rows built once for both halves) it takes 19-20% less
-    time than the default at every length (0.086 against 0.106 ms at 1k). The route does not take it yet:
-    split at 4 groups it was 1% faster at 1k and 2-3% slower from 2k on; at 8 groups it is not timed.
+    time than 4 groups unsplit at every length (0.084 against 0.103 ms at 1k), and the whole route 7-11% less
+    (0.194 against 0.208 ms at 1k, 2.51 against 2.78 ms at 16k; bench/results/lesson08_h100.md), so the route
+    takes it. Split at 4 groups it was 1% faster at 1k and 2-3% slower from 2k on.
     """
     batch = (bh // heads).to(tl.int64)
     head = (bh % heads).to(tl.int64)
@@ -924,8 +925,8 @@ def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_l
 # yaie: solution-only
 def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_state: bool = True,
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
-                      state_groups: int = 4, state_block_t: int = 128, state_warps: int = 4,
-                      prefix_16bit: bool | None = None, state_split: bool = False,
+                      state_groups: int = 8, state_block_t: int = 128, state_warps: int = 4,
+                      prefix_16bit: bool | None = None, state_split: bool = True,
                       state_block_v: int | None = None, fuse: bool | None = None) -> BasedState | None:
     """The default route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
 

@@ -64,7 +64,7 @@ STATE_SWEEP = [  # (groups of 16 order-2 rows per program, tokens per step, num_
     (4, 64, 4, False), (4, 128, 4, True), (8, 128, 4, True),
 ]
 ROUTE_VARIANTS = [  # (name, keyword arguments of _launch_segmented): timed in the rounds beside the route
-    ("yaie route, boundary states split, groups 8", {"state_split": True, "state_groups": 8}),
+    ("yaie route, boundary states unsplit, groups 4", {"state_split": False, "state_groups": 4}),
 ]
 STATE_SWEEP_SEGMENT = 256
 WARM_SECONDS = 5.0          # _settle before the first timing
