@@ -180,34 +180,46 @@ SWEEP = [  # (rows per program, entries per chunk, warps, stages); entries x e =
 ]
 
 
+def tile_case(kind: str, length: int, gen):
+    """``(p, a, normalised map, n, want)`` for timing pv's buffer gradient by rows on a ``kind`` map: ``want`` is
+    the per-position atomic kernel's float32 result."""
+    index_map, n = make_map(kind, length, gen)
+    t = inputs(length, n, gen)
+    p, a = t["p"], t["d_out"]
+    return p, a, ref._normalise_map(index_map, n), n, ref._scatter(p, a, index_map, n, torch.float32, blocks=(0, 4))
+
+
+def time_tile(p, a, m, n: int, want, cfg: dict):
+    """``(relative error in float32 against want, bf16 ms)`` of the kernel by rows with tiles ``cfg``; a tile
+    that does not compile gives ``(None, the error's text)``."""
+    try:
+        err = rel_err(ROWS(p, a, m, n, torch.float32, **cfg), want)
+        ms = time_ms(lambda: ROWS(p, a, m, n, torch.bfloat16, **cfg))
+    except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
+        err, ms = None, f"{type(exc).__name__}: {str(exc)[:120]}"
+    return err, ms
+
+
 def sweep(results: dict, gen) -> None:
     """Times each tile on both maps (pv's buffer gradient, l 16k), then makes the fastest in sum the
     reference's tiles for the sections after it (the reference's defaults are then set to it)."""
     length = LONG
     totals: dict[tuple, float] = {}
     for kind in ("random", "oldest-first"):
-        index_map, n = make_map(kind, length, gen)
-        t = inputs(length, n, gen)
-        m = ref._normalise_map(index_map, n)
-        p, a = t["p"], t["d_out"]
-        want = ref._scatter(p, a, index_map, n, torch.float32, blocks=(0, 4))
+        p, a, m, n, want = tile_case(kind, length, gen)
         p_e = p.transpose(3, 4).contiguous().transpose(3, 4)        # e side by side: one sector per entry
         for label, pp in (("p", p), ("p e-contiguous", p_e)):
             for cfg_tuple in (SWEEP if label == "p" else SWEEP[:1]):
                 block_r, block_k, warps, stages = cfg_tuple
                 cfg = dict(block_r=block_r, block_k=block_k, num_warps=warps, num_stages=stages)
-                try:
-                    err = rel_err(ROWS(pp, a, m, n, torch.float32, **cfg), want)
-                    ms = time_ms(lambda: ROWS(pp, a, m, n, torch.bfloat16, **cfg))
-                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
-                    err, ms = None, f"{type(exc).__name__}: {str(exc)[:120]}"
+                err, ms = time_tile(pp, a, m, n, want, cfg)
                 row = dict(map=kind, length=length, layout=label, **cfg, ms=ms, rel_err=err)
                 results["sweep"].append(row)
                 print("sweep", json.dumps(row), flush=True)
                 if label == "p":
                     ok = isinstance(ms, float) and err is not None and err < 1e-5
                     totals[cfg_tuple] = totals.get(cfg_tuple, 0.0) + (ms if ok else float("inf"))
-        del t, want, p_e
+        del p, a, want, p_e
         torch.cuda.empty_cache()
     best = min(totals, key=totals.get)
     block_r, block_k, warps, stages = best
@@ -244,22 +256,14 @@ def tiles4k(results: dict, gen) -> None:
     on both maps whose rows move; reported only: the reference's defaults are not changed."""
     length = LENGTHS[0]
     for kind in ("random", "oldest-first"):
-        index_map, n = make_map(kind, length, gen)
-        t = inputs(length, n, gen)
-        m = ref._normalise_map(index_map, n)
-        p, a = t["p"], t["d_out"]
-        want = ref._scatter(p, a, index_map, n, torch.float32, blocks=(0, 4))
+        p, a, m, n, want = tile_case(kind, length, gen)
         for block_r, block_k, warps, stages in SWEEP_4K:
             cfg = dict(block_r=block_r, block_k=block_k, num_warps=warps, num_stages=stages)
-            try:
-                err = rel_err(ROWS(p, a, m, n, torch.float32, **cfg), want)
-                ms = time_ms(lambda: ROWS(p, a, m, n, torch.bfloat16, **cfg))
-            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
-                err, ms = None, f"{type(exc).__name__}: {str(exc)[:120]}"
+            err, ms = time_tile(p, a, m, n, want, cfg)
             row = dict(map=kind, length=length, **cfg, ms=ms, rel_err=err)
             results["tiles4k"].append(row)
             print("tiles4k", json.dumps(row), flush=True)
-        del t, want
+        del p, a, want
         torch.cuda.empty_cache()
 
 

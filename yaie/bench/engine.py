@@ -152,27 +152,29 @@ def inter_token_latency(llm, prompts: list[list[int]], long_prompt: list[int], c
     return row
 
 
-def profile_decode(llm, prompt: list[int], new_tokens: int, out: Path, device: str) -> dict:
-    """torch.profiler over one batch-1 ``generate``: where a decode step's time goes. Writes the top
-    operators by device and by host time to ``out``; returns wall time and device (kernel) time per token."""
+def profile_decode(llm, prompts: list[list[int]], new_tokens: int, out: Path, device: str) -> dict:
+    """torch.profiler over one ``generate`` of ``prompts`` (a batch of ``len(prompts)``): where a decode step's
+    time goes. Writes the top operators by device and by host time to ``out``; returns wall time and device
+    (kernel) time per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from yaie.engine import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    llm.generate([prompt], params)                      # warm: graphs recorded
+    llm.generate(prompts, params)                       # warm: graphs recorded
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
-        wall = timed(lambda: llm.generate([prompt], params), device)
+        wall = timed(lambda: llm.generate(prompts, params), device)
     averages = prof.key_averages()
     kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in averages if e.device_type == DeviceType.CUDA)
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    out.write_text(f"batch 1, {new_tokens} new tokens, wall {wall * 1e3:.1f} ms, kernels {kernel_us / 1e3:.1f} ms\n\n"
+    out.write_text(f"batch {len(prompts)}, {new_tokens} new tokens, wall {wall * 1e3:.1f} ms, kernels "
+                   f"{kernel_us / 1e3:.1f} ms\n\n"
                    + averages.table(sort_by=sort, row_limit=30) + "\n\n"
                    + averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
-    row = dict(new_tokens=new_tokens, wall_ms_per_token=wall * 1e3 / new_tokens,
+    row = dict(batch=len(prompts), new_tokens=new_tokens, wall_ms_per_token=wall * 1e3 / new_tokens,
                kernel_ms_per_token=kernel_us / 1e3 / new_tokens, table=out.name)
-    print(f"profile, batch 1: {row['wall_ms_per_token']:.3f} ms per token, of which kernels "
+    print(f"profile, batch {len(prompts)}: {row['wall_ms_per_token']:.3f} ms per step, of which kernels "
           f"{row['kernel_ms_per_token']:.3f} ms (the rest: the GPU waits for the host)", flush=True)
     return row
 
@@ -198,7 +200,8 @@ def main(argv=None) -> int:
                         "whole batch in one forward; 8192 lets the engine do the same for 64 x 128 tokens)")
     p.add_argument("--long-prompt", type=int, default=16000, help="tokens of the late prompt (0: no latency rows)")
     p.add_argument("--itl-batch", type=int, default=16, help="requests decoding when the long prompt arrives")
-    p.add_argument("--profile", action="store_true", help="profile a batch-1 generate (engine_profile_<gpu>.txt)")
+    p.add_argument("--profile", action="store_true", help="profile a generate (engine_profile_<gpu>.txt)")
+    p.add_argument("--profile-batch", type=int, default=1, help="the profiled generate's batch (default 1)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the throughput rows' temperature (default 0: greedy); above 0 they sample")
     p.add_argument("--top-k", type=int, default=0, help="the throughput rows' top-k when they sample (0: all)")
@@ -220,7 +223,8 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(1)
     config = CONFIGS[args.size]
     vocab = config["vocab_size"]
-    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(max(batches))]
+    count = max(batches + [args.profile_batch])
+    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(count)]
     peaks = measure_peaks(args.device) if args.device == "cuda" else None
     rows, notes, latency, profiled = [], [], [], None
     sampled = args.temperature > 0
@@ -262,7 +266,7 @@ def main(argv=None) -> int:
                                     prefix_caching=False, max_num_batched_tokens=args.throughput_batched_tokens,
                                     max_num_batched_tokens_latency_rows=args.max_num_batched_tokens),
                       decode_step_bytes_batch1=step_bytes, rows=rows, notes=notes, chunked_prefill_latency=latency,
-                      profile_batch1=profiled)
+                      profile=profiled)
         (out / f"engine_{slug}.json").write_text(json.dumps(report, indent=2) + "\n")
         (out / f"engine_{slug}.md").write_text(markdown(report))
         return report
@@ -286,7 +290,8 @@ def main(argv=None) -> int:
         llm.settings.max_num_batched_tokens = args.throughput_batched_tokens    # read when each generate starts
         if args.profile:
             try:
-                profiled = profile_decode(llm, prompts[0], 64, out / f"engine_profile_{slug}.txt", args.device)
+                profiled = profile_decode(llm, prompts[:args.profile_batch], 64, out / f"engine_profile_{slug}.txt",
+                                          args.device)
             except Exception as err:  # noqa: BLE001 - the profile is an extra: note a failure, go on
                 notes.append(f"profile: {type(err).__name__}: {err}")
         for batch in batches:
@@ -381,10 +386,10 @@ def markdown(report: dict) -> str:
                      f"{r['tokens_per_s']:.0f} | {decode} | {roof} | {speed} |")
     for note in report.get("notes", []):
         lines.append(f"\nNote: {note}")
-    prof = report.get("profile_batch1")
+    prof = report.get("profile")
     if prof:
-        lines.append(f"\nProfile (torch.profiler, one batch-1 generate of {prof['new_tokens']} tokens): "
-                     f"{prof['wall_ms_per_token']:.3f} ms per token, of which GPU kernels "
+        lines.append(f"\nProfile (torch.profiler, one generate of batch {prof['batch']}, {prof['new_tokens']} "
+                     f"tokens each): {prof['wall_ms_per_token']:.3f} ms per step, of which GPU kernels "
                      f"{prof['kernel_ms_per_token']:.3f} ms; operators in `{prof['table']}`.")
     latency = report.get("chunked_prefill_latency") or []
     if latency:
