@@ -66,8 +66,9 @@ shared-memory pipe (the feature tiles' layout changes), not the tensor cores, is
 (bench/results/lesson08_ncu_h100.txt), which is why their order-2 product is split in two (``SPLIT_V``).
 Of three ways to build the order-2 features in step 1 (``[rows, tokens]`` tiles from a 3-D product or
 from two gathers of k, or the transposed ``[tokens, rows]`` tile used here) the transposed one was
-1.3-1.5x faster than the others (bench/results/lesson08_h100_state_forms.md). From 2k tokens on, segments of 128 and 512 tokens take 1-7%
-more time than 256; more tokens per step (256) or 8 warps are slower.
+1.3-1.5x faster than the others (bench/results/lesson08_h100_state_forms.md). From 2k tokens on,
+segments of 128 and 512 tokens take 1-7% more time than 256; more tokens per step (256) or 8 warps are
+slower.
 
 **Recurrent decode** (task 3): one token updates the state and reads its output from it. In PyTorch that
 is some twenty small ops (two feature maps, the outer-product update, the product with the state, the
