@@ -63,16 +63,8 @@ not the sequence. Step 1 is a plain matrix product per tile, ``S^T += V^T phi(K)
 (the chunked kernel rounds its state to bfloat16 for its products too) so that step 2 reads them with
 one ``[BLOCK_M, 256] x [256, d_v]`` tensor-core product; float16 and float32 inputs keep float32 states.
 
-Measured on the H100 (bench/results/lesson08_h100.md; batch 16, 16 heads, d_v 64, bf16): the route
-takes 1.8x (1k tokens) to 2.1x (16k) less time than the chunked kernel; the boundary states alone are
-about 43% of it (0.084 of 0.194 ms at 1k). Those programs walk the whole sequence, 128 tokens a step; their
-shared-memory pipe (the feature tiles' layout changes), not the tensor cores, is the busiest unit
-(bench/results/lesson08_ncu_h100.txt), which is why their order-2 product is split in two (``SPLIT_V``).
-Of three ways to build the order-2 features in step 1 (``[rows, tokens]`` tiles from a 3-D product or
-from two gathers of k, or the transposed ``[tokens, rows]`` tile used here) the transposed one was
-1.3-1.5x faster than the others (bench/results/lesson08_h100_state_forms.md). From 2k tokens on,
-segments of 128 and 512 tokens take 1-7% more time than 256; more tokens per step (256) or 8 warps are
-slower.
+What the route costs beside the chunked kernel and flash-linear-attention, which choices were measured,
+and what bounds it: docs/based_prefill.md.
 
 **Recurrent decode** (task 3): one token updates the state and reads its output from it. In PyTorch that
 is some twenty small ops (two feature maps, the outer-product update, the product with the state, the
