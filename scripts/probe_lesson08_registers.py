@@ -100,11 +100,11 @@ def main() -> None:
                {"PREFIX_KV": "*bf16"})
               for g, t, w, sp in ((4, 128, 4, False), (4, 128, 4, True), (4, 64, 4, False), (2, 128, 4, False),
                                   (8, 128, 8, False), (8, 128, 4, True))),
-            *((f"first launch (boundary states + first segment)" + (", split" if sp else ""),
+            *((f"first launch (boundary states + first segment), groups {g}" + (", split" if sp else "") + label,
                based._based_first_launch_kernel,
-               {"GROUPS": 4, "BLOCK_T": 128, "STATE_BLOCK_V": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_V": 64,
+               {"GROUPS": g, "BLOCK_T": 128, "STATE_BLOCK_V": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_V": 64,
                 "PRECISION": "tf32", "PREFIX_16BIT": True, "SPLIT_V": sp}, 4, {"PREFIX_KV": "*bf16"})
-              for sp in (False, True))):
+              for g, sp, label in ((8, True, " (the default)"), (4, False, ""), (4, True, "")))):
         try:
             result = probe(kernel, consts, warps, types=types)
         except Exception as err:  # noqa: BLE001 - report and go on
