@@ -17,7 +17,9 @@ Rows:
   by split count and tile (the default marked);
 * ``matvec``: lesson 02's one-row products (``matvec``, ``silu_and_mul_matvec``, ``add_rms_norm_matvec``) vs
   cuBLAS (``F.linear``) and the unfused ops before it, at the model's projections, one token; the fused
-  norm's launch settings swept.
+  norm's launch settings swept;
+* ``skinny``: lesson 02's few-row products (``skinny_matmul``, ``silu_and_mul_skinny_matmul``) vs cuBLAS at
+  the same projections for a decode step of ``--rows`` sequences (64), their launch settings swept.
 """
 
 from __future__ import annotations
@@ -170,13 +172,70 @@ def bench_matvec(device, dtype, time_of, rows, quick, no_sweep=False):
                 row(f"add_rms_norm_matvec BN{bn} BK{bk} w{w}", launch)
 
 
+def _skinny_sweep(quick):
+    """(BLOCK_N, BLOCK_K, warps, stages) to try: the weight and input tiles of every stage must fit in shared
+    memory (about 200 KB of the H100's 227)."""
+    if quick:
+        return [(32, 16, 4, 2)]
+    return [(bn, bk, w, st) for bn in (64, 128, 256) for bk in (64, 128, 256) for w in (4, 8) for st in (3, 4, 6)
+            if (bn + 64) * bk * 2 * st <= 200_000 and (w == 8) == (bn == 256)]
+
+
+def bench_skinny(device, dtype, time_of, rows, quick, m, no_sweep=False):
+    """Lesson 02's few-row products at ``m`` rows beside cuBLAS (and the SiLU-and-mul kernel before it); with
+    the sweep, every launch setting of ``_skinny_sweep`` at each K split that fills the GPU."""
+    hidden, inter = (HIDDEN, INTER) if not quick else (96, 80)
+    dtype = torch.float16 if dtype == torch.float32 else dtype   # the kernel takes half types only
+    shapes = {"qkv": (3072, hidden, False), "o": (hidden, hidden, False), "gate_up": (2 * inter, hidden, False),
+              "down": (hidden, inter, True), "lm_head": (VOCAB, hidden, False)}
+    if quick:
+        shapes = {k: (40, v[1], v[2]) for k, v in shapes.items()}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+    for name, (n, k, swiglu) in shapes.items():
+        copies = max(2, -(-(256 << 20) // (n * k * 2))) if not quick else 2
+        weights = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+        x = torch.randn(m, 2 * k if swiglu else k, device=device, dtype=dtype)
+        shape = f"{name} {m}x{n}x{k} ({n * k * 2 / 1e6:.1f} MB)"
+
+        def row(impl, fn, **extra):
+            try:
+                us = time_of(fn)
+            except Exception as error:  # a setting that does not compile (shared memory, registers)
+                print(f"skip {shape} {impl}: {type(error).__name__}: {str(error)[:120]}", flush=True)
+                return
+            rows.append(dict(op="skinny", shape=shape, impl=impl, MB=n * k * 2 / 1e6, us=us, **extra))
+
+        if swiglu:
+            row("silu_and_mul + cuBLAS", lambda i: F.linear(l02.silu_and_mul(x), weights[i % copies]))
+            row("silu_and_mul + skinny_matmul", lambda i: l02.skinny_matmul(l02.silu_and_mul(x), weights[i % copies]))
+            row("silu_and_mul_skinny_matmul", lambda i: l02.silu_and_mul_skinny_matmul(x, weights[i % copies]),
+                default=True)
+        else:
+            row("cuBLAS F.linear", lambda i: F.linear(x, weights[i % copies]))
+            row("skinny_matmul", lambda i: l02.skinny_matmul(x, weights[i % copies]), default=True)
+        if no_sweep:
+            continue
+        for bn, bk, w, st in _skinny_sweep(quick):
+            tiles = -(-n // bn)
+            fill = max(1, sms // tiles)
+            for split in sorted({max(1, fill // 2), fill, 2 * fill}):
+                if split > 1 and k // split < 2 * bk:
+                    continue
+                config = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk, num_warps=w,
+                              num_stages=st, split_k=split)
+                row(f"BN{bn} BK{bk} w{w} s{st} split{split}",
+                    lambda i, config=config: l02._launch_skinny(x, weights[i % copies], None, swiglu, config),
+                    config=config)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--check", action="store_true", help="tiny shapes, each variant run once (CPU interpreter)")
     p.add_argument("--reps", type=int, default=64)
-    p.add_argument("--only", default="rope,decode,matvec")
-    p.add_argument("--no-sweep", action="store_true", help="matvec: the launch settings in use only")
+    p.add_argument("--only", default="rope,decode,matvec", help="any of rope,decode,matvec,skinny")
+    p.add_argument("--rows", type=int, default=64, help="skinny: the decode step's rows")
+    p.add_argument("--no-sweep", action="store_true", help="matvec, skinny: the launch settings in use only")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -190,6 +249,8 @@ def main(argv=None) -> int:
         bench_decode(device, dtype, time_of, rows, args.check)
     if "matvec" in only:
         bench_matvec(device, dtype, time_of, rows, args.check, args.no_sweep)
+    if "skinny" in only:
+        bench_skinny(device, dtype, time_of, rows, args.check, args.rows, args.no_sweep)
     for r in rows:
         print(f"{r['op']:16} {r['shape']:40} {r['impl']:42} {r['us']:8.2f} us"
               + ("  (default)" if r.get("default") else "")

@@ -371,6 +371,82 @@ def test_chained_products_with_programmatic_launch_equal_the_products_without(mo
         assert programmatic_launch(torch.device("cuda")), "Hopper with this Triton should launch with PDL"
 
 
+# ----------------------------------------------------------------------------- few-row products
+def skinny_case(dtype, rows, n, k, device=DEVICE, bias=True, swiglu=False):
+    gen = torch.Generator().manual_seed(fresh_seed())
+    make = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)  # noqa: E731
+    return make(rows, 2 * k if swiglu else k), make(n, k, scale=k ** -0.5), make(n) if bias else None
+
+
+def skinny64(x, weight, bias, swiglu):
+    """The float64 reference: SwiGLU's activation rounded to x's dtype first, as the kernel (and the op) stores it."""
+    if swiglu:
+        g, u = x.double().chunk(2, -1)
+        x = (torch.nn.functional.silu(g) * u).to(x.dtype)
+    return linear64(x, weight, bias)
+
+
+def _counters_clear(device):
+    counters = ref._ARRIVALS.get(torch.device(device))
+    return counters is None or not counters.any()
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("split", [1, 3])
+def test_skinny_products_match_float64(swiglu, bias, split):
+    """Several rows, a ragged last weight tile and K slice; split K (3 slices) meets in the last program."""
+    x, weight, b = skinny_case(torch.float16, rows=5, n=70, k=100, bias=bias, swiglu=swiglu)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2, split_k=split)
+    got = ref._launch_skinny(x, weight, b, swiglu, config)
+    torch.testing.assert_close(got.double(), skinny64(x, weight, b, swiglu), **TOL[torch.float16])
+    assert torch.equal(ref._launch_skinny(x, weight, b, swiglu, config), got), "the same inputs, other bits"
+    assert _counters_clear(DEVICE), "the last program of each tile sets its counter back to zero"
+    public = ref.silu_and_mul_skinny_matmul if swiglu else ref.skinny_matmul
+    torch.testing.assert_close(public(x, weight, b).double(), skinny64(x, weight, b, swiglu), **TOL[torch.float16])
+
+
+def test_skinny_bad_inputs():
+    x, weight, b = skinny_case(torch.float16, rows=3, n=8, k=16)
+    refused = [
+        ("float16 or bfloat16", lambda: ref.skinny_matmul(x.float(), weight.float())),
+        ("1 to 64 rows", lambda: ref.skinny_matmul(x.repeat(22, 1), weight)),
+        ("1 to 64 rows", lambda: ref.skinny_matmul(x[:, :-1], weight)),
+        ("1 to 64 rows", lambda: ref.silu_and_mul_skinny_matmul(x, weight)),
+        ("dtypes must match", lambda: ref.skinny_matmul(x, weight.bfloat16())),
+        ("bias", lambda: ref.skinny_matmul(x, weight, b[:-1])),
+        ("weight", lambda: ref.skinny_matmul(x, weight.t().contiguous().t())),
+    ]
+    for match, call in refused:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [2, 17, 64])
+def test_skinny_products_bf16_on_the_gpu_at_model_shapes(rows):
+    """The launch settings the engine uses (K split across the SMs), bf16, the 1.1B model's projections; the
+    same bits on every call and from a CUDA graph."""
+    tol = dict(atol=2e-2, rtol=1.6e-2)
+    for n, k, swiglu in ((3072, 2048, False), (2048, 2048, False), (16384, 2048, False), (2048, 8192, True),
+                         (1000, 520, True)):
+        x, weight, b = skinny_case(torch.bfloat16, rows, n, k, device="cuda", swiglu=swiglu)
+        product = ref.silu_and_mul_skinny_matmul if swiglu else ref.skinny_matmul
+        got = product(x, weight, b)
+        torch.testing.assert_close(got.double(), skinny64(x, weight, b, swiglu), **tol)
+        for _ in range(3):
+            assert torch.equal(product(x, weight, b), got), f"{n}x{k}: the same inputs gave other bits"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = product(x, weight, b)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, got), f"{n}x{k}: a CUDA graph's replay gave other bits"
+        assert _counters_clear("cuda")
+
+
 def test_programmatic_launch_setting(monkeypatch):
     from yaie.device import programmatic_launch
     monkeypatch.setenv("YAIE_PDL", "1")

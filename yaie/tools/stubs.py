@@ -6,7 +6,8 @@ the stub keeps:
 
 * ``# yaie: task N``        keep the signature and docstring, replace the body with
                             ``raise NotImplementedError("lesson LL, task N: ...")``;
-* ``# yaie: solution-only`` drop the definition from the stub (private helpers, Triton kernels);
+* ``# yaie: solution-only`` drop the definition from the stub (private helpers, Triton kernels), or a
+                            module-level assignment (the reference's own constants and caches);
 * no marker                 copy as it is (imports, constants, code given to the student).
 
 Classes without a marker are copied with each of their methods treated the same way.
@@ -72,10 +73,15 @@ def _transform(nodes: list[ast.stmt], lines: list[str], lo: int, hi: int, lesson
     out: list[str] = []
     cursor = lo
     for node in nodes:
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        assignment = isinstance(node, (ast.Assign, ast.AnnAssign))
+        if not assignment and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
-        first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+        first = node.decorator_list[0].lineno if not assignment and node.decorator_list else node.lineno
         kind, task, marker_line = _marker_above(lines, first)
+        if assignment and kind != "solution-only":
+            if kind == "task":
+                raise ValueError(f"{where}:{node.lineno}: only a def can be a task")
+            continue  # copied verbatim with the surrounding text
         if kind is None and not isinstance(node, ast.ClassDef):
             continue  # copied verbatim with the surrounding text
         if kind is None:  # an unmarked class: treat its methods one by one
