@@ -18,8 +18,9 @@ Rows:
 * ``matvec``: lesson 02's one-row products (``matvec``, ``silu_and_mul_matvec``, ``add_rms_norm_matvec``) vs
   cuBLAS (``F.linear``) and the unfused ops before it, at the model's projections, one token; the fused
   norm's launch settings swept;
-* ``skinny``: lesson 02's few-row products (``skinny_matmul``, ``silu_and_mul_skinny_matmul``) vs cuBLAS at
-  the same projections for a decode step of ``--rows`` sequences (64), their launch settings swept.
+* ``skinny``: lesson 02's few-row gate/up product with SiLU-and-mul fused (``skinny_matmul_silu_and_mul``)
+  vs cuBLAS and the SiLU kernel, for a decode step of ``--rows`` sequences (64), its launch settings swept;
+  the same product without the epilogue beside cuBLAS at the other projections.
 """
 
 from __future__ import annotations
@@ -173,28 +174,27 @@ def bench_matvec(device, dtype, time_of, rows, quick, no_sweep=False):
 
 
 def _skinny_sweep(quick):
-    """(BLOCK_N, BLOCK_K, warps, stages) to try: the weight and input tiles of every stage must fit in shared
-    memory (about 200 KB of the H100's 227)."""
+    """(BLOCK_N, BLOCK_K, warps, stages) to try for the fused gate/up product: its two weight tiles and the input
+    tile of every stage must fit in shared memory (about 200 KB of the H100's 227)."""
     if quick:
         return [(32, 16, 4, 2)]
-    return [(bn, bk, w, st) for bn in (64, 128, 256) for bk in (64, 128, 256) for w in (4, 8) for st in (3, 4, 6)
-            if (bn + 64) * bk * 2 * st <= 200_000 and (w == 8) == (bn == 256)]
+    return [(bn, bk, w, st) for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8) for st in (3, 4, 5, 6)
+            if (2 * bn + 64) * bk * 2 * st <= 200_000 and (w == 8) == (bn == 128)]
 
 
 def bench_skinny(device, dtype, time_of, rows, quick, m, no_sweep=False):
-    """Lesson 02's few-row products at ``m`` rows beside cuBLAS (and the SiLU-and-mul kernel before it); with
-    the sweep, every launch setting of ``_skinny_sweep`` at each K split that fills the GPU."""
+    """Lesson 02's few-row product at ``m`` rows beside cuBLAS: fused with SiLU-and-mul for the gate/up
+    product (its launch settings swept), without the epilogue at the other projections (which keep cuBLAS)."""
     hidden, inter = (HIDDEN, INTER) if not quick else (96, 80)
     dtype = torch.float16 if dtype == torch.float32 else dtype   # the kernel takes half types only
-    shapes = {"qkv": (3072, hidden, False), "o": (hidden, hidden, False), "gate_up": (2 * inter, hidden, False),
-              "down": (hidden, inter, True), "lm_head": (VOCAB, hidden, False)}
+    shapes = {"gate_up": (2 * inter, hidden), "qkv": (3072, hidden), "o": (hidden, hidden), "down": (hidden, inter),
+              "lm_head": (VOCAB, hidden)}
     if quick:
-        shapes = {k: (40, v[1], v[2]) for k, v in shapes.items()}
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
-    for name, (n, k, swiglu) in shapes.items():
+        shapes = {k: (40, v[1]) for k, v in shapes.items()}
+    for name, (n, k) in shapes.items():
         copies = max(2, -(-(256 << 20) // (n * k * 2))) if not quick else 2
         weights = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
-        x = torch.randn(m, 2 * k if swiglu else k, device=device, dtype=dtype)
+        x = torch.randn(m, k, device=device, dtype=dtype)
         shape = f"{name} {m}x{n}x{k} ({n * k * 2 / 1e6:.1f} MB)"
 
         def row(impl, fn, **extra):
@@ -205,27 +205,21 @@ def bench_skinny(device, dtype, time_of, rows, quick, m, no_sweep=False):
                 return
             rows.append(dict(op="skinny", shape=shape, impl=impl, MB=n * k * 2 / 1e6, us=us, **extra))
 
-        if swiglu:
-            row("silu_and_mul + cuBLAS", lambda i: F.linear(l02.silu_and_mul(x), weights[i % copies]))
-            row("silu_and_mul + skinny_matmul", lambda i: l02.skinny_matmul(l02.silu_and_mul(x), weights[i % copies]))
-            row("silu_and_mul_skinny_matmul", lambda i: l02.silu_and_mul_skinny_matmul(x, weights[i % copies]),
-                default=True)
-        else:
+        if name != "gate_up":
             row("cuBLAS F.linear", lambda i: F.linear(x, weights[i % copies]))
-            row("skinny_matmul", lambda i: l02.skinny_matmul(x, weights[i % copies]), default=True)
-        if no_sweep:
+            row("few-row product", lambda i: l02._launch_skinny(x, weights[i % copies], None, False))
             continue
-        for bn, bk, w, st in _skinny_sweep(quick):
-            tiles = -(-n // bn)
-            fill = max(1, sms // tiles)
-            for split in sorted({max(1, fill // 2), fill, 2 * fill}):
-                if split > 1 and k // split < 2 * bk:
-                    continue
-                config = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk, num_warps=w,
-                              num_stages=st, split_k=split)
-                row(f"BN{bn} BK{bk} w{w} s{st} split{split}",
-                    lambda i, config=config: l02._launch_skinny(x, weights[i % copies], None, swiglu, config),
-                    config=config)
+        row("cuBLAS F.linear + silu_and_mul", lambda i: l02.silu_and_mul(F.linear(x, weights[i % copies])))
+        row("few-row product + silu_and_mul",
+            lambda i: l02.silu_and_mul(l02._launch_skinny(x, weights[i % copies], None, False)))
+        row("skinny_matmul_silu_and_mul", lambda i: l02.skinny_matmul_silu_and_mul(x, weights[i % copies]),
+            default=True)
+        for bn, bk, w, st in ([] if no_sweep else _skinny_sweep(quick)):
+            config = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk, num_warps=w,
+                          num_stages=st)
+            row(f"skinny_matmul_silu_and_mul BN{bn} BK{bk} w{w} s{st}",
+                lambda i, config=config: l02._launch_skinny(x, weights[i % copies], None, True, config),
+                config=config)
 
 
 def main(argv=None) -> int:

@@ -73,6 +73,7 @@ PATH = [
     ("yaie/ops/lessons.py", "call", "through the switch"),
     ("yaie/ops/lessons.py", "call_in", "the student's function, or the reference"),
     ("yaie/ops/lessons.py", "run_with_fallback", "a stub falls back in auto mode"),
+    ("yaie/ops/layers.py", "swiglu_mlp", "the MLP half: add + norm, gate/up, gate, down"),
     ("yaie/ops/layers.py", "silu_and_mul_linear", "the MLP's gate and down product"),
     ("yaie/ops/layers.py", "silu_and_mul", "SwiGLU's gate"),
     ("yaie/model/llama.py", "LlamaModel.logits", "the LM head"),

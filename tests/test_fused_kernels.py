@@ -372,79 +372,97 @@ def test_chained_products_with_programmatic_launch_equal_the_products_without(mo
 
 
 # ----------------------------------------------------------------------------- few-row products
-def skinny_case(dtype, rows, n, k, device=DEVICE, bias=True, swiglu=False):
+def skinny_case(dtype, rows, n, k, device=DEVICE, bias=True):
+    """Input rows, a gate/up weight of ``2 n`` rows and its bias."""
     gen = torch.Generator().manual_seed(fresh_seed())
     make = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)  # noqa: E731
-    return make(rows, 2 * k if swiglu else k), make(n, k, scale=k ** -0.5), make(n) if bias else None
+    return make(rows, k), make(2 * n, k, scale=k ** -0.5), make(2 * n) if bias else None
 
 
-def skinny64(x, weight, bias, swiglu):
-    """The float64 reference: SwiGLU's activation rounded to x's dtype first, as the kernel (and the op) stores it."""
-    if swiglu:
-        g, u = x.double().chunk(2, -1)
-        x = (torch.nn.functional.silu(g) * u).to(x.dtype)
-    return linear64(x, weight, bias)
+def gate_up64(x, weight, bias):
+    """The float64 reference: the product rounded to x's dtype (as the product apart stores it), then SwiGLU."""
+    gate, up = linear64(x, weight, bias).to(x.dtype).double().chunk(2, -1)
+    return torch.nn.functional.silu(gate) * up
 
 
-def _counters_clear(device):
-    counters = ref._ARRIVALS.get(torch.device(device))
-    return counters is None or not counters.any()
-
-
-@pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("split", [1, 3])
-def test_skinny_products_match_float64(swiglu, bias, split):
-    """Several rows, a ragged last weight tile and K slice; split K (3 slices) meets in the last program."""
-    x, weight, b = skinny_case(torch.float16, rows=5, n=70, k=100, bias=bias, swiglu=swiglu)
-    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2, split_k=split)
-    got = ref._launch_skinny(x, weight, b, swiglu, config)
-    torch.testing.assert_close(got.double(), skinny64(x, weight, b, swiglu), **TOL[torch.float16])
-    assert torch.equal(ref._launch_skinny(x, weight, b, swiglu, config), got), "the same inputs, other bits"
-    assert _counters_clear(DEVICE), "the last program of each tile sets its counter back to zero"
-    public = ref.silu_and_mul_skinny_matmul if swiglu else ref.skinny_matmul
-    torch.testing.assert_close(public(x, weight, b).double(), skinny64(x, weight, b, swiglu), **TOL[torch.float16])
+@pytest.mark.parametrize("rows", [2, 5])
+def test_skinny_gate_up_matches_float64(bias, rows):
+    """A ragged last weight tile and K block (70 features, 100 columns in tiles of 32 x 16)."""
+    x, weight, b = skinny_case(torch.float16, rows, n=70, k=100, bias=bias)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2)
+    got = ref._launch_skinny(x, weight, b, True, config)
+    torch.testing.assert_close(got.double(), gate_up64(x, weight, b), **TOL[torch.float16])
+    torch.testing.assert_close(ref.skinny_matmul_silu_and_mul(x, weight, b), got, atol=0, rtol=0)
+    torch.testing.assert_close(ref.skinny_matmul_silu_and_mul_reference(x, weight, b).double(),
+                               gate_up64(x, weight, b), **TOL[torch.float16])
+    plain = ref._launch_skinny(x, weight, b, False, config)      # the product alone (the benchmark's row)
+    torch.testing.assert_close(plain.double(), linear64(x, weight, b), **TOL[torch.float16])
 
 
-def test_skinny_bad_inputs():
+def test_skinny_gate_up_bad_inputs():
     x, weight, b = skinny_case(torch.float16, rows=3, n=8, k=16)
     refused = [
-        ("float16 or bfloat16", lambda: ref.skinny_matmul(x.float(), weight.float())),
-        ("1 to 64 rows", lambda: ref.skinny_matmul(x.repeat(22, 1), weight)),
-        ("1 to 64 rows", lambda: ref.skinny_matmul(x[:, :-1], weight)),
-        ("1 to 64 rows", lambda: ref.silu_and_mul_skinny_matmul(x, weight)),
-        ("dtypes must match", lambda: ref.skinny_matmul(x, weight.bfloat16())),
-        ("bias", lambda: ref.skinny_matmul(x, weight, b[:-1])),
-        ("weight", lambda: ref.skinny_matmul(x, weight.t().contiguous().t())),
+        ("float16 or bfloat16", lambda: ref.skinny_matmul_silu_and_mul(x.float(), weight.float())),
+        ("1 to 64 rows", lambda: ref.skinny_matmul_silu_and_mul(x.repeat(22, 1), weight)),
+        ("1 to 64 rows", lambda: ref.skinny_matmul_silu_and_mul(x[:, :-1], weight)),
+        ("2 \\* intermediate", lambda: ref.skinny_matmul_silu_and_mul(x, weight[:-1])),
+        ("dtypes must match", lambda: ref.skinny_matmul_silu_and_mul(x, weight.bfloat16())),
+        ("bias", lambda: ref.skinny_matmul_silu_and_mul(x, weight, b[:-1])),
+        ("weight", lambda: ref.skinny_matmul_silu_and_mul(x, weight.t().contiguous().t())),
     ]
     for match, call in refused:
         with pytest.raises(ValueError, match=match):
             call()
 
 
+@pytest.mark.parametrize("student_lesson02", [False, True])
+def test_swiglu_mlp_uses_the_fused_gate_up_only_for_the_reference(monkeypatch, student_lesson02):
+    """yaie.ops.swiglu_mlp: 2 to 64 half-precision rows -> lesson 02's fused gate/up product where the module
+    serving lesson 02 has it; a student's lesson 02, float32, one row or more rows -> not. Same values."""
+    from yaie.kernels import gpu_elementwise as student02
+    monkeypatch.setenv("YAIE_SOLUTIONS", "1,3-8" if student_lesson02 else "all")
+    monkeypatch.setattr(ops.layers, "use_gpu_kernels", lambda t: True)
+    ops.reset_auto_fallback()
+    if student_lesson02:      # a student's finished lesson 02 (the reference's math)
+        monkeypatch.setattr(student02, "silu_and_mul", ref.silu_and_mul_reference)
+        monkeypatch.setattr(student02, "fused_add_rms_norm", ref.fused_add_rms_norm_reference)
+    calls = _spy(monkeypatch, ref, "skinny_matmul_silu_and_mul")
+    hidden, inter = 32, 24
+    for rows, dtype, fused in ((3, torch.float16, True), (3, torch.float32, False), (65, torch.float16, False)):
+        x, gate_up, b = skinny_case(dtype, rows, n=inter, k=hidden)
+        residual, norm_weight = torch.randn_like(x), torch.rand(hidden, dtype=dtype) + 0.5
+        down = (torch.randn(hidden, inter) * inter ** -0.5).to(dtype)
+        before = len(calls)
+        out, new_residual = ops.swiglu_mlp(x.clone(), residual.clone(), norm_weight, 1e-5, gate_up, b, down, None)
+        total = x.double() + residual.double()
+        h = (total / torch.sqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.double()).to(dtype)
+        want = linear64(gate_up64(h, gate_up, b).to(dtype), down, None)
+        torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(new_residual.double(), total, **TOL[dtype])
+        assert len(calls) - before == (1 if fused and not student_lesson02 else 0), (rows, dtype, calls)
+    ops.reset_auto_fallback()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [2, 17, 64])
-def test_skinny_products_bf16_on_the_gpu_at_model_shapes(rows):
-    """The launch settings the engine uses (K split across the SMs), bf16, the 1.1B model's projections; the
-    same bits on every call and from a CUDA graph."""
+def test_skinny_gate_up_bf16_on_the_gpu_at_model_shapes(rows):
+    """The engine's launch settings, bf16, the 1.1B and 8B models' gate/up products and a ragged one; the same
+    bits on every call and from a CUDA graph."""
     tol = dict(atol=2e-2, rtol=1.6e-2)
-    for n, k, swiglu in ((3072, 2048, False), (2048, 2048, False), (16384, 2048, False), (2048, 8192, True),
-                         (1000, 520, True)):
-        x, weight, b = skinny_case(torch.bfloat16, rows, n, k, device="cuda", swiglu=swiglu)
-        product = ref.silu_and_mul_skinny_matmul if swiglu else ref.skinny_matmul
-        got = product(x, weight, b)
-        torch.testing.assert_close(got.double(), skinny64(x, weight, b, swiglu), **tol)
+    for n, k in ((8192, 2048), (14336, 4096), (1000, 520)):
+        x, weight, b = skinny_case(torch.bfloat16, rows, n, k, device="cuda")
+        got = ref.skinny_matmul_silu_and_mul(x, weight, b)
+        torch.testing.assert_close(got.double(), gate_up64(x, weight, b), **tol)
         for _ in range(3):
-            assert torch.equal(product(x, weight, b), got), f"{n}x{k}: the same inputs gave other bits"
+            assert torch.equal(ref.skinny_matmul_silu_and_mul(x, weight, b), got), f"{n}x{k}: other bits"
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            replayed = product(x, weight, b)
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(replayed, got), f"{n}x{k}: a CUDA graph's replay gave other bits"
-        assert _counters_clear("cuda")
+            replayed = ref.skinny_matmul_silu_and_mul(x, weight, b)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, got), f"{n}x{k}: a CUDA graph's replay gave other bits"
 
 
 def test_programmatic_launch_setting(monkeypatch):

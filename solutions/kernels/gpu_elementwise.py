@@ -698,132 +698,124 @@ def add_rms_norm_matvec(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
 
 
 # yaie: solution-only
-# Few-row products (a batched decode step). The most rows the few-row product takes: a decode step of up to this many sequences. Past it the product
-# has enough rows to reuse each weight tile many times, and cuBLAS's tiles do that well.
+# Few-row products (a batched decode step). The most rows the fused gate/up product takes: a decode step of up
+# to this many sequences. Past it the product has enough rows to reuse each weight tile many times, and
+# cuBLAS's tiles do that well.
 SKINNY_MAX_ROWS = 64
 
 
 # yaie: solution-only
-def skinny_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                            swiglu: bool = False) -> torch.Tensor:
-    """Plain PyTorch :func:`skinny_matmul`: ``x @ weight.T (+ bias)``, with ``silu_and_mul(x)`` first if ``swiglu``."""
-    return torch.nn.functional.linear(silu_and_mul_reference(x) if swiglu else x, weight, bias)
+def skinny_matmul_silu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor,
+                                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch :func:`skinny_matmul_silu_and_mul`: the product (rounded to x's dtype), then the gate."""
+    return silu_and_mul_reference(torch.nn.functional.linear(x, weight, bias))
 
 
 # yaie: solution-only
 @triton.jit
-def _skinny_input(x_ptr, rows, row_ok, cols, col_ok, K, stride_xm, SWIGLU: tl.constexpr):
-    # A [BLOCK_M, BLOCK_K] tile of the product's input, as the unfused op would have stored it.
-    ptrs = x_ptr + rows[:, None] * stride_xm + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    if SWIGLU:   # x = [gate | up]: silu(gate) * up, rounded to x's dtype (tl.sigmoid: never NaN)
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        return (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
-    return tl.load(ptrs, mask=mask, other=0.0)
-
-
-# yaie: solution-only
-@triton.jit
-def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm,
-                          stride_wn, stride_om, split_k, k_per_split,
-                          SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                          SILU_AND_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # out[m, n] = sum_k in[m, k] * w[n, k] for a FEW rows m (M <= 64). Each weight is used M times, too few
-    # for the arithmetic to matter: like the one-row product, the time is the weights' bytes over the
-    # bandwidth, and the design is about keeping enough weight bytes in flight.
-    # * Swapped operands: the tile computed is out^T [BLOCK_N, BLOCK_M] = w [BLOCK_N, BLOCK_K] @ in^T, so the
-    #   weight rows fill the tensor core's large side (64 or more) and the few input rows its small side.
-    # * Split K: a program takes BLOCK_N weight rows over one of `split_k` slices of K, so that even a small
-    #   product (a 2048 x 2048 projection is 16 tiles of 128 rows) has a program on every SM.
-    # * The slices' sums meet without a second kernel and in a fixed order: each program writes its float32
-    #   partial tile, then counts itself in on its tile's counter; the program that arrives last adds the
-    #   partials in slice order (so the bits do not depend on which program was last), writes the output
-    #   and sets the counter back to zero for the next launch.
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    n_idx = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    # out[m, n] = sum_k x[m, k] * w[n, k] for a FEW rows m (M <= 64): each weight is used M times, too few for
+    # the arithmetic to matter, so, like the one-row product, the time is the weights' bytes over the bandwidth.
+    # Swapped operands: the tile computed is out^T [BLOCK_N, BLOCK_M] = w [BLOCK_N, BLOCK_K] @ x^T, so the
+    # weight rows fill the tensor core's large side (64) and the few input rows its small side.
+    # SILU_AND_MUL: w is the MLP's [gate; up], 2N rows; the program also computes the up rows N + n beside the
+    # gate rows n and writes only silu(gate) * up. The [M, 2N] product never goes to memory, and the SiLU
+    # kernel's launch is saved.
+    n_idx = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n_idx < N
     m_idx = tl.arange(0, BLOCK_M)
     m_ok = m_idx < M
-    w_rows = w_ptr + n_idx[:, None].to(tl.int64) * stride_wn
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    gate_rows = w_ptr + n_idx[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + N * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        col_ok = cols < k_end
-        # "Evict first": each weight is read once per step, and must not push the input out of the cache.
-        w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & col_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = _skinny_input(x_ptr, m_idx, m_ok, cols, col_ok, K, stride_xm, SWIGLU)
+        col_ok = cols < K
+        x = tl.load(x_ptr + m_idx[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        # "Evict first": each weight is read once per step, and must not push x out of the cache.
+        w_mask = n_ok[:, None] & col_ok[None, :]
+        w = tl.load(gate_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         acc = tl.dot(w, tl.trans(x), acc)
-    out_mask = n_ok[:, None] & m_ok[None, :]
-    last = True
-    if split_k > 1:
-        tile_elems = M * N
-        mine = partial_ptr + split * tile_elems + m_idx[None, :] * N + n_idx[:, None]
-        tl.store(mine, acc, mask=out_mask)
-        tl.debug_barrier()   # every thread's partial is written before the count (release, GPU scope) below
-        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        last = arrived == split_k - 1
-        if last:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for s in range(0, split_k):
-                # ".cg": read from L2, where the other SMs' stores are, never from this SM's L1.
-                acc += tl.load(partial_ptr + s * tile_elems + m_idx[None, :] * N + n_idx[:, None], mask=out_mask,
-                               other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
-    if last:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + m_idx[None, :] * stride_om + n_idx[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        if SILU_AND_MUL:
+            w_up = tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc_up = tl.dot(w_up, tl.trans(x), acc_up)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if SILU_AND_MUL:
+            acc_up += tl.load(bias_ptr + N + n_idx, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if SILU_AND_MUL:
+        # Gate and up rounded as the product would have stored them, then SiLU-and-mul in float32.
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + m_idx[None, :] * stride_om + n_idx[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & m_ok[None, :])
 
 
 # yaie: solution-only
-# Per device: the tile counters of the split-K programs, zero between launches (the last program of each tile
-# sets its counter back). Made once, outside CUDA-graph capture; a graph replays with the same buffer.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+def skinny_launch_config(rows: int) -> dict:
+    """Tiles, warps and stages of the few-row product for ``rows`` input rows.
+
+    Measured on an H100 at the 1.1B Llama's gate/up product, 64 rows (bench/results/skinny_products_h100.json):
+    64 weight rows (gate and up each) of 128 columns per program, 4 stages of loads in flight."""
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=64, BLOCK_K=128, num_warps=4,
+                num_stages=4)
 
 
 # yaie: solution-only
-def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """``tiles`` zeroed int32 counters on ``device``, or None while a CUDA graph is being captured and none
-    are made yet (a buffer zeroed inside a capture would be zero only when the graph replays)."""
-    counters = _ARRIVALS.get(device)
-    if counters is None or counters.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counters
-    return counters
+def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool,
+                   config: dict | None = None) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
+    out = torch.empty((m, n), dtype=weight.dtype, device=weight.device)
+    config = dict(config or skinny_launch_config(m))
+    if triton_interpreted():
+        config["BLOCK_K"] = min(config["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    _skinny_matmul_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
+        x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        SILU_AND_MUL=silu_and_mul, HAS_BIAS=bias is not None, **config)
+    return out
 
 
 # yaie: solution-only
-def skinny_launch_config(m: int, n: int, k: int, swiglu: bool, sms: int) -> dict:
-    """Tile sizes, warps, stages and the K split for an ``[m, k] @ [n, k]^T`` product on ``sms`` SMs."""
-    config = dict(BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=128, BLOCK_K=128, num_warps=4,
-                  num_stages=4)
-    tiles = triton.cdiv(n, config["BLOCK_N"])
-    # Enough programs for every SM, but slices of at least two K blocks (a pipelined loop needs a few trips).
-    split = max(1, min(sms // tiles, k // (2 * config["BLOCK_K"])))
-    return dict(config, split_k=split)
+def skinny_matmul_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu_and_mul(x @ weight.T (+ bias))`` for a FEW rows ``x [rows, hidden]`` (a batched decode step).
 
+    Not an exercise: the reference's SwiGLU gate/up product for the engine's decode steps of 2 to
+    ``SKINNY_MAX_ROWS`` sequences (``yaie.ops.swiglu_mlp``). ``weight`` is the MLP's gate rows then its up
+    rows; each program computes matching gate and up rows and writes only ``silu(gate) * up``, so the
+    ``[rows, 2 * intermediate]`` product is never stored and :func:`silu_and_mul` is not launched.
 
-# yaie: solution-only
-def _check_skinny_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> None:
+    Args:
+        x: ``[rows, hidden]``, 1 <= rows <= ``SKINNY_MAX_ROWS``, contiguous columns, float16 or bfloat16;
+            weight: ``[2 * intermediate, hidden]`` with contiguous rows, x's dtype; bias: None or
+            ``[2 * intermediate]``.
+
+    Returns:
+        ``[rows, intermediate]`` in x's dtype: float32 accumulation, gate and up rounded to x's dtype (as the
+        product apart stores them), then SiLU-and-mul rounded once.
+
+    Raises:
+        ValueError: x not of that shape, float32 (tensor cores would round it to tf32: use the ops apart),
+            weight not 2-D with contiguous rows and an even row count, bias of the wrong size, dtypes or
+            devices that differ.
+    """
     check_float_tensor("x", x)
     check_float_tensor("weight", weight, min_dim=2)
-    if x.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_ROWS or x.shape[1] != width or x.stride(1) != 1:
-        raise ValueError(f"x must be [rows, {width}] with 1 to {SKINNY_MAX_ROWS} rows and contiguous columns, "
-                         f"got {tuple(x.shape)}")
-    if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[0] < 1:
-        raise ValueError(f"weight must be a 2-D [out_features, in_features] tensor with contiguous rows, got "
+    if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[0] < 2 or weight.shape[0] % 2:
+        raise ValueError(f"weight must be a 2-D [2 * intermediate, hidden] tensor with contiguous rows, got "
                          f"{tuple(weight.shape)}")
+    if x.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_ROWS or x.shape[1] != weight.shape[1] or x.stride(1) != 1:
+        raise ValueError(f"x must be [rows, {weight.shape[1]}] with 1 to {SKINNY_MAX_ROWS} rows and contiguous "
+                         f"columns, got {tuple(x.shape)}")
     if x.dtype == torch.float32:
-        raise ValueError("skinny_matmul takes float16 or bfloat16 (tensor cores would round float32 inputs "
-                         "to tf32); use torch.nn.functional.linear for float32")
+        raise ValueError("skinny_matmul_silu_and_mul takes float16 or bfloat16 (tensor cores would round float32 "
+                         "inputs to tf32); use the product and silu_and_mul apart for float32")
     check_same_dtype(x=x, weight=weight)
     tensors = dict(x=x, weight=weight)
     if bias is not None:
@@ -832,69 +824,7 @@ def _check_skinny_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             raise ValueError(f"bias must be [{weight.shape[0]}] and contiguous, got {tuple(bias.shape)}")
         tensors["bias"] = bias
     check_devices(**tensors)
-
-
-# yaie: solution-only
-def _launch_skinny(x, weight, bias, swiglu: bool, config: dict | None = None) -> torch.Tensor:
-    m = x.shape[0]
-    n, k = weight.shape
-    out = torch.empty((m, n), dtype=weight.dtype, device=weight.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    config = dict(config or skinny_launch_config(m, n, k, swiglu, sms))
-    split = config.pop("split_k")
-    if triton_interpreted():
-        config["BLOCK_K"] = min(config["BLOCK_K"], max(16, triton.next_power_of_2(k)))
-    tiles = triton.cdiv(n, config["BLOCK_N"])
-    arrivals = _arrival_counters(x.device, tiles) if split > 1 else None
-    if arrivals is None:
-        split = 1
-    # Each slice a whole number of K blocks, so only the last slice has a ragged end.
-    k_per_split = triton.cdiv(triton.cdiv(k, split), config["BLOCK_K"]) * config["BLOCK_K"]
-    split = triton.cdiv(k, k_per_split)
-    partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    _skinny_matmul_kernel[(tiles, split)](
-        x, weight, weight if bias is None else bias, out, partials, out if arrivals is None else arrivals,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0), split, k_per_split,
-        SWIGLU=swiglu, HAS_BIAS=bias is not None, **config)
-    return out
-
-
-# yaie: solution-only
-def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for a FEW rows ``x [rows, in_features]`` (a batched decode step), in Triton.
-
-    Not an exercise: the reference's product for the engine's decode steps of 2 to ``SKINNY_MAX_ROWS``
-    sequences (``yaie.ops.linear``). With so few rows each weight is used a few times only, so the product
-    streams the weights at the memory bandwidth, splitting K so that small projections fill the GPU.
-
-    Args:
-        x: ``[rows, in_features]``, 1 <= rows <= ``SKINNY_MAX_ROWS``, contiguous columns, float16 or bfloat16;
-            weight: ``[out_features, in_features]`` with contiguous rows, x's dtype; bias: None or
-            ``[out_features]``.
-
-    Returns:
-        ``[rows, out_features]`` in x's dtype (float32 accumulation, rounded once). The same inputs give the
-        same bits on every call.
-
-    Raises:
-        ValueError: x not of that shape, float32 (use ``F.linear``), weight not 2-D with contiguous rows, bias
-            of the wrong size, dtypes or devices that differ.
-    """
-    _check_skinny_inputs(x, weight, bias, weight.shape[1] if isinstance(weight, torch.Tensor) else -1)
-    return _launch_skinny(x, weight, bias, swiglu=False)
-
-
-# yaie: solution-only
-def silu_and_mul_skinny_matmul(x: torch.Tensor, weight: torch.Tensor,
-                               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu_and_mul(x) @ weight.T (+ bias)`` for a few rows ``x [rows, 2 * in_features]``, in one kernel.
-
-    The SwiGLU MLP's down projection with the gate computed as the input is loaded (rounded to x's dtype, as
-    :func:`silu_and_mul` stores it): no launch and no round trip through memory for the activation.
-    Args, returns and errors as :func:`skinny_matmul`, with ``x`` twice ``weight``'s width.
-    """
-    _check_skinny_inputs(x, weight, bias, 2 * weight.shape[1] if isinstance(weight, torch.Tensor) else -1)
-    return _launch_skinny(x, weight, bias, swiglu=True)
+    return _launch_skinny(x, weight, bias, silu_and_mul=True)
 
 
 # ----------------------------------------------------------------------------- SiLU-and-mul

@@ -3,7 +3,8 @@
 Layout: hidden states are token-major ``[num_tokens, hidden]``; queries, keys and values are
 ``[num_tokens, heads, head_dim]``. The matrix products are PyTorch's (``x @ W.T``, cuBLAS), except for
 one row (a batch-1 decode step) on CUDA, where the reference's lesson 02 Triton kernels do them with the
-norm or the SwiGLU gate before them fused in (:func:`yaie.ops.add_rms_norm_linear` and its siblings); every
+norm or the SwiGLU gate before them fused in (:func:`yaie.ops.add_rms_norm_linear` and its siblings), and the
+MLP's gate/up product for 2 to 64 rows, with the SwiGLU gate after it fused in (:func:`yaie.ops.swiglu_mlp`); every
 normalisation, rotary embedding and attention goes through :mod:`yaie.ops`, i.e. through the lesson
 kernels, so the student's code is what runs.
 
@@ -16,7 +17,7 @@ residual add and the next norm in one pass::
     attn = cache.attend(layer, q, k, v)                    # store k, v; attend over the context
     x = attn @ Wo.T
     h, residual = add_rms_norm(x, residual, post_attention_norm)
-    x = silu_and_mul(h @ Wgate_up.T) @ Wdown.T            # SwiGLU MLP
+    x = silu_and_mul(h @ Wgate_up.T) @ Wdown.T            # SwiGLU MLP (ops.swiglu_mlp, with the line above)
 
 Tensor parallelism (:mod:`yaie.model.sharding`, :mod:`yaie.model.parallel`): in a group of N ranks the model
 holds its rank's shard: its attention heads and KV heads, its slice of the MLP features and of the
@@ -158,9 +159,9 @@ class LlamaModel:
             else:
                 qkv, residual = ops.add_rms_norm_linear(x, residual, layer.input_norm, eps, layer.qkv, layer.qkv_bias)
                 x = self._attention(layer, n, qkv, positions, cache)
-            gate_up, residual = ops.add_rms_norm_linear(x, residual, layer.post_attention_norm, eps, layer.gate_up,
-                                                        layer.gate_up_bias)
-            x = parallel.all_reduce(ops.silu_and_mul_linear(gate_up, layer.down, layer.down_bias))
+            x, residual = ops.swiglu_mlp(x, residual, layer.post_attention_norm, eps, layer.gate_up,
+                                         layer.gate_up_bias, layer.down, layer.down_bias)
+            x = parallel.all_reduce(x)
             if fuse_qkv and n + 1 < len(self.layers):
                 h = None                      # the next layer's qkv product does this add + norm
             else:

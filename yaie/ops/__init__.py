@@ -58,7 +58,7 @@ from yaie.ops import attention_backends, kv, layers, lessons, plan_run
 from yaie.ops.attention_backends import attention, paged_attention
 from yaie.ops.kv import kv_cache_manager, rope_and_write_kv, write_kv
 from yaie.ops.layers import (add_rms_norm, add_rms_norm_linear, linear, rms_norm, rope, rope_cache, silu_and_mul,
-                             silu_and_mul_linear)
+                             silu_and_mul_linear, swiglu_mlp)
 from yaie.ops.lessons import (KernelMissing, LessonCalls, auto_mode, call, call_in, describe, fallback,
                               lesson_module, ran, reset_auto_fallback, selection, student_path)
 from yaie.ops.plan_run import CASCADE_MIN_SHARED_TOKENS, cascade_decode_available, default_plan_run
@@ -68,7 +68,7 @@ __all__ = [
     "attention", "paged_attention",
     "kv_cache_manager", "rope_and_write_kv", "write_kv",
     "add_rms_norm", "add_rms_norm_linear", "linear", "rms_norm", "rope", "rope_cache", "silu_and_mul",
-    "silu_and_mul_linear",
+    "silu_and_mul_linear", "swiglu_mlp",
     "KernelMissing", "LessonCalls", "auto_mode", "call", "call_in", "describe", "fallback", "lesson_module", "ran",
     "reset_auto_fallback", "selection", "student_path",
     "CASCADE_MIN_SHARED_TOKENS", "cascade_decode_available", "default_plan_run",

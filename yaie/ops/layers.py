@@ -23,6 +23,11 @@ ONE_ROW_KERNELS = {
     "add_rms_norm_matvec": ("fused_add_rms_norm",),
 }
 
+# Lesson 02's reference-only few-row gate/up product with SiLU-and-mul (a decode step of 2 to 64 sequences in
+# half precision), and the lesson function it replaces.
+FEW_ROWS = 64
+FEW_ROW_KERNELS = {"skinny_matmul_silu_and_mul": ("silu_and_mul",)}
+
 
 def use_gpu_kernels(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` is on CUDA and lesson 02's module (the student's or the reference) imports."""
@@ -86,7 +91,7 @@ def one_row_kernel(x: torch.Tensor, name: str):
 
 def _one_row_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       *vectors: torch.Tensor) -> bool:
-    """The layouts the one-row kernels read: ``x`` (and a residual) one contiguous row, ``weight`` 2-D with
+    """The layouts the one- and few-row kernels read: ``x`` (and a residual) contiguous, ``weight`` 2-D with
     contiguous rows, ``bias`` and the norm weight contiguous. Anything else (a transposed or strided view of
     a weight, say) goes to the ops apart, which take any strides, rather than to the kernel's ValueError."""
     return (x.is_contiguous() and weight.dim() == 2 and weight.stride(1) == 1
@@ -110,6 +115,15 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return F.linear(silu_and_mul(x), weight, bias)
 
 
+def few_row_kernel(x: torch.Tensor, name: str):
+    """Lesson 02's reference-only kernel ``name`` (a key of ``FEW_ROW_KERNELS``) for a product of 2 to
+    ``FEW_ROWS`` half-precision rows on CUDA, where the reference serves the function it replaces; else None."""
+    if x.dim() != 2 or not 2 <= x.shape[0] <= FEW_ROWS or x.dtype not in (torch.float16, torch.bfloat16) \
+            or not use_gpu_kernels(x):
+        return None
+    return lessons.reference_only(2, name, FEW_ROW_KERNELS[name])
+
+
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h, residual = add_rms_norm(x, residual, norm_weight, eps)``, then ``(linear(h, weight, bias), residual)``.
@@ -122,3 +136,23 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
         return kernel(x, residual, norm_weight, eps, weight, bias)
     h, residual = add_rms_norm(x, residual, norm_weight, eps)
     return F.linear(h, weight, bias), residual
+
+
+def swiglu_mlp(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+               gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
+               down_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama layer's MLP half with the add + norm before it: ``h, residual = add_rms_norm(x, residual,
+    norm_weight, eps)``, then ``(linear(silu_and_mul(linear(h, gate_up, gate_up_bias)), down, down_bias),
+    residual)``. ``gate_up`` is the gate rows then the up rows.
+
+    One row on CUDA: the norm fused into the gate/up product and the gate into the down product
+    (:func:`add_rms_norm_linear`, :func:`silu_and_mul_linear`). 2 to ``FEW_ROWS`` half-precision rows: lesson
+    02's ``skinny_matmul_silu_and_mul`` where it may run (the gate/up product never stored). Else the ops apart.
+    As :func:`add_rms_norm`, use only the returned tensors afterwards.
+    """
+    kernel = few_row_kernel(x, "skinny_matmul_silu_and_mul")
+    if kernel is not None and _one_row_operands(x, gate_up, gate_up_bias):
+        h, residual = add_rms_norm(x, residual, norm_weight, eps)
+        return F.linear(kernel(h, gate_up, gate_up_bias), down, down_bias), residual
+    projected, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, gate_up_bias)
+    return silu_and_mul_linear(projected, down, down_bias), residual
