@@ -715,7 +715,7 @@ def skinny_matmul_silu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor,
 @triton.jit
 def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                           SILU_AND_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     # out[m, n] = sum_k x[m, k] * w[n, k] for a FEW rows m (M <= 64): each weight is used M times, too few for
     # the arithmetic to matter, so, like the one-row product, the time is the weights' bytes over the bandwidth.
     # Swapped operands: the tile computed is out^T [BLOCK_N, BLOCK_M] = w [BLOCK_N, BLOCK_K] @ x^T, so the
@@ -731,17 +731,30 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, s
     up_rows = gate_rows + N * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    # The first K block's weights, read before waiting for the kernel before (with programmatic dependent
+    # launch, as the one-row product does): no kernel writes weights, so these loads may overlap its tail.
+    # "Evict first": each weight is read once per step, and must not push x out of the cache.
+    cols = tl.arange(0, BLOCK_K)
+    w_mask = n_ok[:, None] & (cols < K)[None, :]
+    w = tl.load(gate_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    w_up = w
+    if SILU_AND_MUL:
+        w_up = tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()                # x, written by the kernel before, is read only after this
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
+        if k0 > 0:
+            w_mask = n_ok[:, None] & col_ok[None, :]
+            w = tl.load(gate_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            if SILU_AND_MUL:
+                w_up = tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + m_idx[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & col_ok[None, :],
                     other=0.0)
-        # "Evict first": each weight is read once per step, and must not push x out of the cache.
-        w_mask = n_ok[:, None] & col_ok[None, :]
-        w = tl.load(gate_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         acc = tl.dot(w, tl.trans(x), acc)
         if SILU_AND_MUL:
-            w_up = tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc_up = tl.dot(w_up, tl.trans(x), acc_up)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -777,7 +790,7 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         config["BLOCK_K"] = min(config["BLOCK_K"], max(16, triton.next_power_of_2(k)))
     _skinny_matmul_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        SILU_AND_MUL=silu_and_mul, HAS_BIAS=bias is not None, **config)
+        SILU_AND_MUL=silu_and_mul, HAS_BIAS=bias is not None, **config, **_pdl_options(x.device))
     return out
 
 
