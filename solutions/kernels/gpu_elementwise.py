@@ -743,18 +743,22 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, s
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()                # x, written by the kernel before, is read only after this
-    for k0 in range(0, K, BLOCK_K):
+    x = tl.load(x_ptr + m_idx[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :],
+                other=0.0)
+    acc = tl.dot(w, tl.trans(x), acc)
+    if SILU_AND_MUL:
+        acc_up = tl.dot(w_up, tl.trans(x), acc_up)
+    # The other K blocks: a plain loop, which Triton pipelines (num_stages loads in flight).
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
-        if k0 > 0:
-            w_mask = n_ok[:, None] & col_ok[None, :]
-            w = tl.load(gate_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-            if SILU_AND_MUL:
-                w_up = tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + m_idx[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & col_ok[None, :],
                     other=0.0)
+        w_mask = n_ok[:, None] & col_ok[None, :]
+        w = tl.load(gate_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         acc = tl.dot(w, tl.trans(x), acc)
         if SILU_AND_MUL:
+            w_up = tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc_up = tl.dot(w_up, tl.trans(x), acc_up)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[:, None]
