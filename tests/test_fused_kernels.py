@@ -504,3 +504,34 @@ def test_engine_tokens_with_and_without_the_fused_kernels(monkeypatch):
     monkeypatch.setattr(ops.kv, "fused_rope_write_kv", lambda manager, q: None)
     apart = llm.generate("Once", params)[0].token_ids
     assert fused == apart, (fused, apart)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_model_logits_with_the_few_row_product_are_as_close_as_without(tmp_path, monkeypatch):
+    """A random Llama with MLP biases in bf16 on the GPU, 24 prompt tokens (24 rows: the few-row gate/up product
+    runs): its logits against the same model in float32 are as close as those of the bf16 run with the ops
+    apart (cuBLAS and the SiLU kernel). Wrong gate/up rows or biases would be far off."""
+    from yaie.model.contiguous_cache import ContiguousKVCache
+    from yaie.model.llama import LlamaModel
+    from yaie.model.testing import save_random_model
+    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    ops.reset_auto_fallback()
+    save_random_model("llama", tmp_path, seed=fresh_seed(), hidden_size=256, intermediate_size=512, mlp_bias=True)
+    ids = torch.randint(0, 96, (24,), device="cuda")
+    positions = torch.arange(24, device="cuda")
+
+    def logits(dtype):
+        model = LlamaModel.from_pretrained(tmp_path, device="cuda", dtype=dtype)
+        cache = ContiguousKVCache.for_model(model.config, 24, dtype, "cuda")
+        return model.logits(model.forward(ids, positions, cache)).double()
+
+    calls = _spy(monkeypatch, ref, "skinny_matmul_silu_and_mul")
+    fused = logits(torch.bfloat16)
+    assert calls, "24 bf16 rows should run the few-row gate/up product"
+    exact = logits(torch.float32)
+    monkeypatch.setattr(ops.layers, "few_row_kernel", lambda x, name: None)
+    apart = logits(torch.bfloat16)
+    fused_error, apart_error = (fused - exact).abs().max().item(), (apart - exact).abs().max().item()
+    assert fused_error <= 1.5 * apart_error + 1e-3, (fused_error, apart_error)
+    ops.reset_auto_fallback()
