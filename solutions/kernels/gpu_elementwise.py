@@ -778,7 +778,8 @@ def skinny_launch_config(rows: int) -> dict:
     """Tiles, warps and stages of the few-row product for ``rows`` input rows.
 
     Measured on an H100 at the 1.1B Llama's gate/up product, 64 rows (bench/results/skinny_products_h100.json):
-    64 weight rows (gate and up each) of 128 columns per program, 4 stages of loads in flight."""
+    64 weight rows (gate and up each) of 128 columns per program, 3 stages of loads in flight (a fourth would
+    not fit in shared memory beside the first K block's tiles)."""
     return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=64, BLOCK_K=128, num_warps=4,
                 num_stages=3)
 
