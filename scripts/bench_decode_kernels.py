@@ -51,28 +51,12 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 2048, 32, 8, 64, 8192, 
 
 def graph_us(fn, reps: int, iters: int = 10) -> float:
     """Microseconds per call of ``fn`` recorded ``reps`` times in one CUDA graph (median of ``iters`` replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
+    from yaie.bench.harness import event_times_ms, graphed
+    replay = graphed(lambda: [fn(i) for i in range(reps)], warm=1)
+    replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    times.sort()
-    return times[len(times) // 2]
+    times = sorted(event_times_ms(replay, iters))
+    return times[len(times) // 2] * 1e3 / reps
 
 
 def timer(device, reps):

@@ -6,7 +6,8 @@ What it gives a lesson's ``yaie/bench/lessonNN.py``:
   bandwidth (bytes read + bytes written per second) and the bf16 matrix-product rate. Every kernel's
   figure is then reported as a share of what *this* card really does, not of a datasheet number.
 * :func:`bench_ms` times one callable: the median of many runs after a warm-up, through
-  ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs).
+  ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs); :func:`graphed` records a callable in
+  a CUDA graph (GPU work only, as the engine's decode steps run) and :func:`event_times_ms` times runs alone.
 * :class:`Row` is one measured point (lesson, kernel, implementation, shape, dtype, time, and the bytes
   or operations the op must at least move or do), with its achieved GB/s and TFLOP/s.
 * :func:`environment` names the GPU, the versions and the command, so that a result file says where it
@@ -53,6 +54,37 @@ def bench_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 10
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graphed(fn: Callable[[], object], warm: int = 2) -> Callable[[], None]:
+    """Record ``fn()`` in a CUDA graph and return the graph's replay: GPU work only, no host Python per call.
+
+    ``fn`` first runs ``warm`` times on the capture's side stream (compiles, allocations, a communicator's set-up
+    happen there, not inside the capture). The returned callable keeps the graph alive."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return graph.replay
+
+
+def event_times_ms(fn: Callable[[], object], runs: int) -> list[float]:
+    """Milliseconds of each of ``runs`` calls of ``fn()``, each timed alone between two CUDA events (the L2 cache
+    is not flushed: for a graph replay that reads more than the cache holds, as a decode step does)."""
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
 
 
 def measure_peaks(device: str = "cuda") -> dict:

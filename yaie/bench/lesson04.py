@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from yaie.bench.harness import Row, bench_ms, rel_err
+from yaie.bench.harness import Row, bench_ms, graphed, rel_err
 from yaie.switch import module
 
 LESSON = "lesson04"
@@ -130,20 +130,6 @@ def backend_of(fn) -> str:
         if any(m in joined for m in marks):
             return label
     return "unknown"
-
-
-def graphed(fn):
-    """Capture ``fn`` in a CUDA graph and return its replay (GPU work only, no host Python per call)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _timed(rows, impl, shape, fn, moved, warmup, rep, kernel="paged_decode"):

@@ -157,7 +157,7 @@ def _timed(rows, kernel, impl, shape, fn, moved, warmup, rep, flops=None):
 
 def _timed_graph(rows, kernel, impl, shape, fn, moved, warmup, rep, flops=None):
     """The same call replayed from a CUDA graph: GPU time without the host's Python and launch work."""
-    from yaie.bench.lesson04 import graphed
+    from yaie.bench.harness import graphed
 
     try:
         replay = graphed(fn)

@@ -169,7 +169,7 @@ def speed(out: Path, tp: int, model_dir: Path, batches: list[int], repeats: int)
 
 
 def _collectives_rank(rank: int, init_file: str, out: str, batches: list[int], replays: int) -> None:
-    from yaie.bench.harness import environment
+    from yaie.bench.harness import environment, event_times_ms, graphed
     from yaie.model import parallel
     from yaie.model.all_reduce import ENV_VAR, AllReduce
 
@@ -196,22 +196,7 @@ def _collectives_rank(rank: int, init_file: str, out: str, batches: list[int], r
                     reduce(x)
                 parallel.all_gather_last(scores)
             step()                                                   # warm
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                step()
-            samples = []
-            for _ in range(replays):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
+            samples = event_times_ms(graphed(step, warm=1), replays)
             result["ms_per_step"].setdefault(name, {})[str(batch)] = statistics.median(samples)
             if rank == 0:
                 log(f"collectives: {name}, batch {batch}: {statistics.median(samples):.3f} ms per step")
