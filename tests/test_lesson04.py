@@ -31,6 +31,17 @@ def test_split_heuristic(batch, kv_heads, ctx, sms, expected):
     assert batch * kv_heads * splits <= max(batch * kv_heads, ref.PROGRAMS_PER_SM * sms)   # never a 2nd wave
 
 
+def test_split_heuristic_counts_this_machines_multiprocessors_by_default():
+    """Without ``num_sms`` the heuristic asks the device (8 for the CPU interpreter)."""
+    import torch
+
+    from yaie.kernels import paged_attention_given as given
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for batch, ctx in ((1, 4096), (4, 100_000)):
+        assert given.choose_num_splits(batch, 8, ctx) == given.choose_num_splits(batch, 8, ctx,
+                                                                                 num_sms=given.num_sms(device))
+
+
 def test_every_split_count_gives_the_same_answer():
     case = ([45, 3, 20], 4, 2, 32, 8)
     q, kc, vc, bt, cl, ks, vs = build_paged(case, torch.float32, "cpu", seed=1234)
