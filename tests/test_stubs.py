@@ -97,3 +97,39 @@ def test_given_module_stands_alone_and_both_lesson_modules_import_it(given):
             assert getattr(module, name, None) is getattr(given_mod, name), f"{package}.kernels.{lesson_module}.{name}"
     stub_text = (stubs.ROOT / "yaie" / "kernels" / f"{lesson_module}.py").read_text()
     assert f"yaie/kernels/{given.name}" in stub_text.splitlines()[1], "the stub's header names its given module"
+
+
+def test_marked_assignments_and_definitions_are_dropped_and_the_rest_kept(tmp_path, monkeypatch):
+    """The generator on a small module: an unmarked constant is copied, a `# yaie: solution-only` assignment
+    (with the comment lines below its marker) and definition are dropped, a task keeps its docstring and
+    raises, and a task marker on an assignment is refused."""
+    source = '''"""A lesson module."""
+
+GIVEN = 1
+
+# yaie: solution-only
+# The reference's own cache: the stub has no use for it.
+_CACHE: dict = {}
+
+
+# yaie: solution-only
+def _helper():
+    return 2
+
+
+# yaie: task 1
+def exercise(x):
+    """Double x."""
+    return 2 * x
+'''
+    root = tmp_path / "solutions" / "kernels"
+    root.mkdir(parents=True)
+    (root / "demo.py").write_text(source)
+    monkeypatch.setattr(stubs, "ROOT", tmp_path)
+    text = stubs.generate(root / "demo.py", 2)
+    assert "GIVEN = 1" in text
+    assert "_CACHE" not in text and "own cache" not in text and "_helper" not in text
+    assert '"""Double x."""' in text and "raise NotImplementedError('lesson 02, task 1" in text
+    (root / "demo.py").write_text(source.replace("# yaie: solution-only\n# The", "# yaie: task 2\n# The"))
+    with pytest.raises(ValueError, match="only a def can be a task"):
+        stubs.generate(root / "demo.py", 2)
