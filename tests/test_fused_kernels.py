@@ -496,7 +496,7 @@ def test_engine_tokens_with_and_without_the_fused_kernels(monkeypatch):
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
     monkeypatch.setattr(ops.layers, "use_gpu_kernels", lambda t: True)
     calls = _spy(monkeypatch, ref, "add_rms_norm_matvec")
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     llm = LLM(DEFAULT_MODEL, device=DEVICE, dtype=torch.float32, block_size=8, num_blocks=16)
     fused = llm.generate("Once", params)[0].token_ids
     assert calls, "the one-row steps used the fused kernels"

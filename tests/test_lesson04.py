@@ -93,9 +93,9 @@ def test_fused_merge_matches_the_merge_kernel_and_leaves_its_counters_at_zero():
     scale = q.shape[-1] ** -0.5
     capacity = bt.shape[1] * kc.shape[1]         # max_context_len may be any bound up to what a row holds
     for splits, max_len in ((2, 64), (3, 64), (8, 64), (3, capacity), (8, capacity), (20, capacity)):   # 20: not unrolled
+        separate = ref._launch_decode(q, kc, vc, bt, cl, max_len, scale, splits, fuse_merge=False)
         for _ in range(2):
             fused = ref._launch_decode(q, kc, vc, bt, cl, max_len, scale, splits)
-            separate = ref._launch_decode(q, kc, vc, bt, cl, max_len, scale, splits, fuse_merge=False)
             torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(fused.double(), expected, atol=2e-5, rtol=1e-5)
             assert int(ref._split_counters(q.device, q.shape[0] * kc.shape[2]).abs().sum()) == 0
