@@ -157,13 +157,15 @@ def bench_matvec(device, dtype, time_of, rows, quick, no_sweep=False):
                 row(f"add_rms_norm_matvec BN{bn} BK{bk} w{w}", launch)
 
 
-def _skinny_sweep(quick):
+def _skinny_sweep(quick, rows):
     """(BLOCK_N, BLOCK_K, warps, stages) to try for the fused gate/up product: its two weight tiles and the input
-    tile of every stage must fit in shared memory (about 200 KB of the H100's 227)."""
+    tile of every stage, and of the peeled first K block, must fit in shared memory (about 200 KB of the H100's
+    227); a setting that does not compile all the same is skipped when timed."""
     if quick:
         return [(32, 16, 4, 2)]
+    block_m = l02.skinny_launch_config(rows)["BLOCK_M"]
     return [(bn, bk, w, st) for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8) for st in (3, 4, 5, 6)
-            if (2 * bn + 64) * bk * 2 * st <= 200_000 and (w == 8) == (bn == 128)]
+            if (2 * bn + block_m) * bk * 2 * (st + 1) <= 200_000 and (w == 8) == (bn == 128)]
 
 
 def bench_skinny(device, dtype, time_of, rows, quick, m, no_sweep=False):
@@ -198,9 +200,8 @@ def bench_skinny(device, dtype, time_of, rows, quick, m, no_sweep=False):
             lambda i: l02.silu_and_mul(l02._launch_skinny(x, weights[i % copies], None, False)))
         row("skinny_matmul_silu_and_mul", lambda i: l02.skinny_matmul_silu_and_mul(x, weights[i % copies]),
             default=True)
-        for bn, bk, w, st in ([] if no_sweep else _skinny_sweep(quick)):
-            config = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=bk, num_warps=w,
-                          num_stages=st)
+        for bn, bk, w, st in ([] if no_sweep else _skinny_sweep(quick, m)):
+            config = dict(l02.skinny_launch_config(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
             row(f"skinny_matmul_silu_and_mul BN{bn} BK{bk} w{w} s{st}",
                 lambda i, config=config: l02._launch_skinny(x, weights[i % copies], None, True, config),
                 config=config)

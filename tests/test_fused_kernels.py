@@ -433,7 +433,8 @@ def test_skinny_gate_up_bad_inputs():
 @pytest.mark.parametrize("student_lesson02", [False, True])
 def test_swiglu_mlp_uses_the_fused_gate_up_only_for_the_reference(monkeypatch, student_lesson02):
     """yaie.ops.swiglu_mlp: 2 to 64 half-precision rows -> lesson 02's fused gate/up product where the module
-    serving lesson 02 has it; a student's lesson 02, float32, one row or more rows -> not. Same values."""
+    serving lesson 02 has it; a student's lesson 02 (whose SiLU-and-mul then runs), float32, one row (the one-row
+    products) or 65 rows -> not. Same values either way."""
     from yaie.kernels import gpu_elementwise as student02
     monkeypatch.setenv("YAIE_SOLUTIONS", "1,3-8" if student_lesson02 else "all")
     monkeypatch.setattr(ops.layers, "use_gpu_kernels", lambda t: True)
@@ -442,8 +443,10 @@ def test_swiglu_mlp_uses_the_fused_gate_up_only_for_the_reference(monkeypatch, s
         monkeypatch.setattr(student02, "silu_and_mul", ref.silu_and_mul_reference)
         monkeypatch.setattr(student02, "fused_add_rms_norm", ref.fused_add_rms_norm_reference)
     calls = _spy(monkeypatch, ref, "skinny_matmul_silu_and_mul")
+    student_calls = _spy(monkeypatch, student02, "silu_and_mul") if student_lesson02 else []
     hidden, inter = 32, 24
-    for rows, dtype, fused in ((3, torch.float16, True), (3, torch.float32, False), (65, torch.float16, False)):
+    for rows, dtype, fused in ((2, torch.float16, True), (64, torch.float16, True), (1, torch.float16, False),
+                               (3, torch.float32, False), (65, torch.float16, False)):
         x, gate_up, b = skinny_case(dtype, rows, n=inter, k=hidden)
         residual = torch.randn_like(x)
         norm_weight = (torch.rand(hidden) + 0.5).to(dtype).to(x.device)
@@ -456,6 +459,9 @@ def test_swiglu_mlp_uses_the_fused_gate_up_only_for_the_reference(monkeypatch, s
         torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(new_residual.double(), total, **TOL[dtype])
         assert len(calls) - before == (1 if fused and not student_lesson02 else 0), (rows, dtype, calls)
+    if student_lesson02:      # every case runs the ops apart, with the student's silu_and_mul
+        assert len(student_calls) == 5, student_calls
+    assert ops.layers.FEW_ROWS == ref.SKINNY_MAX_ROWS, "the op's row limit is the kernel's"
     ops.reset_auto_fallback()
 
 

@@ -71,7 +71,7 @@ def programmatic_launch(device: torch.device) -> bool:
 
     PDL lets a kernel start while the one before it on the stream is still finishing; the kernel then
     calls ``gdc_wait`` before it touches anything that kernel wrote (``docs/engine.md``, "Fused kernels
-    at batch 1"). True on a CUDA GPU of compute capability 9.0 or newer (Hopper), when this Triton
+    of a decode step"). True on a CUDA GPU of compute capability 9.0 or newer (Hopper), when this Triton
     can launch so and ``YAIE_PDL`` is not ``"0"``; False on the CPU and under the Triton interpreter.
     ``ValueError`` when ``YAIE_PDL`` is set to anything but ``"0"`` or ``"1"``.
     """

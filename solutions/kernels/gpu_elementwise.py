@@ -728,7 +728,7 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, s
     m_idx = tl.arange(0, BLOCK_M)
     m_ok = m_idx < M
     gate_rows = w_ptr + n_idx[:, None].to(tl.int64) * stride_wn
-    up_rows = gate_rows + N * stride_wn
+    up_rows = w_ptr + (N + n_idx)[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     # The first K block's weights, read before waiting for the kernel before (with programmatic dependent
@@ -777,9 +777,10 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, s
 def skinny_launch_config(rows: int) -> dict:
     """Tiles, warps and stages of the few-row product for ``rows`` input rows.
 
-    Measured on an H100 at the 1.1B Llama's gate/up product, 64 rows (bench/results/skinny_products_h100.json):
-    64 weight rows (gate and up each) of 128 columns per program, 3 stages of loads in flight (a fourth would
-    not fit in shared memory beside the first K block's tiles)."""
+    Swept on an H100 at the 1.1B Llama's gate/up product, 64 rows, before the first K block was peeled
+    (bench/results/skinny_products_unpeeled_h100.json): 64 weight rows (gate and up each) of 128 columns per
+    program, with 3 or 4 stages alike; 3 here, as a fourth does not fit in shared memory beside the peeled
+    block's tiles."""
     return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=64, BLOCK_K=128, num_warps=4,
                 num_stages=3)
 
@@ -804,8 +805,8 @@ def skinny_matmul_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``silu_and_mul(x @ weight.T (+ bias))`` for a FEW rows ``x [rows, hidden]`` (a batched decode step).
 
-    Not an exercise: the reference's SwiGLU gate/up product for the engine's decode steps of 2 to
-    ``SKINNY_MAX_ROWS`` sequences (``yaie.ops.swiglu_mlp``). ``weight`` is the MLP's gate rows then its up
+    Not an exercise: the reference's SwiGLU gate/up product for the engine's steps of 2 to ``SKINNY_MAX_ROWS``
+    rows (decode steps of that many sequences, short prefills; ``yaie.ops.swiglu_mlp``). ``weight`` is the MLP's gate rows then its up
     rows; each program computes matching gate and up rows and writes only ``silu(gate) * up``, so the
     ``[rows, 2 * intermediate]`` product is never stored and :func:`silu_and_mul` is not launched.
 

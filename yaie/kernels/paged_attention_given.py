@@ -129,6 +129,9 @@ def num_sms(device: torch.device) -> int:
         if device.type == "cuda" else 8
 
 
+_device_sms = num_sms     # choose_num_splits's parameter of the same name hides the function
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int | None = None,
                       min_tokens_per_split: int = 512) -> int:
     """The split-K heuristic: about ``PROGRAMS_PER_SM`` (2) programs per multiprocessor, a power of two, at
@@ -146,8 +149,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     stages at all 7 shapes with at most 2 * num_sms (sequence, KV head) pairs; one program more per
     multiprocessor than fits in a wave costs up to 20%.
     """
-    if num_sms is None:   # (the parameter hides the module's num_sms function, hence globals())
-        num_sms = globals()["num_sms"](torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if num_sms is None:   # (the parameter hides the module's num_sms function: its alias asks the device)
+        num_sms = _device_sms(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     programs = max(1, batch * num_kv_heads)
     wanted = max(1, PROGRAMS_PER_SM * num_sms // programs)
     longest = max(1, max_context_len // min_tokens_per_split)

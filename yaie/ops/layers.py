@@ -23,8 +23,8 @@ ONE_ROW_KERNELS = {
     "add_rms_norm_matvec": ("fused_add_rms_norm",),
 }
 
-# Lesson 02's reference-only few-row gate/up product with SiLU-and-mul (a decode step of 2 to 64 sequences in
-# half precision), and the lesson function it replaces.
+# Lesson 02's reference-only few-row gate/up product with SiLU-and-mul (2 to 64 rows in half precision: a decode
+# step of that many sequences, or a short prefill), and the lesson function it replaces.
 FEW_ROWS = 64            # the most rows the kernel takes (its SKINNY_MAX_ROWS)
 FEW_ROW_KERNELS = {"skinny_matmul_silu_and_mul": ("silu_and_mul",)}
 
