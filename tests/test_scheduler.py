@@ -176,3 +176,10 @@ def test_chunked_prefill_feeds_a_long_prompt_beside_the_decodes():
             request.output_ids.append(7)
     assert ranges == [(0, 3), (3, 6), (6, 9)] and long.num_computed_tokens == 10
     check_invariants(scheduler, [old, long], 256)
+
+
+def test_swap_ins_keep_a_chunked_step_within_its_token_budget():
+    """A workload (seed found by the random test above) where a request swapped back in would have decoded
+    beside a prefill chunk that already took the whole budget: swap-ins wait for the budget as chunks do."""
+    seed = 554319390
+    run_workload("swap", seed, num_blocks=random.Random(seed).randint(8, 16), chunked=True)

@@ -155,7 +155,8 @@ class Scheduler:
         self._cache_prefills()
         budget = self._schedule_running(plan)
         if not plan.preempted:
-            self._swap_in(plan)
+            # A swapped-in request decodes in this step: with chunked prefill, only while the budget lasts.
+            self._swap_in(plan, budget - len(plan.decodes) if self.chunked_prefill else None)
             if not self.swapped:
                 self._admit(plan, budget - len(plan.decodes) if self.chunked_prefill else self.max_num_batched_tokens)
         self.stats.steps += 1
@@ -278,9 +279,11 @@ class Scheduler:
             _insert_by_age(self.waiting, request)
             self.stats.preempted_by_recompute += 1
 
-    def _swap_in(self, plan: StepPlan) -> None:
+    def _swap_in(self, plan: StepPlan, budget: int | None) -> None:
+        """Bring swapped-out requests back, oldest first, while seats, blocks and ``budget`` tokens (None: no
+        limit) last; each decodes one token in this step."""
         size = self.manager.block_size
-        while self.swapped and len(self.running) < self.max_num_seqs:
+        while self.swapped and len(self.running) < self.max_num_seqs and (budget is None or budget > 0):
             request = self.swapped[0]
             tokens = self.manager.num_tokens(request.request_id)
             # Its blocks come back, plus room for the slot it decodes into right away.
@@ -295,6 +298,8 @@ class Scheduler:
             plan.decode_slots.append(self.manager.append_slots(request.request_id, 1))
             request.num_computed_tokens += 1
             self.stats.swapped_in += 1
+            if budget is not None:
+                budget -= 1
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         """Admit waiting requests while their prefills fit the free blocks and ``budget`` tokens. The first
