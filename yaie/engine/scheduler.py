@@ -13,7 +13,7 @@ One step (:meth:`Scheduler.schedule`), oldest request first everywhere (first co
    free block for it, the **newest** running request is preempted, again until the slot fits (it may be
    the request itself). The oldest request therefore always makes progress: no livelock.
 2. if nobody was preempted in this step, swapped requests come back (oldest first) while their blocks
-   and one more fit;
+   and one more fit (with chunked prefill, also while the step's token budget lasts: each decodes a token);
 3. then, if no request is still swapped out, waiting requests are admitted (prefill) while their tokens
    fit in the free blocks and in the step's token budget.
 
