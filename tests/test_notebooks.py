@@ -34,14 +34,24 @@ def test_notebook_is_stored_without_outputs(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name)
 def test_notebook_runs_on_the_solutions(path, monkeypatch):
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellTimeoutError
 
     monkeypatch.setenv("YAIE_SOLUTIONS", "all")
     # One thread per kernel: the notebooks' tensors are tiny, and on a loaded 2-core machine torch's
     # thread pool can spin for minutes (seen once here).
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    # A cell's reply can get lost between the kernel and the client: both then wait, idle (seen twice in six
+    # runs of the suite here, on notebooks 03 and 06, with ipykernel 6.31 and 7.4). A cell that runs past its
+    # time limit gets one fresh kernel and a second run of the whole notebook.
+    for attempt in (1, 2):
+        nb = nbformat.read(path, as_version=4)
+        try:
+            NotebookClient(nb, timeout=240, kernel_name="python3",
+                           resources={"metadata": {"path": str(path.parent)}}).execute()
+            break
+        except CellTimeoutError:
+            if attempt == 2:
+                raise
     text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                      for out in cell.get("outputs", []) if out.get("output_type") == "stream")
     assert "not implemented yet" not in text, "with the reference every exercise cell must run"
