@@ -265,18 +265,25 @@ def test_matvec_bad_inputs():
             call()
 
 
+def _serve_lesson02(monkeypatch, student: bool):
+    """Lesson 02 served by the reference, or by a student's finished module (the reference's math in the stub's
+    functions); the ops take the GPU path on CPU tensors (the interpreter). Returns the stub module."""
+    from yaie.kernels import gpu_elementwise as student02
+    monkeypatch.setenv("YAIE_SOLUTIONS", "1,3-8" if student else "all")
+    monkeypatch.setattr(ops.layers, "use_gpu_kernels", lambda t: True)
+    ops.reset_auto_fallback()
+    if student:
+        monkeypatch.setattr(student02, "silu_and_mul", ref.silu_and_mul_reference)
+        monkeypatch.setattr(student02, "fused_add_rms_norm", ref.fused_add_rms_norm_reference)
+    return student02
+
+
 @pytest.mark.parametrize("student_lesson02", [False, True])
 def test_one_row_ops_use_the_fused_kernels_only_for_the_reference(monkeypatch, student_lesson02):
     """yaie.ops.linear / silu_and_mul_linear / add_rms_norm_linear: one row -> lesson 02's fused kernels where
     the module serving lesson 02 has them; a student's lesson 02 (no such kernels) gets cuBLAS and the student's
     own norm and SwiGLU kernels; more than one row always gets the ops apart. Same values either way."""
-    from yaie.kernels import gpu_elementwise as student02
-    monkeypatch.setenv("YAIE_SOLUTIONS", "1,3-8" if student_lesson02 else "all")
-    monkeypatch.setattr(ops.layers, "use_gpu_kernels", lambda t: True)
-    ops.reset_auto_fallback()
-    if student_lesson02:      # a student's finished lesson 02 (the reference's math)
-        monkeypatch.setattr(student02, "silu_and_mul", ref.silu_and_mul_reference)
-        monkeypatch.setattr(student02, "fused_add_rms_norm", ref.fused_add_rms_norm_reference)
+    _serve_lesson02(monkeypatch, student_lesson02)
     names = ["matvec", "silu_and_mul_matvec", "add_rms_norm_matvec"]
     calls = {name: _spy(monkeypatch, ref, name) for name in names}
     c = matvec_case(torch.float32)
@@ -435,13 +442,7 @@ def test_swiglu_mlp_uses_the_fused_gate_up_only_for_the_reference(monkeypatch, s
     """yaie.ops.swiglu_mlp: 2 to 64 half-precision rows -> lesson 02's fused gate/up product where the module
     serving lesson 02 has it; a student's lesson 02 (whose SiLU-and-mul then runs), float32, one row (the one-row
     products) or 65 rows -> not. Same values either way."""
-    from yaie.kernels import gpu_elementwise as student02
-    monkeypatch.setenv("YAIE_SOLUTIONS", "1,3-8" if student_lesson02 else "all")
-    monkeypatch.setattr(ops.layers, "use_gpu_kernels", lambda t: True)
-    ops.reset_auto_fallback()
-    if student_lesson02:      # a student's finished lesson 02 (the reference's math)
-        monkeypatch.setattr(student02, "silu_and_mul", ref.silu_and_mul_reference)
-        monkeypatch.setattr(student02, "fused_add_rms_norm", ref.fused_add_rms_norm_reference)
+    student02 = _serve_lesson02(monkeypatch, student_lesson02)
     calls = _spy(monkeypatch, ref, "skinny_matmul_silu_and_mul")
     student_calls = _spy(monkeypatch, student02, "silu_and_mul") if student_lesson02 else []
     hidden, inter = 32, 24

@@ -587,13 +587,15 @@ def _matvec_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out
 
 
 # yaie: solution-only
-def _check_matvec_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> None:
+def _check_product_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            weight_shape: str = "[out_features, in_features]", even_rows: bool = False) -> None:
+    """What every product here takes: float tensors of one dtype on one device, ``weight`` 2-D with contiguous
+    rows (an even number of them with ``even_rows``), ``bias`` None or one contiguous value per weight row.
+    The caller checks ``x``'s shape."""
     check_float_tensor("x", x)
     check_float_tensor("weight", weight, min_dim=2)
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width or x.stride(1) != 1:
-        raise ValueError(f"x must be one contiguous row [1, {width}], got {tuple(x.shape)}")
-    if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[0] < 1:
-        raise ValueError(f"weight must be a 2-D [out_features, in_features] tensor with contiguous rows, got "
+    if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[0] < 1 or (even_rows and weight.shape[0] % 2):
+        raise ValueError(f"weight must be a 2-D {weight_shape} tensor with contiguous rows, got "
                          f"{tuple(weight.shape)}")
     check_same_dtype(x=x, weight=weight)
     tensors = dict(x=x, weight=weight)
@@ -603,6 +605,13 @@ def _check_matvec_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             raise ValueError(f"bias must be [{weight.shape[0]}] and contiguous, got {tuple(bias.shape)}")
         tensors["bias"] = bias
     check_devices(**tensors)
+
+
+# yaie: solution-only
+def _check_matvec_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> None:
+    _check_product_operands(x, weight, bias)
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(f"x must be one contiguous row [1, {width}], got {tuple(x.shape)}")
 
 
 # yaie: solution-only
@@ -824,25 +833,13 @@ def skinny_matmul_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
             weight not 2-D with contiguous rows and an even row count, bias of the wrong size, dtypes or
             devices that differ.
     """
-    check_float_tensor("x", x)
-    check_float_tensor("weight", weight, min_dim=2)
-    if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[0] < 2 or weight.shape[0] % 2:
-        raise ValueError(f"weight must be a 2-D [2 * intermediate, hidden] tensor with contiguous rows, got "
-                         f"{tuple(weight.shape)}")
+    _check_product_operands(x, weight, bias, "[2 * intermediate, hidden]", even_rows=True)
     if x.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_ROWS or x.shape[1] != weight.shape[1] or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, {weight.shape[1]}] with 1 to {SKINNY_MAX_ROWS} rows and contiguous "
                          f"columns, got {tuple(x.shape)}")
     if x.dtype == torch.float32:
         raise ValueError("skinny_matmul_silu_and_mul takes float16 or bfloat16 (tensor cores would round float32 "
                          "inputs to tf32); use the product and silu_and_mul apart for float32")
-    check_same_dtype(x=x, weight=weight)
-    tensors = dict(x=x, weight=weight)
-    if bias is not None:
-        check_float_tensor("bias", bias)
-        if tuple(bias.shape) != (weight.shape[0],) or bias.stride(0) != 1:
-            raise ValueError(f"bias must be [{weight.shape[0]}] and contiguous, got {tuple(bias.shape)}")
-        tensors["bias"] = bias
-    check_devices(**tensors)
     return _launch_skinny(x, weight, bias, silu_and_mul=True)
 
 
