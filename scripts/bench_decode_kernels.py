@@ -20,9 +20,7 @@ Rows:
   norm's launch settings swept;
 * ``skinny``: lesson 02's few-row gate/up product with SiLU-and-mul fused (``skinny_matmul_silu_and_mul``)
   vs cuBLAS and the SiLU kernel, for a decode step of ``--rows`` sequences (64), its launch settings swept;
-  the same product without the epilogue beside cuBLAS at the other projections; and with the add + norm
-  before it fused in (``add_rms_norm_skinny_matmul``) beside the norm kernel and the products above, at the
-  gate/up and the q/k/v product (its launch settings swept at q/k/v).
+  the same product without the epilogue beside cuBLAS at the other projections.
 """
 
 from __future__ import annotations
@@ -135,9 +133,6 @@ def bench_matvec(device, dtype, time_of, rows, quick, no_sweep=False):
         gate_up = torch.randn(1, 2 * k, device=device, dtype=dtype)
         shape = f"{name} {n}x{k} ({n * k * 2 / 1e6:.1f} MB)"
 
-        def norm_then(i, product):   # the ops apart: the add + norm (in place), then product(h, weight)
-            return product(l02.fused_add_rms_norm(x, residual, norm_w, 1e-5)[0], weights[i % copies])
-
         def row(impl, fn, **extra):
             rows.append(dict(op="matvec", shape=shape, impl=impl, MB=n * k * 2 / 1e6, us=time_of(fn), **extra))
 
@@ -162,18 +157,15 @@ def bench_matvec(device, dtype, time_of, rows, quick, no_sweep=False):
                 row(f"add_rms_norm_matvec BN{bn} BK{bk} w{w}", launch)
 
 
-def _skinny_sweep(quick, rows, plain=False):
-    """(BLOCK_N, BLOCK_K, warps, stages) to try for the fused gate/up product (``plain``: a product with one
-    weight tile, such as q/k/v): its weight tiles and the input tile of every stage, and of the peeled first K
-    block, must fit in shared memory (about 200 KB of the H100's 227); a setting that does not compile all
-    the same is skipped when timed."""
+def _skinny_sweep(quick, rows):
+    """(BLOCK_N, BLOCK_K, warps, stages) to try for the fused gate/up product: its two weight tiles and the input
+    tile of every stage, and of the peeled first K block, must fit in shared memory (about 200 KB of the H100's
+    227); a setting that does not compile all the same is skipped when timed."""
     if quick:
         return [(32, 16, 4, 2)]
     block_m = l02.skinny_launch_config(rows)["BLOCK_M"]
-    tiles = 1 if plain else 2
-    return [(bn, bk, w, st) for bn in ((16, 32, 64) if plain else (32, 64, 128)) for bk in (64, 128, 256)
-            for w in (4, 8) for st in (3, 4, 5, 6)
-            if (tiles * bn + block_m) * bk * 2 * (st + 1) <= 200_000 and (w == 8) == (bn == 128)]
+    return [(bn, bk, w, st) for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8) for st in (3, 4, 5, 6)
+            if (2 * bn + block_m) * bk * 2 * (st + 1) <= 200_000 and (w == 8) == (bn == 128)]
 
 
 def bench_skinny(device, dtype, time_of, rows, quick, m, no_sweep=False):
@@ -191,9 +183,6 @@ def bench_skinny(device, dtype, time_of, rows, quick, m, no_sweep=False):
         x = torch.randn(m, k, device=device, dtype=dtype)
         shape = f"{name} {m}x{n}x{k} ({n * k * 2 / 1e6:.1f} MB)"
 
-        def norm_then(i, product):   # the ops apart: the add + norm (in place), then product(h, weight)
-            return product(l02.fused_add_rms_norm(x, residual, norm_w, 1e-5)[0], weights[i % copies])
-
         def row(impl, fn, **extra):
             try:
                 us = time_of(fn)
@@ -202,22 +191,6 @@ def bench_skinny(device, dtype, time_of, rows, quick, m, no_sweep=False):
                 return
             rows.append(dict(op="skinny", shape=shape, impl=impl, MB=n * k * 2 / 1e6, us=us, **extra))
 
-        residual, norm_w = torch.randn_like(x), torch.rand(k, device=device, dtype=dtype) + 0.5
-        if name in ("gate_up", "qkv"):     # the products after a norm: the add + norm fused in, beside the ops apart
-            fused = name == "gate_up"
-            apart = (lambda h, w: l02.silu_and_mul(F.linear(h, w))) if fused else F.linear
-            row("fused_add_rms_norm + cuBLAS" + (" + silu_and_mul" if fused else ""), lambda i: norm_then(i, apart))
-            if fused:
-                row("fused_add_rms_norm + skinny_matmul_silu_and_mul",
-                    lambda i: norm_then(i, l02.skinny_matmul_silu_and_mul))
-            row("add_rms_norm_skinny_matmul", lambda i: l02.add_rms_norm_skinny_matmul(
-                x, residual, norm_w, 1e-5, weights[i % copies], silu_and_mul=fused), default=True)
-            res_out = torch.empty_like(residual)
-            for bn, bk, w_, st in ([] if no_sweep or fused else _skinny_sweep(quick, m, plain=True)):
-                config = dict(l02.skinny_launch_config(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=w_, num_stages=st)
-                row(f"add_rms_norm_skinny_matmul BN{bn} BK{bk} w{w_} s{st}",
-                    lambda i, config=config: l02._launch_skinny(x, weights[i % copies], None, False, config, residual,
-                                                                norm_w, 1e-5, res_out), config=config)
         if name != "gate_up":
             row("cuBLAS F.linear", lambda i: F.linear(x, weights[i % copies]))
             row("few-row product", lambda i: l02._launch_skinny(x, weights[i % copies], None, False))

@@ -347,15 +347,12 @@ def _product_chain(c, steps: int):
 
 
 def _few_row_chain(c, steps: int):
-    """A batched decode step's pattern: the few-row q/k/v-like product with the add + norm before it, then the
-    gate/up product with the add + norm before it and the gate after it, each reading what the kernel before
-    wrote (the residual too), cuBLAS's down product reading the gate/up product's output."""
+    """A batched decode step's MLP pattern: the add + norm kernel, the fused gate/up product reading its
+    output, cuBLAS's down product reading the product's."""
     x, residual = c["rows"], c["row_residual"]
     for _ in range(steps):
-        x, residual = ref.add_rms_norm_skinny_matmul(x, residual, c["norm_weight"], c["eps"], c["weight"])
-        gated, residual = ref.add_rms_norm_skinny_matmul(x, residual, c["norm_weight"], c["eps"],
-                                                         c["gate_up_weight"], silu_and_mul=True)
-        x = torch.nn.functional.linear(gated, c["weight"])
+        h, residual = ref.fused_add_rms_norm(x.clone(), residual.clone(), c["norm_weight"], c["eps"])
+        x = torch.nn.functional.linear(ref.skinny_matmul_silu_and_mul(h, c["gate_up_weight"]), c["weight"])
     return x, residual
 
 
@@ -367,7 +364,7 @@ def test_chained_products_with_programmatic_launch_equal_the_products_without(mo
     """With programmatic dependent launch (YAIE_PDL=1, Hopper) each product may start before the one before it
     ends and waits for it inside the kernel: the chain must give the same bits as with YAIE_PDL=0, eagerly
     and replayed from a CUDA graph (where the engine runs it). One row (the one-row products) and 48 rows
-    (the few-row products)."""
+    (the few-row gate/up product)."""
     from yaie.device import programmatic_launch
     k = 2048
     c = matvec_case(torch.bfloat16, n=k, k=k, device="cuda")
@@ -424,63 +421,6 @@ def test_skinny_gate_up_matches_float64(bias, rows):
     torch.testing.assert_close(plain.double(), linear64(x, weight, b), **TOL[torch.float16])
 
 
-def add_norm64(x, residual, norm_weight, eps):
-    """The float64 reference of the add + norm: (the sum rounded to x's dtype, the normalised rows in float64)."""
-    total = (x.double() + residual.double()).to(x.dtype).double()
-    return total, total / torch.sqrt(total.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
-
-
-@pytest.mark.parametrize("silu_and_mul", [True, False])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_add_norm_skinny_product_matches_float64(silu_and_mul, rows):
-    """The add + norm prologue: ragged tiles (70 features, 100 columns in tiles of 32 x 16), a bias, the norm's
-    scale applied per row at the end; the sum returned, x and residual left unchanged."""
-    x, weight, b = skinny_case(torch.float16, rows, n=70, k=100)
-    weight = weight if silu_and_mul else weight[:70]
-    b = b if silu_and_mul else b[:70]
-    residual = torch.randn_like(x.float()).to(x.dtype)
-    norm_weight = (torch.rand(100) + 0.5).to(x.dtype)
-    x_before, residual_before = x.clone(), residual.clone()
-    total, normed = add_norm64(x, residual, norm_weight, 1e-5)
-    want = gate_up64(normed, weight, b) if silu_and_mul else linear64(normed, weight, b)
-    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2)
-    res_out = torch.empty_like(residual)
-    got = ref._launch_skinny(x, weight, b, silu_and_mul, config, residual, norm_weight, 1e-5, res_out)
-    torch.testing.assert_close(got.double(), want, **TOL[torch.float16])
-    assert torch.equal(res_out.double(), total)
-    out, new_residual = ref.add_rms_norm_skinny_matmul(x, residual, norm_weight, 1e-5, weight, b,
-                                                       silu_and_mul=silu_and_mul)
-    torch.testing.assert_close(out.double(), want, **TOL[torch.float16])
-    assert torch.equal(new_residual.double(), total)
-    assert torch.equal(x, x_before) and torch.equal(residual, residual_before), "the inputs were written"
-    out, new_residual = ref.add_rms_norm_skinny_matmul_reference(x, residual, norm_weight, 1e-5, weight, b,
-                                                                 silu_and_mul=silu_and_mul)
-    torch.testing.assert_close(out.double(), want, **TOL[torch.float16])
-
-
-def test_add_norm_skinny_product_bad_inputs():
-    x, weight, b = skinny_case(torch.float16, rows=3, n=8, k=16)
-    residual, norm_weight = torch.randn_like(x), torch.ones(16, dtype=x.dtype)
-    call = ref.add_rms_norm_skinny_matmul
-    spaced = lambda t: torch.cat([t, t], dim=1)[:, :16]     # noqa: E731  (rows 32 apart, contiguous columns)
-    refused = [
-        ("residual must be contiguous", lambda: call(x, residual[:2], norm_weight, 1e-5, weight)),
-        ("residual must be contiguous", lambda: call(x, spaced(residual), norm_weight, 1e-5, weight)),
-        ("x must be contiguous", lambda: call(spaced(x), residual, norm_weight, 1e-5, weight)),
-        ("norm_weight must be", lambda: call(x, residual, norm_weight[:-1], 1e-5, weight)),
-        ("epsilon must be a positive", lambda: call(x, residual, norm_weight, 0.0, weight)),
-        ("dtypes must match", lambda: call(x, residual.bfloat16(), norm_weight, 1e-5, weight)),
-        ("float16 or bfloat16", lambda: call(x.float(), residual.float(), norm_weight.float(), 1e-5, weight.float())),
-        ("1 to 64 rows", lambda: call(x.repeat(22, 1), residual.repeat(22, 1), norm_weight, 1e-5, weight)),
-        ("2 \\* intermediate", lambda: call(x, residual, norm_weight, 1e-5, weight[:-1], silu_and_mul=True)),
-    ]
-    for match, bad in refused:
-        with pytest.raises(ValueError, match=match):
-            bad()
-    out, _ = call(x, residual, norm_weight, 1e-5, weight[:-1])        # an odd row count is fine without the gate
-    assert out.shape == (3, 15)
-
-
 def test_skinny_gate_up_bad_inputs():
     x, weight, b = skinny_case(torch.float16, rows=3, n=8, k=16)
     refused = [
@@ -498,13 +438,12 @@ def test_skinny_gate_up_bad_inputs():
 
 
 @pytest.mark.parametrize("student_lesson02", [False, True])
-def test_few_row_ops_use_the_fused_products_only_for_the_reference(monkeypatch, student_lesson02):
-    """yaie.ops.swiglu_mlp and add_rms_norm_linear: 2 to 64 half-precision rows -> lesson 02's few-row product
-    with the add + norm fused in (and the gate, for the MLP) where the module serving lesson 02 has it; a
-    student's lesson 02 (whose SiLU-and-mul then runs), float32, one row (the one-row products) or 65 rows ->
-    not. Same values either way."""
+def test_swiglu_mlp_uses_the_fused_gate_up_only_for_the_reference(monkeypatch, student_lesson02):
+    """yaie.ops.swiglu_mlp: 2 to 64 half-precision rows -> lesson 02's fused gate/up product where the module
+    serving lesson 02 has it; a student's lesson 02 (whose SiLU-and-mul then runs), float32, one row (the one-row
+    products) or 65 rows -> not. Same values either way."""
     student02 = _serve_lesson02(monkeypatch, student_lesson02)
-    calls = _spy(monkeypatch, ref, "add_rms_norm_skinny_matmul")
+    calls = _spy(monkeypatch, ref, "skinny_matmul_silu_and_mul")
     student_calls = _spy(monkeypatch, student02, "silu_and_mul") if student_lesson02 else []
     hidden, inter = 32, 24
     for rows, dtype, fused in ((2, torch.float16, True), (64, torch.float16, True), (1, torch.float16, False),
@@ -521,11 +460,6 @@ def test_few_row_ops_use_the_fused_products_only_for_the_reference(monkeypatch, 
         torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(new_residual.double(), total, **TOL[dtype])
         assert len(calls) - before == (1 if fused and not student_lesson02 else 0), (rows, dtype, calls)
-        before = len(calls)
-        qkv, new_residual = ops.add_rms_norm_linear(x.clone(), residual.clone(), norm_weight, 1e-5, gate_up, b)
-        torch.testing.assert_close(qkv.double(), linear64(h, gate_up, b), atol=3e-2, rtol=2e-2)
-        torch.testing.assert_close(new_residual.double(), total, **TOL[dtype])
-        assert len(calls) - before == (1 if fused and not student_lesson02 else 0), (rows, dtype, calls)
     if student_lesson02:      # every case runs the ops apart, with the student's silu_and_mul
         assert len(student_calls) == 5, student_calls
     assert ops.layers.FEW_ROWS == ref.SKINNY_MAX_ROWS, "the op's row limit is the kernel's"
@@ -535,38 +469,19 @@ def test_few_row_ops_use_the_fused_products_only_for_the_reference(monkeypatch, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [2, 17, 64])
-@pytest.mark.parametrize("add_norm", [False, True])
-def test_skinny_products_bf16_on_the_gpu_at_model_shapes(rows, add_norm):
-    """The engine's launch settings, bf16, the 1.1B and 8B models' gate/up products (with the gate), their
-    q/k/v products (plain) and ragged ones, with and without the add + norm before them; the same bits on
-    every call and from a CUDA graph."""
+def test_skinny_gate_up_bf16_on_the_gpu_at_model_shapes(rows):
+    """The engine's launch settings, bf16, the 1.1B and 8B models' gate/up products and a ragged one; the same
+    bits on every call and from a CUDA graph."""
     tol = dict(atol=2e-2, rtol=1.6e-2)
-    shapes = ((8192, 2048, True), (14336, 4096, True), (1000, 520, True), (1536, 2048, False), (3000, 4096, False),
-              (1001, 520, False))
-    for n, k, gated in shapes:
+    for n, k in ((8192, 2048), (14336, 4096), (1000, 520)):
         x, weight, b = skinny_case(torch.bfloat16, rows, n, k, device="cuda")
-        weight, b = (weight, b) if gated else (weight[:2 * n - 2], b[:2 * n - 2])
-        residual = torch.randn_like(x)
-        norm_weight = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
-        if add_norm:
-            total, normed = add_norm64(x, residual, norm_weight, 1e-5)
-            call = lambda: ref.add_rms_norm_skinny_matmul(x, residual, norm_weight, 1e-5, weight, b,  # noqa: E731
-                                                          silu_and_mul=gated)
-        elif gated:
-            normed = x.double()
-            call = lambda: (ref.skinny_matmul_silu_and_mul(x, weight, b), None)  # noqa: E731
-        else:
-            continue           # the plain product alone is not an engine path
-        got, new_residual = call()
-        want = gate_up64(normed, weight, b) if gated else linear64(normed, weight, b)
-        torch.testing.assert_close(got.double(), want, **tol)
-        if add_norm:
-            assert torch.equal(new_residual.double(), total)
+        got = ref.skinny_matmul_silu_and_mul(x, weight, b)
+        torch.testing.assert_close(got.double(), gate_up64(x, weight, b), **tol)
         for _ in range(3):
-            assert torch.equal(call()[0], got), f"{n}x{k}: other bits"
+            assert torch.equal(ref.skinny_matmul_silu_and_mul(x, weight, b), got), f"{n}x{k}: other bits"
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            replayed = call()[0]
+            replayed = ref.skinny_matmul_silu_and_mul(x, weight, b)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, got), f"{n}x{k}: a CUDA graph's replay gave other bits"
@@ -601,10 +516,9 @@ def test_engine_tokens_with_and_without_the_fused_kernels(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_model_logits_with_the_few_row_product_are_as_close_as_without(tmp_path, monkeypatch):
-    """A random Llama with MLP biases in bf16 on the GPU, 24 prompt tokens (24 rows: the few-row products run,
-    with the add + norm before them): its logits against the same model in float32 are as close as those of
-    the bf16 run with the ops apart (the norm kernel, cuBLAS and the SiLU kernel). Wrong rows, biases or norm
-    scales would be far off."""
+    """A random Llama with MLP biases in bf16 on the GPU, 24 prompt tokens (24 rows: the few-row gate/up product
+    runs): its logits against the same model in float32 are as close as those of the bf16 run with the ops
+    apart (cuBLAS and the SiLU kernel). Wrong gate/up rows or biases would be far off."""
     from yaie.model.contiguous_cache import ContiguousKVCache
     from yaie.model.llama import LlamaModel
     from yaie.model.testing import save_random_model
@@ -619,9 +533,9 @@ def test_model_logits_with_the_few_row_product_are_as_close_as_without(tmp_path,
         cache = ContiguousKVCache.for_model(model.config, 24, dtype, "cuda")
         return model.logits(model.forward(ids, positions, cache)).double()
 
-    calls = _spy(monkeypatch, ref, "add_rms_norm_skinny_matmul")
+    calls = _spy(monkeypatch, ref, "skinny_matmul_silu_and_mul")
     fused = logits(torch.bfloat16)
-    assert calls, "24 bf16 rows should run the few-row products"
+    assert calls, "24 bf16 rows should run the few-row gate/up product"
     exact = logits(torch.float32)
     monkeypatch.setattr(ops.layers, "few_row_kernel", lambda x, name: None)
     apart = logits(torch.bfloat16)

@@ -671,25 +671,6 @@ def silu_and_mul_matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 # yaie: solution-only
-def _check_add_norm_inputs(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, epsilon: float,
-                           weight: torch.Tensor) -> None:
-    """The add + norm prologue's inputs beside a checked ``x [rows, hidden]``: ``x`` and ``residual`` contiguous,
-    of one shape and dtype; ``norm_weight [hidden]``; ``epsilon > 0``; all on ``weight``'s device."""
-    check_float_tensor("residual", residual)
-    check_float_tensor("norm_weight", norm_weight)
-    if not x.is_contiguous():
-        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
-    if tuple(residual.shape) != tuple(x.shape) or not residual.is_contiguous():
-        raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if tuple(norm_weight.shape) != (x.shape[1],) or norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be [{x.shape[1]}] and contiguous, got {tuple(norm_weight.shape)}")
-    check_same_dtype(x=x, residual=residual)
-    if not isinstance(epsilon, (int, float)) or not epsilon > 0:
-        raise ValueError(f"epsilon must be a positive number, got {epsilon!r}")
-    check_devices(x=x, residual=residual, norm_weight=norm_weight, weight=weight)
-
-
-# yaie: solution-only
 def add_rms_norm_matvec(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, epsilon: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``linear(rms_norm(x + residual) * norm_weight, weight, bias)`` for ONE row, in one kernel.
@@ -710,7 +691,16 @@ def add_rms_norm_matvec(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
         ValueError: as :func:`matvec` and :func:`fused_add_rms_norm`.
     """
     _check_matvec_inputs(x, weight, bias, weight.shape[1] if isinstance(weight, torch.Tensor) else -1)
-    _check_add_norm_inputs(x, residual, norm_weight, epsilon, weight)
+    check_float_tensor("residual", residual)
+    check_float_tensor("norm_weight", norm_weight)
+    if tuple(residual.shape) != tuple(x.shape) or residual.stride(1) != 1:
+        raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if tuple(norm_weight.shape) != (x.shape[1],) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be [{x.shape[1]}] and contiguous, got {tuple(norm_weight.shape)}")
+    check_same_dtype(x=x, residual=residual)
+    if not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        raise ValueError(f"epsilon must be a positive number, got {epsilon!r}")
+    check_devices(x=x, residual=residual, norm_weight=norm_weight, weight=weight)
     new_residual = torch.empty_like(residual)
     out = _launch_matvec(2, x, weight, bias, residual, norm_weight, float(epsilon), new_residual)
     return out, new_residual
@@ -732,38 +722,13 @@ def skinny_matmul_silu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor,
 
 # yaie: solution-only
 @triton.jit
-def _few_rows_block(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, m_idx, m_ok, cols, col_ok, stride_xm, squares,
-                    sum_rows, ADD_NORM: tl.constexpr):
-    # One K block of the few-row product's input, [BLOCK_M, BLOCK_K] in x's dtype, and the running sums of
-    # squares of its rows. ADD_NORM: the input is rms_norm(x + residual) * norm weight, built here instead
-    # of read from a tensor that a norm kernel wrote. The sum h = x + residual is rounded to the residual's
-    # dtype (as the fused add + norm stores it) and its rows below `sum_rows` stored; the block returned is
-    # h * norm weight, and 1 / rms(h), which needs the whole row, scales the product's result at the end:
-    # (h * g / rms) @ W^T = (h * g) @ W^T / rms, one scale per row.
-    offsets = m_idx[:, None] * stride_xm + cols[None, :]
-    mask = m_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-    if ADD_NORM:
-        h = (x.to(tl.float32) + tl.load(res_ptr + offsets, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + offsets, h, mask=(m_idx < sum_rows)[:, None] & col_ok[None, :])
-        h = h.to(tl.float32)
-        squares += tl.sum(h * h, axis=1)
-        x = (h * tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
-    return x, squares
-
-
-# yaie: solution-only
-@triton.jit
-def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, M, N, K, stride_xm,
-                          stride_wn, stride_om, epsilon, ADD_NORM: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                          SILU_AND_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     # out[m, n] = sum_k x[m, k] * w[n, k] for a FEW rows m (M <= 64): each weight is used M times, too few for
     # the arithmetic to matter, so, like the one-row product, the time is the weights' bytes over the bandwidth.
     # Swapped operands: the tile computed is out^T [BLOCK_N, BLOCK_M] = w [BLOCK_N, BLOCK_K] @ x^T, so the
     # weight rows fill the tensor core's large side (64) and the few input rows its small side.
-    # ADD_NORM: the input is rms_norm(x + residual) (see _few_rows_block); the sum goes to res_out (written
-    # by program 0), and the normalised rows are never stored: the norm kernel's launch is saved.
     # SILU_AND_MUL: w is the MLP's [gate; up], 2N rows; the program also computes the up rows N + n beside the
     # gate rows n and writes only silu(gate) * up. The [M, 2N] product never goes to memory, and the SiLU
     # kernel's launch is saved.
@@ -771,12 +736,10 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, 
     n_ok = n_idx < N
     m_idx = tl.arange(0, BLOCK_M)
     m_ok = m_idx < M
-    sum_rows = tl.where(tl.program_id(0) == 0, M, 0)   # program 0 stores x + residual
     gate_rows = w_ptr + n_idx[:, None].to(tl.int64) * stride_wn
     up_rows = w_ptr + (N + n_idx)[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    squares = tl.zeros([BLOCK_M], tl.float32)
     # The first K block's weights, read before waiting for the kernel before (with programmatic dependent
     # launch, as the one-row product does): no kernel writes weights, so these loads may overlap its tail.
     # "Evict first": each weight is read once per step, and must not push x out of the cache.
@@ -788,9 +751,9 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, 
         w_up = tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()                # x (and the residual), written by the kernels before, read after
-    x, squares = _few_rows_block(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, m_idx, m_ok, cols, cols < K, stride_xm,
-                                 squares, sum_rows, ADD_NORM)
+        tl.extra.cuda.gdc_wait()                # x, written by the kernel before, is read only after this
+    x = tl.load(x_ptr + m_idx[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :],
+                other=0.0)
     acc = tl.dot(w, tl.trans(x), acc)
     if SILU_AND_MUL:
         acc_up = tl.dot(w_up, tl.trans(x), acc_up)
@@ -798,18 +761,14 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, 
     for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
-        x, squares = _few_rows_block(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, m_idx, m_ok, cols, col_ok, stride_xm,
-                                     squares, sum_rows, ADD_NORM)
+        x = tl.load(x_ptr + m_idx[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & col_ok[None, :],
+                    other=0.0)
         w_mask = n_ok[:, None] & col_ok[None, :]
         w = tl.load(gate_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         acc = tl.dot(w, tl.trans(x), acc)
         if SILU_AND_MUL:
             w_up = tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc_up = tl.dot(w_up, tl.trans(x), acc_up)
-    if ADD_NORM:
-        inv_rms = 1.0 / tl.sqrt(squares / K + epsilon)      # [BLOCK_M]: one per input row, a column of acc
-        acc *= inv_rms[None, :]
-        acc_up *= inv_rms[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if SILU_AND_MUL:
@@ -837,10 +796,7 @@ def skinny_launch_config(rows: int) -> dict:
 
 # yaie: solution-only
 def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool,
-                   config: dict | None = None, residual: torch.Tensor | None = None,
-                   norm_weight: torch.Tensor | None = None, epsilon: float = 0.0,
-                   res_out: torch.Tensor | None = None) -> torch.Tensor:
-    # With a residual: the add + norm prologue (x, residual and res_out contiguous, one shape).
+                   config: dict | None = None) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
     out = torch.empty((m, n), dtype=weight.dtype, device=weight.device)
@@ -848,24 +804,9 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if triton_interpreted():
         config["BLOCK_K"] = min(config["BLOCK_K"], max(16, triton.next_power_of_2(k)))
     _skinny_matmul_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
-        x, x if residual is None else residual, x if norm_weight is None else norm_weight, weight,
-        weight if bias is None else bias, out, out if res_out is None else res_out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), epsilon, ADD_NORM=residual is not None, SILU_AND_MUL=silu_and_mul,
-        HAS_BIAS=bias is not None, **config, **_pdl_options(x.device))
+        x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        SILU_AND_MUL=silu_and_mul, HAS_BIAS=bias is not None, **config, **_pdl_options(x.device))
     return out
-
-
-# yaie: solution-only
-def _check_skinny_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool,
-                         name: str) -> None:
-    _check_product_operands(x, weight, bias, "[2 * intermediate, hidden]" if silu_and_mul else
-                            "[out_features, hidden]", even_rows=silu_and_mul)
-    if x.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_ROWS or x.shape[1] != weight.shape[1] or x.stride(1) != 1:
-        raise ValueError(f"x must be [rows, {weight.shape[1]}] with 1 to {SKINNY_MAX_ROWS} rows and contiguous "
-                         f"columns, got {tuple(x.shape)}")
-    if x.dtype == torch.float32:
-        raise ValueError(f"{name} takes float16 or bfloat16 (tensor cores would round float32 inputs to tf32); "
-                         "use the ops apart for float32")
 
 
 # yaie: solution-only
@@ -873,11 +814,10 @@ def skinny_matmul_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``silu_and_mul(x @ weight.T (+ bias))`` for a FEW rows ``x [rows, hidden]`` (a batched decode step).
 
-    Not an exercise: the reference's SwiGLU gate/up product for 2 to ``SKINNY_MAX_ROWS`` rows (decode steps of
-    that many sequences, short prefills). ``weight`` is the MLP's gate rows then its up rows; each program
-    computes matching gate and up rows and writes only ``silu(gate) * up``, so the ``[rows, 2 * intermediate]``
-    product is never stored and :func:`silu_and_mul` is not launched. The engine calls it with the norm before
-    it fused in (:func:`add_rms_norm_skinny_matmul`).
+    Not an exercise: the reference's SwiGLU gate/up product for the engine's steps of 2 to ``SKINNY_MAX_ROWS``
+    rows (decode steps of that many sequences, short prefills; ``yaie.ops.swiglu_mlp``). ``weight`` is the MLP's gate rows then its up
+    rows; each program computes matching gate and up rows and writes only ``silu(gate) * up``, so the
+    ``[rows, 2 * intermediate]`` product is never stored and :func:`silu_and_mul` is not launched.
 
     Args:
         x: ``[rows, hidden]``, 1 <= rows <= ``SKINNY_MAX_ROWS``, contiguous columns, float16 or bfloat16;
@@ -893,56 +833,14 @@ def skinny_matmul_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
             weight not 2-D with contiguous rows and an even row count, bias of the wrong size, dtypes or
             devices that differ.
     """
-    _check_skinny_inputs(x, weight, bias, True, "skinny_matmul_silu_and_mul")
+    _check_product_operands(x, weight, bias, "[2 * intermediate, hidden]", even_rows=True)
+    if x.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_ROWS or x.shape[1] != weight.shape[1] or x.stride(1) != 1:
+        raise ValueError(f"x must be [rows, {weight.shape[1]}] with 1 to {SKINNY_MAX_ROWS} rows and contiguous "
+                         f"columns, got {tuple(x.shape)}")
+    if x.dtype == torch.float32:
+        raise ValueError("skinny_matmul_silu_and_mul takes float16 or bfloat16 (tensor cores would round float32 "
+                         "inputs to tf32); use the product and silu_and_mul apart for float32")
     return _launch_skinny(x, weight, bias, silu_and_mul=True)
-
-
-# yaie: solution-only
-def add_rms_norm_skinny_matmul_reference(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                                         epsilon: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                                         silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain PyTorch :func:`add_rms_norm_skinny_matmul`, out of place: the add + norm, the product (rounded to
-    x's dtype), then with ``silu_and_mul`` the gate."""
-    normed, new_residual = fused_add_rms_norm_reference(x, residual, norm_weight, epsilon)
-    out = torch.nn.functional.linear(normed, weight, bias)
-    return (silu_and_mul_reference(out) if silu_and_mul else out), new_residual
-
-
-# yaie: solution-only
-def add_rms_norm_skinny_matmul(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, epsilon: float,
-                               weight: torch.Tensor, bias: torch.Tensor | None = None,
-                               silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fused_add_rms_norm` and the few-row product after it, in one kernel: ``h = x + residual``, then
-    ``linear(rms_norm(h) * norm_weight, weight, bias)``, and with ``silu_and_mul`` the SwiGLU gate after it
-    (as :func:`skinny_matmul_silu_and_mul`).
-
-    Not an exercise: the reference's product of a batched decode step after each norm of a Llama layer (the
-    q/k/v product and the MLP's gate/up product, ``yaie.ops``). Every program builds the normalised rows
-    from ``x`` and ``residual`` as it loads them, so no kernel writes them for the product to read back, and
-    the norm kernel's launch is saved. Rounding differs from the ops apart in one place: ``h * norm_weight`` is
-    rounded to x's dtype, and the rows' ``1 / rms(h)`` scales the float32 product (the rms needs the whole row,
-    which the product has only at its end), where the ops apart round ``h / rms(h) * norm_weight``.
-    The sum ``h`` (rounded to the residual's dtype) comes back as a NEW tensor; ``x`` and ``residual`` are
-    left unchanged.
-
-    Args:
-        x, residual: ``[rows, hidden]``, 1 <= rows <= ``SKINNY_MAX_ROWS``, contiguous, float16 or bfloat16,
-            one dtype; norm_weight: ``[hidden]``; epsilon: > 0; weight: ``[out_features, hidden]`` with
-            contiguous rows (``[2 * intermediate, hidden]``, gate rows then up rows, with ``silu_and_mul``),
-            x's dtype; bias: None or one value per weight row.
-
-    Returns:
-        ``(out, new_residual)``: out ``[rows, out_features]`` (``[rows, intermediate]`` with ``silu_and_mul``)
-        and ``new_residual [rows, hidden]``, both in x's dtype.
-
-    Raises:
-        ValueError: as :func:`skinny_matmul_silu_and_mul` and :func:`add_rms_norm_matvec`.
-    """
-    _check_skinny_inputs(x, weight, bias, silu_and_mul, "add_rms_norm_skinny_matmul")
-    _check_add_norm_inputs(x, residual, norm_weight, epsilon, weight)
-    new_residual = torch.empty_like(residual)
-    out = _launch_skinny(x, weight, bias, silu_and_mul, None, residual, norm_weight, float(epsilon), new_residual)
-    return out, new_residual
 
 
 # ----------------------------------------------------------------------------- SiLU-and-mul

@@ -23,11 +23,10 @@ ONE_ROW_KERNELS = {
     "add_rms_norm_matvec": ("fused_add_rms_norm",),
 }
 
-# Lesson 02's reference-only few-row product with the add + norm before it and, for the MLP's gate/up product,
-# SiLU-and-mul after it (2 to 64 rows in half precision: a decode step of that many sequences, or a short
-# prefill), and the lesson functions it replaces.
+# Lesson 02's reference-only few-row gate/up product with SiLU-and-mul (2 to 64 rows in half precision: a decode
+# step of that many sequences, or a short prefill), and the lesson function it replaces.
 FEW_ROWS = 64            # the most rows the kernel takes (its SKINNY_MAX_ROWS)
-FEW_ROW_KERNELS = {"add_rms_norm_skinny_matmul": ("fused_add_rms_norm", "silu_and_mul")}
+FEW_ROW_KERNELS = {"skinny_matmul_silu_and_mul": ("silu_and_mul",)}
 
 
 def use_gpu_kernels(tensor: torch.Tensor) -> bool:
@@ -125,22 +124,14 @@ def few_row_kernel(x: torch.Tensor, name: str):
     return lessons.reference_only(2, name, FEW_ROW_KERNELS[name])
 
 
-def _few_row_qkv(x):
-    import os
-    if os.environ.get("YAIE_FEW_ROW_QKV", "1") != "1":
-        return None
-    return few_row_kernel(x, "add_rms_norm_skinny_matmul")
-
-
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h, residual = add_rms_norm(x, residual, norm_weight, eps)``, then ``(linear(h, weight, bias), residual)``.
 
     One row on CUDA: lesson 02's fused ``add_rms_norm_matvec`` where it may run (the normalised row is never
-    stored); 2 to ``FEW_ROWS`` half-precision rows: its ``add_rms_norm_skinny_matmul``; else the two ops. As
-    :func:`add_rms_norm`, use only the returned tensors afterwards.
+    stored), else the two ops. As :func:`add_rms_norm`, use only the returned tensors afterwards.
     """
-    kernel = one_row_kernel(x, "add_rms_norm_matvec") or _few_row_qkv(x)
+    kernel = one_row_kernel(x, "add_rms_norm_matvec")
     if kernel is not None and _one_row_operands(x, weight, bias, residual, norm_weight):
         return kernel(x, residual, norm_weight, eps, weight, bias)
     h, residual = add_rms_norm(x, residual, norm_weight, eps)
@@ -156,13 +147,12 @@ def swiglu_mlp(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tenso
 
     One row on CUDA: the norm fused into the gate/up product and the gate into the down product
     (:func:`add_rms_norm_linear`, :func:`silu_and_mul_linear`). 2 to ``FEW_ROWS`` half-precision rows: lesson
-    02's ``add_rms_norm_skinny_matmul`` where it may run, the norm before the gate/up product and the gate
-    after it in one kernel (neither the normalised rows nor the gate/up product stored). Else the ops apart.
+    02's ``skinny_matmul_silu_and_mul`` where it may run (the gate/up product never stored). Else the ops apart.
     As :func:`add_rms_norm`, use only the returned tensors afterwards.
     """
-    kernel = few_row_kernel(x, "add_rms_norm_skinny_matmul")
-    if kernel is not None and _one_row_operands(x, gate_up, gate_up_bias, residual, norm_weight):
-        gated, residual = kernel(x, residual, norm_weight, eps, gate_up, gate_up_bias, silu_and_mul=True)
-        return F.linear(gated, down, down_bias), residual
+    kernel = few_row_kernel(x, "skinny_matmul_silu_and_mul")
+    if kernel is not None and _one_row_operands(x, gate_up, gate_up_bias):
+        h, residual = add_rms_norm(x, residual, norm_weight, eps)
+        return F.linear(kernel(h, gate_up, gate_up_bias), down, down_bias), residual
     projected, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, gate_up_bias)
     return silu_and_mul_linear(projected, down, down_bias), residual
