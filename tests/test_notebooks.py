@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import nbformat
@@ -23,6 +24,9 @@ def test_every_lesson_with_a_grader_has_a_notebook():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name)
 def test_notebook_is_stored_without_outputs(path):
+    ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
+    assert None not in ids and len(set(ids)) == len(ids), \
+        f"{path.name}: every cell needs an id of its own (cell {ids.index(None) if None in ids else '?'})"
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     for cell in nb.cells:
