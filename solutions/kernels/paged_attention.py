@@ -108,9 +108,20 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 # yaie: solution-only
+@triton.jit
+def _rope_rotate(ptr, offsets, partner_offsets, mask, first, cos, sin):
+    # Rotate-half RoPE of the vectors at ptr + offsets, in float32: element i is paired with element
+    # i + half (partner_offsets), out = x * cos - partner * sin in the first half, x * cos + partner * sin
+    # in the second: the expressions of lesson 02's RoPE kernel, so the rounded results agree with it.
+    x = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + partner_offsets, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(first, x * cos - partner * sin, x * cos + partner * sin)
+
+
+# yaie: solution-only
 # Lengths and the window are plain values: Triton would otherwise compile a new kernel when one of them
 # happens to be 1 or a multiple of 16, and it gains nothing from knowing that here.
-@triton.jit(do_not_specialize=["window", "tokens_per_split", "max_context_len"])
+@triton.jit(do_not_specialize=["window", "tokens_per_split", "max_context_len", "max_position", "num_slots"])
 def _paged_decode_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, CONTEXT_LENS, OUT, PART_OUT, PART_LSE, COUNTERS,
     stride_qb, stride_qh,
@@ -118,15 +129,19 @@ def _paged_decode_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_table, window,
     scale_log2, tokens_per_split, max_context_len,
+    K_NEW, V_NEW, COS, SIN, POSITIONS, SLOTS, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos,
+    max_position, num_slots,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    WINDOWED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr = False,
 ):
     """One program: one sequence, one KV head (all its GROUP query heads), one range of the context.
 
     OUT ``[batch, num_heads, HEAD_DIM]``, PART_OUT ``[batch, num_heads, num_splits, HEAD_DIM]`` and PART_LSE
     ``[batch, num_heads, num_splits]`` are the launcher's own contiguous buffers: their strides follow from
-    the sizes, so they are not passed.
+    the sizes, so they are not passed. ROPE (:func:`paged_decode_with_rope`): Q holds the new tokens' queries
+    before RoPE, K_NEW and V_NEW their keys and values, not yet in the cache; the K_NEW ... num_slots
+    arguments are unused without it.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -147,8 +162,47 @@ def _paged_decode_kernel(
     row_ok = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM                            # head dims that are not a power of two
-    q = tl.load(Q + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_offsets = heads[:, None] * stride_qh + offs_d[None, :]
+    if ROPE:
+        # The step's RoPE and cache write, done here instead of in a kernel of their own: rotate the
+        # group's queries (every program of the sequence does, they are a few hundred bytes), and the
+        # program whose range holds the new token (the sequence's last) rotates its key and stores it and
+        # its value in the cache, before the loop below reads them back.
+        position = tl.load(POSITIONS + seq).to(tl.int64)
+        valid = (position >= 0) & (position < max_position)
+        position = tl.where(valid, position, 0)            # never read outside the table
+        half: tl.constexpr = HEAD_DIM // 2
+        first = offs_d < half
+        partner = tl.where(first, offs_d + half, offs_d - half)
+        # The rotate-half table repeats its angles (cos[p, i] == cos[p, i + half]): read the first half.
+        cos = tl.load(COS + position * stride_cos + offs_d % half, mask=d_ok, other=0.0)
+        sin = tl.load(SIN + position * stride_cos + offs_d % half, mask=d_ok, other=0.0)
+        q_ptr = Q + seq.to(tl.int64) * stride_qb
+        q = _rope_rotate(q_ptr, q_offsets, heads[:, None] * stride_qh + partner[None, :],
+                         row_ok[:, None] & d_ok[None, :], first[None, :], cos[None, :], sin[None, :])
+        # A position outside the table has no angle: NaN, so the mistake shows (as lesson 02's RoPE).
+        q = tl.where(valid, q, float("nan")).to(Q.dtype.element_ty)
+        newest = context_len - 1
+        if (start <= newest) & (newest < end):
+            slot = tl.load(SLOTS + seq).to(tl.int64)
+            slot_ok = (slot >= 0) & (slot < num_slots)
+            store_ok = offs_d < tl.where(slot_ok, HEAD_DIM, 0)      # a slot outside the cache is never written
+            slot = tl.where(slot_ok, slot, 0)
+            k_ptr = K_NEW + seq.to(tl.int64) * stride_knb + kv_head * stride_knh
+            k_new = _rope_rotate(k_ptr, offs_d, partner, d_ok, first, cos, sin)
+            k_new = tl.where(valid, k_new, float("nan")).to(K_CACHE.dtype.element_ty)
+            v_new = tl.load(V_NEW + seq.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d, mask=d_ok)
+            block = slot // BLOCK_SIZE
+            within = slot % BLOCK_SIZE
+            tl.store(K_CACHE + block * stride_kb + within * stride_kt + kv_head * stride_kh + offs_d, k_new,
+                     mask=store_ok)
+            tl.store(V_CACHE + block * stride_vb + within * stride_vt + kv_head * stride_vh + offs_d, v_new,
+                     mask=store_ok)
+        # Every thread's stores are visible to the whole program after the barrier: the loop's loads of the
+        # newest token's K/V read what was just stored.
+        tl.debug_barrier()
+    else:
+        q = tl.load(Q + seq.to(tl.int64) * stride_qb + q_offsets, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)   # running max of the scores (log2 units)
     l = tl.zeros([GROUP_PAD], tl.float32)                 # running sum of exp2(score - m)
@@ -321,9 +375,11 @@ def _zeroed_counters(device: torch.device, stream: int, size: int) -> torch.Tens
 
 # yaie: solution-only
 def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
-                   config=None, fuse_merge=True, sliding_window=None):
+                   config=None, fuse_merge=True, sliding_window=None, rope=None):
     """Run the decode kernel (with the split merge fused in, or as a second kernel when ``fuse_merge`` is
-    False); ``config`` overrides the launch settings; ``sliding_window`` None or the window (checked)."""
+    False); ``config`` overrides the launch settings; ``sliding_window`` None or the window (checked);
+    ``rope`` None or the checked ``(k, v, cos, sin, position_ids, slot_mapping)`` of
+    :func:`paged_decode_with_rope`."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -349,7 +405,13 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
                 BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, FUSE_MERGE=fused, WINDOWED=sliding_window is not None,
                 FP32_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **settings)
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rope is not None, **settings)
+    if rope is None:
+        rope_args = (q, q, q, q, context_lens, context_lens, 0, 0, 0, 0, 0, 0, 0)     # unused pointers
+    else:
+        k, v, cos, sin, position_ids, slot_mapping = rope
+        rope_args = (k, v, cos, sin, position_ids, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                     cos.stride(0), cos.shape[0], k_cache.shape[0] * k_cache.shape[1])
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         q.stride(0), q.stride(1),
@@ -357,6 +419,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), sliding_window or 0,
         scale * LOG2E, tokens_per_split, max_context_len,
+        *rope_args,
         **meta,
     )
     if use_splits and not fused:
@@ -481,3 +544,101 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], span, num_sms(q.device))
     return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
                           sliding_window=sliding_window)
+
+
+# yaie: solution-only
+# ----------------------------------------------------------------------------- RoPE and the cache write fused in
+def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [tokens, heads, head_dim]`` in float32, rounded to x's dtype (lesson 02's rule)."""
+    half = x.shape[-1] // 2
+    c, s = cos[positions.long(), :half].float()[:, None], sin[positions.long(), :half].float()[:, None]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+# yaie: solution-only
+def paged_decode_with_rope_reference(q, k, v, cos, sin, position_ids, k_cache, v_cache, slot_mapping, block_tables,
+                                     context_lens, scale=None, sliding_window=None):
+    """Plain PyTorch :func:`paged_decode_with_rope`, out of place: RoPE, the cache write, then
+    :func:`paged_attention_reference`. Returns ``(out, k_cache, v_cache)``, the caches new tensors."""
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    slots = slot_mapping.long()
+    k_out.view(-1, *k_out.shape[2:])[slots] = _rope_reference(k, cos, sin, position_ids)
+    v_out.view(-1, *v_out.shape[2:])[slots] = v
+    out = paged_attention_reference(_rope_reference(q, cos, sin, position_ids), k_out, v_out, block_tables,
+                                    context_lens, scale, sliding_window)
+    return out, k_out, v_out
+
+
+# yaie: solution-only
+def _check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, slot_mapping) -> None:
+    batch, _, head_dim = q.shape
+    shape = (batch, k_cache.shape[2], head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != q.dtype or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be [batch, num_kv_heads, head_dim] = {list(shape)} in q's dtype with a "
+                             f"contiguous last axis, got {tuple(getattr(t, 'shape', ()))}")
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] < head_dim or t.stride(1) != 1 \
+                or t.dtype != torch.float32 or t.stride(0) != cos.stride(0):
+            raise ValueError(f"{name} must be a float32 [max_position, >= {head_dim}] table with contiguous rows, "
+                             f"cos's strides and shape")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
+    for name, t in (("position_ids", position_ids), ("slot_mapping", slot_mapping)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (batch,):
+            raise ValueError(f"{name} must be an int32 or int64 [batch] = [{batch}] tensor")
+    devices = {t.device for t in (q, k, v, cos, sin, position_ids, k_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+# yaie: solution-only
+def paged_decode_with_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           position_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           max_context_len: int, scale: float | None = None, validate: bool = True,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """A decode step's RoPE, cache write and attention in ONE launch: lesson 02's ``apply_rope_qk_store_kv``
+    then :func:`paged_attention_forward`.
+
+    Not an exercise: the reference's fusion for the engine's decode steps (``yaie.model.paged``, where the
+    reference serves lessons 02, 03 and 04). In a decode step RoPE and the cache write are one small kernel
+    per layer whose cost is its launch and latency, not its bytes; here the decode kernel does them: each
+    program rotates its group's queries, and the program whose range of the context holds the new token
+    rotates its key and stores it and its value before it reads the cache.
+
+    Args:
+        q: ``[batch, num_heads, head_dim]``, the new tokens' queries BEFORE RoPE (not changed).
+        k, v: ``[batch, num_kv_heads, head_dim]``, their keys (before RoPE, not changed) and values, q's
+            dtype, contiguous last axis (views of the fused q/k/v product are fine).
+        cos, sin: float32 ``[max_position, >= head_dim]`` rotate-half tables (lesson 01's), one shape.
+        position_ids: int ``[batch]``: each new token's position (a position outside the table gives NaN,
+            as lesson 02's RoPE).
+        k_cache, v_cache: one layer's cache (as :func:`paged_attention_forward`); the new tokens' keys and
+            values are stored at ``slot_mapping`` (int ``[batch]``; a slot outside the cache is skipped).
+        block_tables, context_lens, max_context_len, scale, validate, sliding_window: as
+            :func:`paged_attention_forward`, with each new token the LAST of its sequence's context
+            (``context_lens[b] - 1``), as in a decode step; a sequence of length 0 stores nothing.
+
+    Returns:
+        ``[batch, num_heads, head_dim]`` in q's dtype.
+
+    Raises:
+        ValueError: as :func:`paged_attention_forward`; k or v not ``[batch, num_kv_heads, head_dim]`` in q's
+            dtype; an odd head_dim; cos/sin not float32 tables of one shape; position_ids or slot_mapping
+            not integer ``[batch]``; tensors on different devices.
+    """
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, None, sliding_window)
+    _check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, slot_mapping)
+    if validate:
+        check_paged_values(k_cache, block_tables, context_lens, max_context_len)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    span = max_context_len if sliding_window is None else min(max_context_len, sliding_window)
+    num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], span, num_sms(q.device))
+    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
+                          sliding_window=sliding_window, rope=(k, v, cos, sin, position_ids, slot_mapping))

@@ -146,10 +146,10 @@ class PagedStep:
 
     def rope_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, positions: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
-        """Rotate ``q, k`` by ``positions`` (RoPE), then as :meth:`attend`. Where the reference serves lessons 02
-        and 03, the rotation and the cache write are one kernel (:func:`yaie.ops.rope_and_write_kv`)."""
-        q, k = ops.rope_and_write_kv(self.manager, layer, self.slot_mapping, q, k, v, cos, sin, positions)
-        return ops.paged_attention(q, k, v, self, layer, sliding_window)
+        """Rotate ``q, k`` by ``positions`` (RoPE), then as :meth:`attend`
+        (:func:`yaie.ops.rope_and_paged_attention`: where the reference serves lessons 02 to 04, one kernel for
+        a decode step's three)."""
+        return ops.rope_and_paged_attention(q, k, v, cos, sin, positions, self, layer, sliding_window)
 
 
 class StaticDecodeStep(PagedStep):

@@ -29,6 +29,11 @@ paged_attention (prefill)     gather + lesson 01                     lesson 06
                                                                      (``CascadeAttention`` over shared
                                                                      blocks)
   decode over shared blocks   as decode                              lesson 05 cascade (CUDA graphs)
+rope_and_paged_attention      rope_and_write_kv, paged_attention     a decode step for lesson 04: the
+                                                                     reference's ``paged_decode_with_rope``
+                                                                     (RoPE, cache write and attention in
+                                                                     one kernel, with lessons 02 to 04 the
+                                                                     reference's); else the two above
 attention (one sequence)      lesson 01 ``cpu_attention_forward``    lesson 01
 ============================  =====================================  ==================================
 
@@ -55,7 +60,7 @@ through that module, never through this one.
 """
 
 from yaie.ops import attention_backends, kv, layers, lessons, plan_run
-from yaie.ops.attention_backends import attention, paged_attention
+from yaie.ops.attention_backends import attention, paged_attention, rope_and_paged_attention
 from yaie.ops.kv import kv_cache_manager, rope_and_write_kv, write_kv
 from yaie.ops.layers import (add_rms_norm, add_rms_norm_linear, linear, rms_norm, rope, rope_cache, silu_and_mul,
                              silu_and_mul_linear, swiglu_mlp)
@@ -65,7 +70,7 @@ from yaie.ops.plan_run import CASCADE_MIN_SHARED_TOKENS, cascade_decode_availabl
 
 __all__ = [
     "attention_backends", "kv", "layers", "lessons", "plan_run",
-    "attention", "paged_attention",
+    "attention", "paged_attention", "rope_and_paged_attention",
     "kv_cache_manager", "rope_and_write_kv", "write_kv",
     "add_rms_norm", "add_rms_norm_linear", "linear", "rms_norm", "rope", "rope_cache", "silu_and_mul",
     "silu_and_mul_linear", "swiglu_mlp",

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from yaie.ops import lessons, plan_run
+from yaie.ops import kv, lessons, plan_run
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None = None,
@@ -234,3 +234,36 @@ def _join(q: torch.Tensor, parts: list[tuple[slice, torch.Tensor]]) -> torch.Ten
     for rows, part in parts:
         out[rows] = part
     return out
+
+
+# ----------------------------------------------------------------------------- RoPE, the cache write and attention
+def fused_decode(q: torch.Tensor, step, sliding_window: int | None):
+    """Lesson 04's reference-only ``paged_decode_with_rope`` where it may stand in for RoPE, the cache write and
+    the step's attention, else None: a decode-only step that :func:`paged_attention` would give to lesson 04's
+    paged decode, where the reference also serves lesson 02's RoPE and lesson 03's manager
+    (:func:`yaie.ops.kv.fused_rope_write_kv`). A student's lesson 02, 03 or 04 keeps the ops apart."""
+    if step.num_prefills or kv.fused_rope_write_kv(step.manager, q) is None:
+        return None
+    if any(backend.accepts(step, sliding_window) for backend in STEP_BACKENDS) \
+            or first_accepting(DECODE_BACKENDS, step, sliding_window) is not PAGED_DECODE:
+        return None
+    return lessons.reference_only(4, "paged_decode_with_rope", ("paged_attention_forward",))
+
+
+def rope_and_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor, positions: torch.Tensor, step, layer: int,
+                             sliding_window: int | None = None) -> torch.Tensor:
+    """Rotate ``q, k`` by ``positions`` (RoPE), store ``k, v`` at the step's slots of ``layer``'s cache, then
+    :func:`paged_attention` (arguments as there; ``cos, sin`` lesson 01's tables). One kernel for all three in a
+    decode step where :func:`fused_decode` allows it; RoPE and the cache write in one kernel where
+    :func:`yaie.ops.kv.rope_and_write_kv` allows it; else the ops apart. ``q`` and ``k`` may be rotated in
+    place: do not use them afterwards."""
+    kernel = fused_decode(q, step, sliding_window)
+    if kernel is not None:
+        decodes = step.num_decodes
+        window = {} if sliding_window is None else {"sliding_window": sliding_window}
+        return kernel(q, k, v, cos, sin, positions, step.manager.k_cache[layer], step.manager.v_cache[layer],
+                      step.slot_mapping, step.block_tables[:decodes], step.context_lens[:decodes],
+                      max(step.context_lens_list[:decodes]), validate=False, **window)
+    q, k = kv.rope_and_write_kv(step.manager, layer, step.slot_mapping, q, k, v, cos, sin, positions)
+    return paged_attention(q, k, v, step, layer, sliding_window)
