@@ -101,10 +101,19 @@ def test_fused_decode_matches_float64(dtype, splits, window):
     assert torch.equal(q, q_before) and torch.equal(k, k_before) and torch.equal(v, v_before), "inputs written"
 
 
+def assert_same(got, want, dtype):
+    """The same bits in the interpreter; on a GPU within a rounding (the compiler may fuse a multiply-add in
+    one kernel's RoPE and not in the other's)."""
+    if got.is_cuda:
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    else:
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_decode_equals_the_ops_apart(dtype):
-    """The same bits as lesson 02's RoPE + cache write kernel followed by lesson 04's decode, for the output and
-    the caches; and its PyTorch reference agrees with both."""
+    """The same results as lesson 02's RoPE + cache write kernel followed by lesson 04's decode, for the output
+    and the caches; and its PyTorch reference agrees with both."""
     c = decode_case(dtype, lens=[7, 30, 2])
     q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables, context_lens = c
     k1, v1 = k_cache.clone(), v_cache.clone()
@@ -112,7 +121,9 @@ def test_fused_decode_equals_the_ops_apart(dtype):
     q2, k2, k3, v3 = q.clone(), k.clone(), k_cache.clone(), v_cache.clone()
     ref02.apply_rope_qk_store_kv(q2, k2, v, cos, sin, positions, k3, v3, slots)
     apart = ref04.paged_attention_forward(q2, k3, v3, block_tables, context_lens, 30)
-    assert torch.equal(fused, apart) and torch.equal(k1, k3) and torch.equal(v1, v3)
+    assert_same(fused, apart, dtype)
+    assert_same(k1, k3, dtype)
+    assert torch.equal(v1, v3)
     out, k4, v4 = ref04.paged_decode_with_rope_reference(q, k, v, cos, sin, positions, k_cache, v_cache, slots,
                                                          block_tables, context_lens)
     torch.testing.assert_close(out, fused, **TOL[dtype])
@@ -210,7 +221,7 @@ def test_fused_decode_is_only_for_a_decode_step_of_the_reference(monkeypatch, re
 @pytest.mark.parametrize("batch", [1, 64])
 def test_fused_decode_bf16_on_the_gpu_at_model_shapes(batch):
     """bf16, the 1.1B and 8B models' heads (32 query, 8 KV, head dims 64 and 128), blocks of 16, contexts up to
-    300 (split counts as the engine picks them): the same bits as the ops apart, eagerly and from a CUDA graph."""
+    300 (split counts as the engine picks them): the ops apart's results, and the same bits from a CUDA graph."""
     gen = torch.Generator().manual_seed(fresh_seed())
     for head_dim in (64, 128):
         lens = torch.randint(1, 300, (batch,), generator=gen).tolist()
@@ -224,10 +235,13 @@ def test_fused_decode_bf16_on_the_gpu_at_model_shapes(batch):
         def fused():
             return ref04.paged_decode_with_rope(q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables,
                                                 context_lens, 300, validate=False)
-        assert torch.equal(fused(), apart) and torch.equal(k_cache, k2) and torch.equal(v_cache, v2), head_dim
+        eager = fused()
+        assert_same(eager, apart, torch.bfloat16)
+        assert_same(k_cache, k2, torch.bfloat16)
+        assert torch.equal(v_cache, v2), head_dim
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = fused()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(replayed, apart), f"head_dim {head_dim}: a CUDA graph's replay gave other bits"
+        assert torch.equal(replayed, eager), f"head_dim {head_dim}: a CUDA graph's replay gave other bits"
