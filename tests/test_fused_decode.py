@@ -22,12 +22,15 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3,
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 
 
-def decode_case(dtype, lens, heads=4, kv_heads=2, head_dim=16, block_size=4, blocks=40, device=DEVICE, seed=None):
+def decode_case(dtype, lens, heads=4, kv_heads=2, head_dim=16, block_size=4, blocks=40, device=DEVICE, seed=None,
+                bound=None):
     """A decode step of ``len(lens)`` sequences: sequence b holds ``lens[b]`` tokens once its new one is stored
-    (0: a padding row), its blocks at random places; q, k, v views of one fused projection output."""
+    (0: a padding row), its blocks at random places (tables of ``bound`` tokens, default the longest); q, k, v
+    views of one fused projection output; RoPE tables longer than every position."""
     gen = torch.Generator().manual_seed(fresh_seed() if seed is None else seed)
     batch = len(lens)
-    per_seq = -(-max(max(lens), 1) // block_size)
+    bound = max(max(lens), 1) if bound is None else bound
+    per_seq = -(-bound // block_size)
     block_tables = torch.randperm(blocks, generator=gen)[:batch * per_seq].reshape(batch, per_seq).int()
     context_lens = torch.tensor(lens, dtype=torch.int32)
     newest = (context_lens - 1).clamp(min=0).long()
@@ -38,7 +41,7 @@ def decode_case(dtype, lens, heads=4, kv_heads=2, head_dim=16, block_size=4, blo
     q, k, v = (t.reshape(batch, -1, head_dim) for t in (q, k, v))
     k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    cos, sin = tables(64, head_dim)
+    cos, sin = tables(bound + 3, head_dim)
     return [t.to(device) for t in (q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables,
                                    context_lens)]
 
@@ -226,7 +229,7 @@ def test_fused_decode_bf16_on_the_gpu_at_model_shapes(batch):
     for head_dim in (64, 128):
         lens = torch.randint(1, 300, (batch,), generator=gen).tolist()
         c = decode_case(torch.bfloat16, lens, heads=32, kv_heads=8, head_dim=head_dim, block_size=16,
-                        blocks=batch * 19 + 4, device="cuda")
+                        blocks=batch * 19 + 4, device="cuda", bound=300)
         q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables, context_lens = c
         k2, v2, q2, kk = k_cache.clone(), v_cache.clone(), q.clone(), k.clone()
         ref02.apply_rope_qk_store_kv(q2, kk, v, cos, sin, positions, k2, v2, slots)
