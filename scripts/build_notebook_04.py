@@ -401,6 +401,19 @@ blocks in order, while 64-token runs scattered over random pages cost as much as
 follows the number of pages a program wanders over, the signature of address translation. Hence lesson 03's
 page-local free list (exercise 15). A memory-bound kernel near the roofline is judged by its energy and its
 access pattern, not by its FLOPs; exercises 9-13 let you see both.
+
+### Going further: one kernel for the step's attention
+
+Before your kernel runs, a decode step rotates the new token's query and key (RoPE) and writes its key and
+value into the cache: in the reference, one small kernel of lesson 02 per layer, whose cost is its launch
+and latency rather than its bytes. The reference's `paged_decode_with_rope` folds that work into the decode
+kernel. Every program rotates its group's queries as it loads them (a few hundred bytes; each split does it
+again), and the ONE program whose range of the context holds the new token, the sequence's last, rotates its
+key and stores it and its value into the cache, then waits at a barrier (`tl.debug_barrier()`) so that its
+loop reads back what it stored. In the engine's decode steps (`yaie.ops.rope_and_paged_attention`) this
+raised the random 1.1B Llama's batch-1 decode by about 2% on an H100 (`bench/results/engine_fused_decode_ab_h100.md`).
+Why must the program that stores the key be the one whose range holds the new token, and what would go
+wrong if another split's program stored it?
 """)
 
 md(r"""

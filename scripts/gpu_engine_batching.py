@@ -62,7 +62,8 @@ def section_spies():
     import solutions.kernels.gpu_elementwise as l2
     import solutions.kernels.kv_cache as l3
     import solutions.kernels.paged_attention as l4
-    groups = [(l2, ["rms_norm", "fused_add_rms_norm", "apply_rope_qk_store_kv", "silu_and_mul"]),
+    groups = [(l2, ["rms_norm", "fused_add_rms_norm", "apply_rope_qk_store_kv", "silu_and_mul",
+                    "skinny_matmul_silu_and_mul"]),
               (l3.KVCacheManager, ["allocate", "append_slots", "write_kv", "block_table", "free"]),
               (l4, ["paged_attention_forward", "paged_decode_with_rope"]), (l6, ["flash_attention_varlen_forward"])]
     calls = {n: 0 for _, names in groups for n in names}
@@ -76,8 +77,10 @@ def section_spies():
         for r in restore:
             r()
     layers = llm.config.num_layers
-    # A decode step goes to lesson 04 through the fused kernel, so paged_attention_forward itself may not run.
-    assert all(n for name, n in calls.items() if name != "paged_attention_forward"), calls
+    # A decode step goes to lesson 04 through the fused kernel, so paged_attention_forward itself may not run;
+    # the SwiGLU gate runs in silu_and_mul or, for 2 to 64 rows, in the few-row gate/up product's epilogue.
+    assert calls["silu_and_mul"] + calls["skinny_matmul_silu_and_mul"], calls
+    assert all(n for name, n in calls.items() if name != "paged_attention_forward" and "silu" not in name), calls
     # every layer of every step rotates q, k and writes the cache in one kernel: a decode step's with its
     # attention (the reference serves lessons 02 to 04: yaie.ops.rope_and_paged_attention), another step's
     # alone (yaie.ops.rope_and_write_kv); write_kv itself runs once, in the probe of the class before serving
