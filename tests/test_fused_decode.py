@@ -87,16 +87,16 @@ def assert_caches(k_cache, v_cache, k_want, v_want, written, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("splits,window", [(1, None), (3, None), (3, 5)])
-def test_fused_decode_matches_float64(dtype, splits, window):
-    """Ragged contexts (a padding row of length 0 among them), a split count that leaves ranges empty, a window;
-    the output against float64 RoPE + attention over the caches as they should be after the step, and the
-    caches themselves: the new rows stored, every other row unchanged."""
-    c = decode_case(dtype, lens=[5, 17, 0, 1, 9])
+@pytest.mark.parametrize("splits,window,head_dim", [(1, None, 16), (3, None, 16), (3, 5, 16), (3, None, 12)])
+def test_fused_decode_matches_float64(dtype, splits, window, head_dim):
+    """Ragged contexts (a padding row of length 0 among them), a split count that leaves ranges empty, a window,
+    a head dim that is not a power of two; the output against float64 RoPE + attention over the caches as they
+    should be after the step, and the caches themselves: the new rows stored, every other row unchanged."""
+    c = decode_case(dtype, lens=[5, 17, 0, 1, 9], head_dim=head_dim)
     q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables, context_lens = c
     k_want, v_want, written = stored64(c, dtype)
     q_before, k_before, v_before = q.clone(), k.clone(), v.clone()
-    got = ref04._launch_decode(q, k_cache, v_cache, block_tables, context_lens, 17, 16 ** -0.5, splits,
+    got = ref04._launch_decode(q, k_cache, v_cache, block_tables, context_lens, 17, head_dim ** -0.5, splits,
                                sliding_window=window, rope=(k, v, cos, sin, positions, slots))
     want = attention64(rope64(q, cos, sin, positions).to(dtype), k_want, v_want, block_tables, context_lens, window)
     torch.testing.assert_close(got.double().cpu(), want, **TOL[dtype])
@@ -116,7 +116,7 @@ def assert_same(got, want, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_decode_equals_the_ops_apart(dtype):
     """The same results as lesson 02's RoPE + cache write kernel followed by lesson 04's decode, for the output
-    and the caches; and its PyTorch reference agrees with both."""
+    and the caches; and its PyTorch reference agrees with the fused kernel."""
     c = decode_case(dtype, lens=[7, 30, 2])
     q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables, context_lens = c
     k1, v1 = k_cache.clone(), v_cache.clone()
@@ -134,17 +134,13 @@ def test_fused_decode_equals_the_ops_apart(dtype):
     assert torch.equal(v4, v1)
 
 
-def test_fused_decode_skips_a_slot_outside_the_cache_and_refuses_bad_inputs():
+def test_fused_decode_refuses_bad_inputs():
+    """Shapes, dtypes and tables; and on the CPU the values too: a position outside the table, a slot outside
+    the cache (on a GPU those give NaN and are skipped: the GPU test below)."""
     c = decode_case(torch.float32, lens=[6, 3])
     q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables, context_lens = c
-    before = k_cache.clone(), v_cache.clone()
     far = slots.clone()
     far[1] = k_cache.shape[0] * k_cache.shape[1]
-    ref04.paged_decode_with_rope(q, k, v, cos, sin, positions, k_cache, v_cache, far, block_tables, context_lens,
-                                 6, validate=False)
-    k_want, v_want, written = stored64([q, k, v, cos, sin, positions, before[0], before[1], slots, block_tables,
-                                        torch.tensor([6, 0])], torch.float32)      # only sequence 0's row is written
-    assert_caches(k_cache, v_cache, k_want, v_want, written, torch.float32)
     call = lambda **changed: ref04.paged_decode_with_rope(**dict(dict(   # noqa: E731
         q=q, k=k, v=v, cos=cos, sin=sin, position_ids=positions, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=slots, block_tables=block_tables, context_lens=context_lens, max_context_len=6), **changed))
@@ -152,16 +148,22 @@ def test_fused_decode_skips_a_slot_outside_the_cache_and_refuses_bad_inputs():
         ("k must be", dict(k=k[:1])),
         ("v must be", dict(v=v.half())),
         ("float32 \\[max_position", dict(cos=cos.double())),
+        ("float32 \\[max_position", dict(cos=cos[:, :8], sin=sin[:, :8])),     # not head_dim wide
+        ("float32 \\[max_position", dict(cos=cos[:0], sin=sin[:0])),
         ("one shape", dict(sin=sin[:-1])),
-        ("position_ids must be", dict(position_ids=positions.float())),
-        ("slot_mapping must be", dict(slot_mapping=slots[:1])),
+        ("position_ids must be an int", dict(position_ids=positions.float())),
+        ("position_ids must lie in", dict(position_ids=positions + cos.shape[0])),
+        ("slot_mapping must be an int", dict(slot_mapping=slots[:1])),
+        ("slot_mapping must lie in", dict(slot_mapping=far)),
         ("even head_dim", dict(q=q[..., :15], k=k[..., :15], v=v[..., :15], k_cache=k_cache[..., :15],
-                               v_cache=v_cache[..., :15])),
+                               v_cache=v_cache[..., :15], cos=cos[:, :15], sin=sin[:, :15])),
         ("context_lens", dict(context_lens=torch.tensor([7, 3], dtype=torch.int32))),     # validate: past the bound
     ]
+    before = k_cache.clone(), v_cache.clone()
     for match, changed in refused:
         with pytest.raises(ValueError, match=match):
             call(**changed)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), "a refused call wrote the cache"
 
 
 @pytest.fixture
@@ -219,32 +221,70 @@ def test_fused_decode_is_only_for_a_decode_step_of_the_reference(monkeypatch, re
     assert ops.attention_backends.fused_decode(q, step, None) is None
 
 
+def poison_new_rows(c):
+    """NaN in the step's new cache rows, so a program that reads one before it is stored shows."""
+    k_cache, v_cache, slots = c[6], c[7], c[8]
+    for cache in (k_cache, v_cache):
+        cache.view(-1, *cache.shape[2:])[slots.long()] = float("nan")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("batch", [1, 64])
-def test_fused_decode_bf16_on_the_gpu_at_model_shapes(batch):
-    """bf16, the 1.1B and 8B models' heads (32 query, 8 KV, head dims 64 and 128), blocks of 16, contexts up to
-    300 (split counts as the engine picks them): the ops apart's results, and the same bits from a CUDA graph."""
+@pytest.mark.parametrize("batch,longest", [(1, 300), (1, 4000), (64, 300)])
+def test_fused_decode_bf16_on_the_gpu_at_model_shapes(batch, longest):
+    """bf16, the 1.1B and 8B models' heads (32 query, 8 KV, head dims 64 and 128), blocks of 16, split counts as
+    the engine picks them (batch 1 at 4000 tokens: many splits, the new token in the last): the new rows are NaN
+    before the step, so only the program that stores them may read them; the ops apart's results; the same
+    bits from a CUDA graph, whose replay stores the rows again."""
     gen = torch.Generator().manual_seed(fresh_seed())
     for head_dim in (64, 128):
-        lens = torch.randint(1, 300, (batch,), generator=gen).tolist()
+        lens = torch.randint(longest // 2, longest, (batch,), generator=gen).tolist()
+        blocks = batch * (-(-longest // 16)) + 4
         c = decode_case(torch.bfloat16, lens, heads=32, kv_heads=8, head_dim=head_dim, block_size=16,
-                        blocks=batch * 19 + 4, device="cuda", bound=300)
+                        blocks=blocks, device="cuda", bound=longest)
         q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables, context_lens = c
+        poison_new_rows(c)
         k2, v2, q2, kk = k_cache.clone(), v_cache.clone(), q.clone(), k.clone()
         ref02.apply_rope_qk_store_kv(q2, kk, v, cos, sin, positions, k2, v2, slots)
-        apart = ref04.paged_attention_forward(q2, k2, v2, block_tables, context_lens, 300, validate=False)
+        apart = ref04.paged_attention_forward(q2, k2, v2, block_tables, context_lens, longest, validate=False)
 
         def fused():
             return ref04.paged_decode_with_rope(q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables,
-                                                context_lens, 300, validate=False)
+                                                context_lens, longest, validate=False)
         eager = fused()
+        assert torch.isfinite(eager).all(), f"head_dim {head_dim}: a program read a new row before it was stored"
         assert_same(eager, apart, torch.bfloat16)
         assert_same(k_cache, k2, torch.bfloat16)
         assert torch.equal(v_cache, v2), head_dim
+        stored = k_cache.clone(), v_cache.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = fused()
+        poison_new_rows(c)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, eager), f"head_dim {head_dim}: a CUDA graph's replay gave other bits"
+        assert torch.equal(k_cache, stored[0]) and torch.equal(v_cache, stored[1]), "the replay's stores"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_decode_on_the_gpu_skips_bad_slots_and_gives_nan_for_bad_positions():
+    """No values are read back on a GPU: a slot outside the cache is not written, and a position outside the
+    RoPE table gives that sequence a NaN key and output (as lesson 02's RoPE); the other sequences as usual."""
+    c = decode_case(torch.bfloat16, lens=[40, 25, 33], device="cuda")
+    q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables, context_lens = c
+    k_want = stored64(c, torch.bfloat16)[0].view(-1, *k_cache.shape[2:])
+    before = k_cache.clone().view(-1, *k_cache.shape[2:])
+    far, wild = slots.clone(), positions.clone()
+    far[1] = k_cache.shape[0] * k_cache.shape[1]
+    wild[2] = cos.shape[0]
+    out = ref04.paged_decode_with_rope(q, k, v, cos, sin, wild, k_cache, v_cache, far, block_tables, context_lens,
+                                       40, validate=False)
+    rows = k_cache.view(-1, *k_cache.shape[2:])
+    torch.testing.assert_close(rows[slots[0]].double(), k_want[slots[0]].double(), **TOL[torch.bfloat16])
+    assert torch.isnan(rows[slots[2]]).all(), "a position outside the table gives a NaN key"
+    others = torch.ones(rows.shape[0], dtype=torch.bool, device="cuda")
+    others[slots[[0, 2]]] = False
+    assert torch.equal(rows[others], before[others]), "the skipped slot, or another row, was written"
+    assert torch.isfinite(out[:2]).all() and torch.isnan(out[2]).all()

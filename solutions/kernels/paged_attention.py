@@ -548,24 +548,16 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 # yaie: solution-only
 # ----------------------------------------------------------------------------- RoPE and the cache write fused in
-def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of ``x [tokens, heads, head_dim]`` in float32, rounded to x's dtype (lesson 02's rule)."""
-    half = x.shape[-1] // 2
-    c, s = cos[positions.long(), :half].float()[:, None], sin[positions.long(), :half].float()[:, None]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
-# yaie: solution-only
 def paged_decode_with_rope_reference(q, k, v, cos, sin, position_ids, k_cache, v_cache, slot_mapping, block_tables,
                                      context_lens, scale=None, sliding_window=None):
-    """Plain PyTorch :func:`paged_decode_with_rope`, out of place: RoPE, the cache write, then
-    :func:`paged_attention_reference`. Returns ``(out, k_cache, v_cache)``, the caches new tensors."""
+    """Plain PyTorch :func:`paged_decode_with_rope`, out of place: lesson 02's RoPE reference, the cache write,
+    then :func:`paged_attention_reference`. Returns ``(out, k_cache, v_cache)``, the caches new tensors."""
+    from yaie.kernels.gpu_elementwise_given import rope_reference   # lesson 02's given code
     k_out, v_out = k_cache.clone(), v_cache.clone()
     slots = slot_mapping.long()
-    k_out.view(-1, *k_out.shape[2:])[slots] = _rope_reference(k, cos, sin, position_ids)
+    k_out.view(-1, *k_out.shape[2:])[slots] = rope_reference(k, cos, sin, position_ids.long())
     v_out.view(-1, *v_out.shape[2:])[slots] = v
-    out = paged_attention_reference(_rope_reference(q, cos, sin, position_ids), k_out, v_out, block_tables,
+    out = paged_attention_reference(rope_reference(q, cos, sin, position_ids.long()), k_out, v_out, block_tables,
                                     context_lens, scale, sliding_window)
     return out, k_out, v_out
 
@@ -581,18 +573,23 @@ def _check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, slot_mapp
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] < head_dim or t.stride(1) != 1 \
-                or t.dtype != torch.float32 or t.stride(0) != cos.stride(0):
-            raise ValueError(f"{name} must be a float32 [max_position, >= {head_dim}] table with contiguous rows, "
-                             f"cos's strides and shape")
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < 1 or t.shape[1] != head_dim \
+                or t.stride(1) != 1 or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float32 [max_position >= 1, {head_dim}] table with contiguous rows")
+    if cos.shape != sin.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape and layout")
     for name, t in (("position_ids", position_ids), ("slot_mapping", slot_mapping)):
         if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (batch,):
             raise ValueError(f"{name} must be an int32 or int64 [batch] = [{batch}] tensor")
     devices = {t.device for t in (q, k, v, cos, sin, position_ids, k_cache, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    # On the CPU the values are checked, as lesson 02's apply_rope_qk_store_kv does; on a GPU (no sync) a
+    # position outside the table gives NaN and a slot outside the cache is skipped.
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    for name, t, high in (("position_ids", position_ids, cos.shape[0]), ("slot_mapping", slot_mapping, num_slots)):
+        if t.device.type == "cpu" and t.numel() and not 0 <= int(t.min()) <= int(t.max()) < high:
+            raise ValueError(f"{name} must lie in [0, {high}), got [{int(t.min())}, {int(t.max())}]")
 
 
 # yaie: solution-only
@@ -614,11 +611,10 @@ def paged_decode_with_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
         q: ``[batch, num_heads, head_dim]``, the new tokens' queries BEFORE RoPE (not changed).
         k, v: ``[batch, num_kv_heads, head_dim]``, their keys (before RoPE, not changed) and values, q's
             dtype, contiguous last axis (views of the fused q/k/v product are fine).
-        cos, sin: float32 ``[max_position, >= head_dim]`` rotate-half tables (lesson 01's), one shape.
-        position_ids: int ``[batch]``: each new token's position (a position outside the table gives NaN,
-            as lesson 02's RoPE).
+        cos, sin: float32 ``[max_position, head_dim]`` rotate-half tables (lesson 01's), one shape.
+        position_ids: int ``[batch]``: each new token's position.
         k_cache, v_cache: one layer's cache (as :func:`paged_attention_forward`); the new tokens' keys and
-            values are stored at ``slot_mapping`` (int ``[batch]``; a slot outside the cache is skipped).
+            values are stored at ``slot_mapping`` (int ``[batch]``).
         block_tables, context_lens, max_context_len, scale, validate, sliding_window: as
             :func:`paged_attention_forward`, with each new token the LAST of its sequence's context
             (``context_lens[b] - 1``), as in a decode step; a sequence of length 0 stores nothing.
@@ -629,7 +625,10 @@ def paged_decode_with_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     Raises:
         ValueError: as :func:`paged_attention_forward`; k or v not ``[batch, num_kv_heads, head_dim]`` in q's
             dtype; an odd head_dim; cos/sin not float32 tables of one shape; position_ids or slot_mapping
-            not integer ``[batch]``; tensors on different devices.
+            not integer ``[batch]``; tensors on different devices; and, for CPU tensors, positions outside
+            the table or slots outside the cache. On a GPU those are not read back to the host (a sync per
+            layer, not allowed in a CUDA graph): as lesson 02's RoPE, a position outside the table gives NaN
+            and a slot outside the cache is skipped.
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, None, sliding_window)
     _check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, slot_mapping)

@@ -160,5 +160,3 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             ``0..max_context_len`` or used block ids outside the cache.
     """
     raise NotImplementedError('lesson 04, task 2: implement paged_attention_forward in yaie/kernels/paged_attention.py')
-
-

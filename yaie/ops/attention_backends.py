@@ -9,7 +9,9 @@ step (and the layer's sliding window, if any):
   the first of ``PREFILL_BACKENDS`` that accepts (a step's decodes and prefills may go to different kernels).
 
 Each backend's ``run`` reaches its lesson through :mod:`yaie.ops.lessons` at call time. A test may spy on a
-backend by replacing its ``run`` (``monkeypatch.setattr(CASCADE_DECODE, "run", spy)``).
+backend by replacing its ``run`` (``monkeypatch.setattr(CASCADE_DECODE, "run", spy)``). A decode step whose
+RoPE and cache write go through :func:`rope_and_paged_attention` may skip ``PAGED_DECODE.run``: where the
+reference serves lessons 02 to 04, one fused kernel does all three (:func:`fused_decode`).
 """
 
 from __future__ import annotations
@@ -91,15 +93,21 @@ STEP_BACKENDS = (CASCADE_DECODE, PLAN_RUN)
 
 
 # ----------------------------------------------------------------------------- decode rows
-def _paged_decode(q, k, v, step, layer, sliding_window, scale):
-    """Lesson 04 over the decode rows: each sequence's blocks read through its block table."""
+def _decode_arguments(step, layer: int, sliding_window: int | None) -> tuple[tuple, dict]:
+    """Lesson 04's arguments after ``q`` for the step's decode rows: (caches, block tables, context lengths,
+    their bound), and the keywords (``validate=False``, the window)."""
     decodes = step.num_decodes
     # The window goes to the kernel whatever the contexts, so a decode step records the same kernel call at
     # every length (CUDA graphs); a window longer than a context cuts nothing.
     window = {} if sliding_window is None else {"sliding_window": sliding_window}
-    return lessons.call(4, "paged_attention_forward", q, step.manager.k_cache[layer], step.manager.v_cache[layer],
-                        step.block_tables[:decodes], step.context_lens[:decodes],
-                        max(step.context_lens_list[:decodes]), scale=scale, validate=False, **window)
+    return ((step.manager.k_cache[layer], step.manager.v_cache[layer], step.block_tables[:decodes],
+             step.context_lens[:decodes], max(step.context_lens_list[:decodes])), dict(validate=False, **window))
+
+
+def _paged_decode(q, k, v, step, layer, sliding_window, scale):
+    """Lesson 04 over the decode rows: each sequence's blocks read through its block table."""
+    args, keywords = _decode_arguments(step, layer, sliding_window)
+    return lessons.call(4, "paged_attention_forward", q, *args, scale=scale, **keywords)
 
 
 def _gathered_attention(q, step, layer, seqs: range, sliding_window, scale) -> torch.Tensor:
@@ -239,8 +247,8 @@ def _join(q: torch.Tensor, parts: list[tuple[slice, torch.Tensor]]) -> torch.Ten
 # ----------------------------------------------------------------------------- RoPE, the cache write and attention
 def fused_decode(q: torch.Tensor, step, sliding_window: int | None):
     """Lesson 04's reference-only ``paged_decode_with_rope`` where it may stand in for RoPE, the cache write and
-    the step's attention, else None: a decode-only step that :func:`paged_attention` would give to lesson 04's
-    paged decode, where the reference also serves lesson 02's RoPE and lesson 03's manager
+    the step's attention, else None: a decode-only step that no step backend accepts and whose decode rows go
+    to lesson 04's paged decode, where the reference also serves lesson 02's RoPE and lesson 03's manager
     (:func:`yaie.ops.kv.fused_rope_write_kv`). A student's lesson 02, 03 or 04 keeps the ops apart."""
     if step.num_prefills or kv.fused_rope_write_kv(step.manager, q) is None:
         return None
@@ -260,10 +268,7 @@ def rope_and_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     place: do not use them afterwards."""
     kernel = fused_decode(q, step, sliding_window)
     if kernel is not None:
-        decodes = step.num_decodes
-        window = {} if sliding_window is None else {"sliding_window": sliding_window}
-        return kernel(q, k, v, cos, sin, positions, step.manager.k_cache[layer], step.manager.v_cache[layer],
-                      step.slot_mapping, step.block_tables[:decodes], step.context_lens[:decodes],
-                      max(step.context_lens_list[:decodes]), validate=False, **window)
+        (k_cache, v_cache, *tables), keywords = _decode_arguments(step, layer, sliding_window)
+        return kernel(q, k, v, cos, sin, positions, k_cache, v_cache, step.slot_mapping, *tables, **keywords)
     q, k = kv.rope_and_write_kv(step.manager, layer, step.slot_mapping, q, k, v, cos, sin, positions)
     return paged_attention(q, k, v, step, layer, sliding_window)

@@ -121,7 +121,7 @@ def generate(solution_path: Path, lesson: int) -> str:
         first += "\n" + GIVEN_HEADER.format(given=Path(*dotted.split(".")).with_suffix(".py").as_posix()).rstrip("\n")
     header = first + "\n" + rest
     text = header + "".join(body)
-    text = re.sub(r"\n{4,}", "\n\n\n", text)
+    text = re.sub(r"\n{4,}", "\n\n\n", text).rstrip("\n") + "\n"   # a dropped last block leaves no blank tail
     ast.parse(text)  # the stub must stay valid Python
     return text
 
