@@ -13,7 +13,7 @@ residual add and the next norm in one pass::
 
     h, residual = add_rms_norm(x, residual, input_norm)   # residual += x; h = norm(residual)
     q, k, v = split(h @ Wqkv.T)                            # one product for the three projections
-    q, k = rope(q, k, positions)                           # (with a paged cache: one kernel with the store)
+    q, k = rope(q, k, positions)                           # (paged cache: one kernel with the next line)
     attn = cache.attend(layer, q, k, v)                    # store k, v; attend over the context
     x = attn @ Wo.T
     h, residual = add_rms_norm(x, residual, post_attention_norm)
@@ -128,8 +128,8 @@ class LlamaModel:
         k = k.reshape(-1, self.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, self.num_kv_heads, cfg.head_dim)
         # The cache stores k, v and runs attention: a PagedStep (the engine: lesson 03's blocks, lessons
-        # 04/06 on CUDA; it rotates q, k itself, so the rotation and the cache write can be one kernel) or a
-        # ContiguousKVCache (one sequence, lesson 01; tests and logit checks).
+        # 04/06 on CUDA; it rotates q, k itself, so the rotation, the cache write and, in a decode step, the
+        # attention can be one kernel) or a ContiguousKVCache (one sequence, lesson 01; tests and logit checks).
         if hasattr(cache, "rope_and_attend"):
             attn = cache.rope_and_attend(n, q, k, v, self.cos, self.sin, positions, layer.sliding_window)
         else:
