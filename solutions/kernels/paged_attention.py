@@ -534,6 +534,17 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
                        sliding_window)
+    q, scale, num_splits = _plan_decode(q, k_cache, block_tables, context_lens, max_context_len, scale, num_splits,
+                                        validate, sliding_window)
+    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
+                          sliding_window=sliding_window)
+
+
+# yaie: solution-only
+def _plan_decode(q, k_cache, block_tables, context_lens, max_context_len, scale, num_splits, validate,
+                 sliding_window):
+    """After the shape checks: the values checked (with ``validate``), q with a contiguous last axis, the
+    scale, and the split count (chosen when None). Returns ``(q, scale, num_splits)``."""
     if validate:
         check_paged_values(k_cache, block_tables, context_lens, max_context_len)
     if q.stride(-1) != 1:
@@ -542,8 +553,7 @@ def paged_attention_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     span = max_context_len if sliding_window is None else min(max_context_len, sliding_window)
     if num_splits is None:
         num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], span, num_sms(q.device))
-    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
-                          sliding_window=sliding_window)
+    return q, scale, num_splits
 
 
 # yaie: solution-only
@@ -632,12 +642,7 @@ def paged_decode_with_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, None, sliding_window)
     _check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, slot_mapping)
-    if validate:
-        check_paged_values(k_cache, block_tables, context_lens, max_context_len)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    span = max_context_len if sliding_window is None else min(max_context_len, sliding_window)
-    num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], span, num_sms(q.device))
+    q, scale, num_splits = _plan_decode(q, k_cache, block_tables, context_lens, max_context_len, scale, None,
+                                        validate, sliding_window)
     return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
                           sliding_window=sliding_window, rope=(k, v, cos, sin, position_ids, slot_mapping))
