@@ -135,8 +135,9 @@ def test_fused_decode_equals_the_ops_apart(dtype):
 
 
 def test_fused_decode_refuses_bad_inputs():
-    """Shapes, dtypes and tables; and on the CPU the values too: a position outside the table, a slot outside
-    the cache (on a GPU those give NaN and are skipped: the GPU test below)."""
+    """Shapes, dtypes, layouts and tables (lesson 02's checks, and the layouts this kernel needs); and on the
+    CPU the values too: a position outside the table, a slot outside the cache (on a GPU those give NaN and
+    are skipped: the GPU test below)."""
     c = decode_case(torch.float32, lens=[6, 3])
     q, k, v, cos, sin, positions, k_cache, v_cache, slots, block_tables, context_lens = c
     far = slots.clone()
@@ -145,17 +146,19 @@ def test_fused_decode_refuses_bad_inputs():
         q=q, k=k, v=v, cos=cos, sin=sin, position_ids=positions, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=slots, block_tables=block_tables, context_lens=context_lens, max_context_len=6), **changed))
     refused = [
-        ("k must be", dict(k=k[:1])),
-        ("v must be", dict(v=v.half())),
-        ("float32 \\[max_position", dict(cos=cos.double())),
-        ("float32 \\[max_position", dict(cos=cos[:, :8], sin=sin[:, :8])),     # not head_dim wide
-        ("float32 \\[max_position", dict(cos=cos[:0], sin=sin[:0])),
-        ("one shape", dict(sin=sin[:-1])),
+        ("must agree on num_tokens", dict(k=k[:1])),
+        ("dtypes must match", dict(v=v.half())),
+        ("cos must be a float32", dict(cos=cos.double())),
+        ("cos must be \\[max_position, 16\\]", dict(cos=cos[:, :8], sin=sin[:, :8])),     # not head_dim wide
+        ("cos must be \\[max_position, 16\\]", dict(cos=cos[:0], sin=sin[:0])),
+        ("must have the same shape", dict(sin=sin[:-1])),
         ("position_ids must be an int", dict(position_ids=positions.float())),
         ("position_ids must lie in", dict(position_ids=positions + cos.shape[0])),
         ("slot_mapping must be an int", dict(slot_mapping=slots[:1])),
         ("slot_mapping must lie in", dict(slot_mapping=far)),
-        ("even head_dim", dict(q=q[..., :15], k=k[..., :15], v=v[..., :15], k_cache=k_cache[..., :15],
+        ("k and v must have a contiguous last axis", dict(v=v.transpose(1, 2).contiguous().transpose(1, 2))),
+        ("one layout", dict(sin=torch.cat([sin, sin], 1)[:, :16])),     # rows 32 apart, cos's 16
+        ("head_dim must be even", dict(q=q[..., :15], k=k[..., :15], v=v[..., :15], k_cache=k_cache[..., :15],
                                v_cache=v_cache[..., :15], cos=cos[:, :15], sin=sin[:, :15])),
         ("context_lens", dict(context_lens=torch.tensor([7, 3], dtype=torch.int32))),     # validate: past the bound
     ]

@@ -424,6 +424,24 @@ def _check_cache_write_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 # yaie: solution-only
+def check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, v_cache, slot_mapping) -> None:
+    """The inputs of :func:`apply_rope_qk_store_kv` (and of lesson 04's ``paged_decode_with_rope``, which
+    stores the same way): shapes, dtypes and layouts; for CPU tensors also the values (slots inside the
+    cache, positions inside the table). On a GPU the values are not read back: a sync per layer."""
+    _check_rope_inputs(q, k, cos, sin, position_ids)
+    _check_cache_write_inputs(k, v, k_cache, v_cache, slot_mapping)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+        low, high = int(slot_mapping.min()), int(slot_mapping.max())
+        if low < 0 or high >= num_slots:
+            raise ValueError(f"slot_mapping must lie in [0, {num_slots}) (the cache's slots), got [{low}, {high}]")
+    if position_ids.device.type == "cpu" and position_ids.numel():
+        low, high = int(position_ids.min()), int(position_ids.max())
+        if low < 0 or high >= cos.shape[0]:
+            raise ValueError(f"position_ids must lie in [0, {cos.shape[0]}) (the table's length), got [{low}, {high}]")
+
+
+# yaie: solution-only
 def apply_rope_qk_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            position_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,17 +472,8 @@ def apply_rope_qk_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     slot outside the cache is skipped, as lesson 03's ``write_kv(validate=False)`` leaves the check to
     its caller.
     """
-    _check_rope_inputs(q, k, cos, sin, position_ids)
-    _check_cache_write_inputs(k, v, k_cache, v_cache, slot_mapping)
+    check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, v_cache, slot_mapping)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
-        low, high = int(slot_mapping.min()), int(slot_mapping.max())
-        if low < 0 or high >= num_slots:
-            raise ValueError(f"slot_mapping must lie in [0, {num_slots}) (the cache's slots), got [{low}, {high}]")
-    if position_ids.device.type == "cpu" and position_ids.numel():
-        low, high = int(position_ids.min()), int(position_ids.max())
-        if low < 0 or high >= cos.shape[0]:
-            raise ValueError(f"position_ids must lie in [0, {cos.shape[0]}) (the table's length), got [{low}, {high}]")
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return q, k

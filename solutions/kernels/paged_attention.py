@@ -560,46 +560,25 @@ def _plan_decode(q, k_cache, block_tables, context_lens, max_context_len, scale,
 # ----------------------------------------------------------------------------- RoPE and the cache write fused in
 def paged_decode_with_rope_reference(q, k, v, cos, sin, position_ids, k_cache, v_cache, slot_mapping, block_tables,
                                      context_lens, scale=None, sliding_window=None):
-    """Plain PyTorch :func:`paged_decode_with_rope`, out of place: lesson 02's RoPE reference, the cache write,
-    then :func:`paged_attention_reference`. Returns ``(out, k_cache, v_cache)``, the caches new tensors."""
-    from yaie.kernels.gpu_elementwise_given import rope_reference   # lesson 02's given code
-    k_out, v_out = k_cache.clone(), v_cache.clone()
-    slots = slot_mapping.long()
-    k_out.view(-1, *k_out.shape[2:])[slots] = rope_reference(k, cos, sin, position_ids.long())
-    v_out.view(-1, *v_out.shape[2:])[slots] = v
-    out = paged_attention_reference(rope_reference(q, cos, sin, position_ids.long()), k_out, v_out, block_tables,
-                                    context_lens, scale, sliding_window)
+    """Plain PyTorch :func:`paged_decode_with_rope`, out of place: lesson 02's reference of RoPE and the cache
+    write, then :func:`paged_attention_reference`. Returns ``(out, k_cache, v_cache)``, the caches new tensors."""
+    from solutions.kernels.gpu_elementwise import apply_rope_qk_store_kv_reference     # the reference's lesson 02
+    q_rot, _, k_out, v_out = apply_rope_qk_store_kv_reference(q, k, v, cos, sin, position_ids.long(), k_cache,
+                                                              v_cache, slot_mapping)
+    out = paged_attention_reference(q_rot, k_out, v_out, block_tables, context_lens, scale, sliding_window)
     return out, k_out, v_out
 
 
 # yaie: solution-only
-def _check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, slot_mapping) -> None:
-    batch, _, head_dim = q.shape
-    shape = (batch, k_cache.shape[2], head_dim)
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != q.dtype or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be [batch, num_kv_heads, head_dim] = {list(shape)} in q's dtype with a "
-                             f"contiguous last axis, got {tuple(getattr(t, 'shape', ()))}")
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < 1 or t.shape[1] != head_dim \
-                or t.stride(1) != 1 or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be a float32 [max_position >= 1, {head_dim}] table with contiguous rows")
-    if cos.shape != sin.shape or cos.stride() != sin.stride():
-        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape and layout")
-    for name, t in (("position_ids", position_ids), ("slot_mapping", slot_mapping)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (batch,):
-            raise ValueError(f"{name} must be an int32 or int64 [batch] = [{batch}] tensor")
-    devices = {t.device for t in (q, k, v, cos, sin, position_ids, k_cache, slot_mapping)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    # On the CPU the values are checked, as lesson 02's apply_rope_qk_store_kv does; on a GPU (no sync) a
-    # position outside the table gives NaN and a slot outside the cache is skipped.
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    for name, t, high in (("position_ids", position_ids, cos.shape[0]), ("slot_mapping", slot_mapping, num_slots)):
-        if t.device.type == "cpu" and t.numel() and not 0 <= int(t.min()) <= int(t.max()) < high:
-            raise ValueError(f"{name} must lie in [0, {high}), got [{int(t.min())}, {int(t.max())}]")
+def _check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, v_cache, slot_mapping) -> None:
+    """Lesson 02's checks of the same inputs (``apply_rope_qk_store_kv``), and what this kernel adds: k and v
+    with a contiguous last axis (lesson 02 copies other layouts), cos and sin of one layout (one stride)."""
+    from solutions.kernels.gpu_elementwise import check_rope_store_inputs     # the reference's lesson 02
+    check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, v_cache, slot_mapping)
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must have a contiguous last axis")
+    if cos.stride() != sin.stride():
+        raise ValueError(f"cos and sin must have one layout, got strides {cos.stride()} and {sin.stride()}")
 
 
 # yaie: solution-only
@@ -641,7 +620,7 @@ def paged_decode_with_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
             and a slot outside the cache is skipped.
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, None, sliding_window)
-    _check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, slot_mapping)
+    _check_rope_store_inputs(q, k, v, cos, sin, position_ids, k_cache, v_cache, slot_mapping)
     q, scale, num_splits = _plan_decode(q, k_cache, block_tables, context_lens, max_context_len, scale, None,
                                         validate, sliding_window)
     return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, num_splits,
