@@ -40,6 +40,8 @@ from typing import Sequence
 
 import torch
 
+from yaie.engine.sampling_kernel import sample_rows
+
 
 MIN_TEMPERATURE = 1e-5   # temperatures below this sample greedily (see SamplingParams.greedy)
 _NO_TOP_P = 2.0          # a row's top-p threshold when it has none: above any mass the sort can add up
@@ -275,10 +277,24 @@ def sample_batch(logits: torch.Tensor, table: StepTable) -> torch.Tensor:
     """One token id per row of ``logits`` ``[B, vocab]``: int64 ``[B]`` on the logits' device, not read by
     the host. Greedy rows (temperature below ``MIN_TEMPERATURE``) take the argmax of their logits; the
     others draw from their filtered probabilities (:func:`filter_logits`) with their stream's number
-    (:func:`uniforms`, :func:`draw`). ``table``: the rows' :class:`StepTable`."""
+    (:func:`uniforms`, :func:`draw`). ``table``: the rows' :class:`StepTable`.
+
+    On CUDA one Triton kernel does it all (:func:`yaie.engine.sampling_kernel.sample_rows`: no sort, one
+    launch); elsewhere the torch ops of :func:`sample_batch_reference`. Both keep the same tokens and draw
+    with the same number, so they agree but where rounding puts a cut or a draw on the other side of a
+    boundary."""
     if logits.dim() != 2 or table.size != logits.shape[0]:
         raise ValueError(f"sample_batch needs logits [B, vocab] and a table of B rows; got logits "
                          f"{tuple(logits.shape)} and {table.size} rows")
+    if logits.is_cuda:
+        return sample_rows(logits, table.temperature, table.top_k, table.max_top_k, table.top_p, table.greedy,
+                           table.state)
+    return sample_batch_reference(logits, table)
+
+
+def sample_batch_reference(logits: torch.Tensor, table: StepTable) -> torch.Tensor:
+    """:func:`sample_batch` in torch ops on any device (the CPU's sampler, and the reference of the kernel):
+    a ``topk`` and a sort over the batch, a float64 cumulative sum and a search."""
     probs = torch.softmax(filter_logits(logits, table), dim=-1)
     return torch.where(table.greedy, logits.argmax(dim=-1), draw(probs, uniforms(table.state)))
 
