@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from yaie.engine.sampling import SamplingParams, StepTable, noise_key, sample_batch_reference, uniforms
+from yaie.engine import sampling_kernel
 from yaie.engine.sampling_kernel import sample_rows
 from yaie.model.testing import fresh_seed
 
@@ -76,11 +77,12 @@ def random_logits(gen: torch.Generator, rows: int, vocab: int, device="cpu") -> 
     return logits.to(device)
 
 
-def run(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]):
+def run(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int],
+        pivots: int | None = None):
     table = StepTable(params, [noise_key(s) for s in seeds], indices, logits.shape[1], logits.device)
     u = torch.full((len(params),), -1.0, dtype=torch.float64, device=logits.device)
     tokens = sample_rows(logits, table.temperature, table.top_k, table.max_top_k, table.top_p, table.greedy,
-                         table.state, u)
+                         table.state, u, pivots=pivots)
     return tokens, u, table
 
 
@@ -94,14 +96,21 @@ def check_rows(logits, params, tokens, u, table, what):
             f"picked {int(tokens[row])}, float64 says {sorted(allowed)}")
 
 
-@pytest.mark.parametrize("vocab", [300, 1024, 1500])
-def test_tokens_are_the_float64_draws(vocab):
+# (vocab, the longest row kept in registers, pivots per walk): resident rows, one of a power of two, and rows
+# walked in tiles (what a 128k vocabulary gets on a GPU), with one and several pivots.
+SHAPES = [(300, None, None), (1024, None, 3), (1500, None, None), (1500, 512, None), (1100, 256, 1)]
+
+
+@pytest.mark.parametrize("vocab, resident, pivots", SHAPES)
+def test_tokens_are_the_float64_draws(vocab, resident, pivots, monkeypatch):
+    if resident:
+        monkeypatch.setattr(sampling_kernel, "RESIDENT_VOCAB", resident)
     seed = fresh_seed()
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     params = random_params(rng, vocab, 12)
     logits = random_logits(gen, len(params), vocab)
-    tokens, u, table = run(logits, params, [rng.getrandbits(64) for _ in params], list(range(len(params))))
-    check_rows(logits, params, tokens, u, table, f"seed {seed}, vocab {vocab}")
+    tokens, u, table = run(logits, params, [rng.getrandbits(64) for _ in params], list(range(len(params))), pivots)
+    check_rows(logits, params, tokens, u, table, f"seed {seed}, vocab {vocab}, {resident=}, {pivots=}")
     # The torch sampler (the CPU's) uses the same numbers and keeps the same tokens.
     same = (tokens == sample_batch_reference(logits, table)).float().mean()
     assert same >= 0.9, f"seed {seed}: the kernel and sample_batch_reference agree on {same:.0%} of rows"
@@ -161,9 +170,12 @@ def test_top_p_keeps_the_tokens_whose_mass_before_is_below_it(top_p, kept):
     assert tokens.tolist() == [kept[-1]] * 3, f"top-p {top_p} keeps {kept}: a draw above 0.97 takes {kept[-1]}"
 
 
-def test_top_p_keeps_tied_tokens_lowest_ids_first_across_tiles():
+@pytest.mark.parametrize("resident", [None, 1024])
+def test_top_p_keeps_tied_tokens_lowest_ids_first_across_tiles(resident, monkeypatch):
     """Four equal tokens (ids 7, 1030, 2050, 2099; the rest masked) and top-p 0.6: the mass before them is
     0, 1/4, 1/2, 3/4, so the first three stay; a high draw takes id 2050, a low one id 7."""
+    if resident:
+        monkeypatch.setattr(sampling_kernel, "RESIDENT_VOCAB", resident)
     logits = torch.full((2, 2100), -math.inf)
     logits[:, [7, 1030, 2050, 2099]] = 1.5
     params = [SamplingParams(top_p=0.6)] * 2

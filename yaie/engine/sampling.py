@@ -40,8 +40,6 @@ from typing import Sequence
 
 import torch
 
-from yaie.engine.sampling_kernel import sample_rows
-
 
 MIN_TEMPERATURE = 1e-5   # temperatures below this sample greedily (see SamplingParams.greedy)
 _NO_TOP_P = 2.0          # a row's top-p threshold when it has none: above any mass the sort can add up
@@ -287,6 +285,7 @@ def sample_batch(logits: torch.Tensor, table: StepTable) -> torch.Tensor:
         raise ValueError(f"sample_batch needs logits [B, vocab] and a table of B rows; got logits "
                          f"{tuple(logits.shape)} and {table.size} rows")
     if logits.is_cuda:
+        from yaie.engine.sampling_kernel import sample_rows   # imports triton: only where a GPU runs it
         return sample_rows(logits, table.temperature, table.top_k, table.max_top_k, table.top_p, table.greedy,
                            table.state)
     return sample_batch_reference(logits, table)
