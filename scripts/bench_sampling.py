@@ -58,7 +58,7 @@ def measure(vocab: int, batch: int, name: str, params: SamplingParams) -> dict:
         torch_fn = lambda: logits.argmax(dim=-1)                                    # noqa: E731
     else:
         torch_fn = lambda: sample_batch_reference(logits, table)                    # noqa: E731
-    kernel_fn = lambda: sample_rows(logits, table.temperature, table.top_k, table.max_top_k,  # noqa: E731
+    kernel_fn = lambda: sample_rows(logits, table.temperature, table.top_k,  # noqa: E731
                                     table.top_p, table.greedy, table.state)
     same = (torch_fn() == kernel_fn()).float().mean().item()
     row = {"vocab": vocab, "batch": batch, "setting": name, "same_tokens": same}
@@ -67,7 +67,7 @@ def measure(vocab: int, batch: int, name: str, params: SamplingParams) -> dict:
         row[f"{label}_loop_us"] = loop_us(fn)
     if params.top_p < 1:          # the bisection's pivots per walk, beside the default
         for pivots in PIVOTS:
-            fn = lambda: sample_rows(logits, table.temperature, table.top_k, table.max_top_k,  # noqa: E731
+            fn = lambda: sample_rows(logits, table.temperature, table.top_k,  # noqa: E731
                                      table.top_p, table.greedy, table.state, pivots=pivots)
             row[f"kernel_pivots{pivots}_gpu_us"] = triton.testing.do_bench(fn, warmup=20, rep=100,
                                                                            return_mode="median") * 1000

@@ -81,7 +81,7 @@ def run(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], in
         pivots: int | None = None):
     table = StepTable(params, [noise_key(s) for s in seeds], indices, logits.shape[1], logits.device)
     u = torch.full((len(params),), -1.0, dtype=torch.float64, device=logits.device)
-    tokens = sample_rows(logits, table.temperature, table.top_k, table.max_top_k, table.top_p, table.greedy,
+    tokens = sample_rows(logits, table.temperature, table.top_k, table.top_p, table.greedy,
                          table.state, u, pivots=pivots)
     return tokens, u, table
 
@@ -166,7 +166,7 @@ def test_top_p_keeps_the_tokens_whose_mass_before_is_below_it(top_p, kept):
     logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log().expand(3, 4).contiguous()
     params = [SamplingParams(top_p=top_p)] * 3
     table = StepTable(params, [0] * 3, [0] * 3, 4, logits.device)
-    tokens = sample_rows(logits, table.temperature, table.top_k, 0, table.top_p, table.greedy, high_states(3))
+    tokens = sample_rows(logits, table.temperature, table.top_k, table.top_p, table.greedy, high_states(3))
     assert tokens.tolist() == [kept[-1]] * 3, f"top-p {top_p} keeps {kept}: a draw above 0.97 takes {kept[-1]}"
 
 
@@ -182,7 +182,7 @@ def test_top_p_keeps_tied_tokens_lowest_ids_first_across_tiles(resident, monkeyp
     table = StepTable(params, [0] * 2, [0] * 2, 2100, logits.device)
     states = torch.arange(4000, dtype=torch.int64)
     low = states[uniforms(states) < 0.03][:1]
-    tokens = sample_rows(logits, table.temperature, table.top_k, 0, table.top_p, table.greedy,
+    tokens = sample_rows(logits, table.temperature, table.top_k, table.top_p, table.greedy,
                          torch.cat([high_states(1), low]))
     assert tokens.tolist() == [2050, 7]
 
@@ -190,14 +190,14 @@ def test_top_p_keeps_tied_tokens_lowest_ids_first_across_tiles(resident, monkeyp
 def test_bad_inputs_raise():
     logits = torch.randn(2, 10)
     table = StepTable([SamplingParams()] * 2, [1, 2], [0, 0], 10, logits.device)
-    args = (table.temperature, table.top_k, 0, table.top_p, table.greedy, table.state)
+    args = (table.temperature, table.top_k, table.top_p, table.greedy, table.state)
     with pytest.raises(ValueError, match=r"float logits \[B, vocab\]"):
         sample_rows(logits[0], *args)
     with pytest.raises(ValueError, match=r"float logits"):
         sample_rows(logits.long(), *args)
     with pytest.raises(ValueError, match=r"temperature must be \[3\]"):
         sample_rows(torch.randn(3, 10), *args)
-    assert sample_rows(torch.randn(0, 10), *(a[:0] if isinstance(a, torch.Tensor) else a for a in args)).shape == (0,)
+    assert sample_rows(torch.randn(0, 10), *(a[:0] for a in args)).shape == (0,)
 
 
 @pytest.mark.gpu

@@ -286,7 +286,7 @@ def sample_batch(logits: torch.Tensor, table: StepTable) -> torch.Tensor:
                          f"{tuple(logits.shape)} and {table.size} rows")
     if logits.is_cuda:
         from yaie.engine.sampling_kernel import sample_rows   # imports triton: only where a GPU runs it
-        return sample_rows(logits, table.temperature, table.top_k, table.max_top_k, table.top_p, table.greedy,
+        return sample_rows(logits, table.temperature, table.top_k, table.top_p, table.greedy,
                            table.state)
     return sample_batch_reference(logits, table)
 

@@ -53,6 +53,43 @@ def _uniform(state):
 
 
 @triton.jit
+def _order_key(s):
+    """An int32 per float32 whose signed order is the floats' order (-0.0 just below +0.0; no NaN)."""
+    bits = s.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _from_order_key(key):
+    """The float32 of an order key (the map is its own inverse on the bits)."""
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kth_largest(row_ptr, vocab, temperature, k, resident, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """The k-th largest scaled logit of the row (equal values counted each), by bisection over order keys:
+    at least k keys are >= ``low``, fewer than k are >= ``high``. ``resident``: the row, if it is one tile."""
+    lanes = tl.arange(0, BLOCK)
+    low = tl.full((), -2147483648, tl.int64)
+    high = tl.full((), 2147483648, tl.int64)
+    while high - low > 1:
+        middle = (low + (high - low) // 2).to(tl.int32)
+        count = tl.full((), 0, tl.int32)
+        for tile in range(TILES):
+            offs = tile * BLOCK + lanes
+            if TILES == 1:
+                s = resident
+            else:
+                s, _ = _scaled_tile(row_ptr, offs, vocab, temperature, float("-inf"))
+            count += tl.sum(((_order_key(s) >= middle) & (offs < vocab)).to(tl.int32))
+        enough = count >= k
+        low = tl.where(enough, middle.to(tl.int64), low)
+        high = tl.where(enough, high, middle.to(tl.int64))
+    return _from_order_key(low.to(tl.int32))
+
+
+@triton.jit
 def _scaled_tile(row_ptr, offs, vocab, temperature, kth):
     """A tile of scaled logits and which of them top-k keeps (in the vocabulary and >= the k-th scaled value).
     ``div_rn`` rounds as torch's float32 division does, so the reference's values come back bit for bit."""
@@ -73,29 +110,36 @@ def _mass_tile(mass_row_ptr, offs, vocab, resident, TILES: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, row_stride, vocab, temperature_ptr, kth_ptr, top_p_ptr, greedy_ptr, state_ptr,
-                   state_stride, mass_ptr, token_ptr, u_ptr,
-                   BLOCK: tl.constexpr, TILES: tl.constexpr, PIVOTS: tl.constexpr, DRAW_BLOCK: tl.constexpr):
+def _sample_kernel(logits_ptr, row_stride, vocab, temperature_ptr, top_k_ptr, top_k_stride, top_p_ptr,
+                   greedy_ptr, state_ptr, state_stride, mass_ptr, token_ptr, u_ptr,
+                   BLOCK: tl.constexpr, TILES: tl.constexpr, PIVOTS: tl.constexpr, DRAW_BLOCK: tl.constexpr,
+                   STORE_U: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
     mass_row_ptr = mass_ptr + row.to(tl.int64) * vocab
     temperature = tl.load(temperature_ptr + row)
-    kth = tl.math.div_rn(tl.load(kth_ptr + row), temperature)      # -inf: no top-k
     lanes = tl.arange(0, BLOCK)
 
-    # 1. The maximum of the kept scaled logits, and the first index holding it (a greedy row's token).
+    # 1. The maximum of the scaled logits, and the first index holding it (a greedy row's token).
     best = tl.full((), float("-inf"), tl.float32)
     best_index = tl.full((), 0, tl.int32)
+    resident = tl.zeros([BLOCK], tl.float32)
     for tile in range(TILES):
         offs = tile * BLOCK + lanes
-        s, kept = _scaled_tile(row_ptr, offs, vocab, temperature, kth)
-        tile_best = tl.max(tl.where(kept, s, float("-inf")))
-        tile_index = tl.min(tl.where(kept & (s == tile_best), offs, vocab))
+        s, inside = _scaled_tile(row_ptr, offs, vocab, temperature, float("-inf"))
+        tile_best = tl.max(s)
+        tile_index = tl.min(tl.where(inside & (s == tile_best), offs, vocab))
         best_index = tl.where(tile_best > best, tile_index, best_index)
         best = tl.maximum(best, tile_best)
+        resident = s
     if tl.load(greedy_ptr + row) != 0:
         tl.store(token_ptr + row, best_index.to(tl.int64))
     else:
+        # Top-k keeps the tokens >= the k-th largest value (the maximum always stays).
+        top_k = tl.load(top_k_ptr + row * top_k_stride).to(tl.int32)
+        kth = tl.full((), float("-inf"), tl.float32)
+        if top_k > 0:
+            kth = _kth_largest(row_ptr, vocab, temperature, top_k, resident, BLOCK, TILES)
         # 2. The masses and their sum, into the scratch row (a resident row also keeps its one tile in
         # registers for the bisection).
         total_mass = tl.full((), 0.0, tl.float32)
@@ -113,7 +157,8 @@ def _sample_kernel(logits_ptr, row_stride, vocab, temperature_ptr, kth_ptr, top_
         u = _uniform(state)
         token = _draw(mass_row_ptr, vocab, cut, ties_kept, u, DRAW_BLOCK)
         tl.store(token_ptr + row, token.to(tl.int64))
-        tl.store(u_ptr + row, u)
+        if STORE_U:
+            tl.store(u_ptr + row, u)
 
 
 @triton.jit
@@ -194,17 +239,16 @@ def _draw(mass_row_ptr, vocab, cut, ties_kept, u, BLOCK: tl.constexpr):
     return tl.where(token < vocab, token, last_kept)
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, max_top_k: int,
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, greedy: torch.Tensor, state: torch.Tensor,
                 uniforms_out: torch.Tensor | None = None, pivots: int | None = None) -> torch.Tensor:
     """One token per row of ``logits`` ``[B, vocab]`` (float32, float16 or bfloat16, rows contiguous), int64
     ``[B]`` on its device: greedy rows take their first maximum, the others draw from their filtered
     distribution. The columns are those of :class:`yaie.engine.sampling.StepTable`: ``temperature``
-    float32 ``[B]`` (> 0), ``top_k`` int64 ``[B]`` (0: none; ``max_top_k`` its largest value, known on the
-    host), ``top_p`` float32 ``[B]`` (>= 1: none), ``greedy`` bool ``[B]``, ``state`` int64 ``[B]`` (the
+    float32 ``[B]`` (> 0), ``top_k`` int64 ``[B]`` (0: none), ``top_p`` float32 ``[B]`` (>= 1: none), ``greedy`` bool ``[B]``, ``state`` int64 ``[B]`` (the
     stream's state for this token). ``uniforms_out``: a float64 ``[B]`` tensor for each sampled row's number
     (the tests read it); greedy rows leave theirs untouched. ``pivots``: candidates per walk of the top-p
-    bisection (default 1 for a resident row, 7 for a longer one; the benchmark tries others).
+    bisection (default 1, the fastest on the H100 for 32k and 128k vocabularies; the benchmark tries others).
 
     Raises ValueError for a shape, dtype or device the kernel does not take; logits are expected finite or
     -inf, with a finite value in every row."""
@@ -218,25 +262,17 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
                              f"{tuple(column.shape)} on {column.device}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    temperature, top_p = temperature.contiguous(), top_p.contiguous()   # state may be a column of a table
+    temperature, top_p = temperature.contiguous(), top_p.contiguous()   # top_k, state: columns of a table
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return tokens
-    kth = torch.full((rows,), float("-inf"), device=logits.device)
-    if max_top_k:
-        # The k-th largest raw logit: dividing by a positive temperature keeps the order, so the kernel's
-        # x / temperature of it is the k-th largest scaled logit, as the reference finds it.
-        best = torch.topk(logits, max_top_k, dim=-1).values.float()
-        kth = torch.where(top_k > 0, best.gather(1, (top_k - 1).clamp(min=0)[:, None])[:, 0], kth)
-    if uniforms_out is None:
-        uniforms_out = torch.empty(rows, dtype=torch.float64, device=logits.device)
     block = min(triton.next_power_of_2(vocab), RESIDENT_VOCAB)
     tiles = triton.cdiv(vocab, block)
     # The masses go to a scratch row: the draw reads them back in small tiles, and so does the bisection
     # for a row longer than RESIDENT_VOCAB.
     scratch = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
-    _sample_kernel[(rows,)](logits, logits.stride(0), vocab, temperature, kth, top_p, greedy.to(torch.int8),
-                            state, state.stride(0), scratch, tokens, uniforms_out, BLOCK=block, TILES=tiles,
-                            PIVOTS=pivots or (1 if tiles == 1 else 7), DRAW_BLOCK=min(block, 8192),
-                            num_warps=max(4, min(32, block // 1024)))
+    _sample_kernel[(rows,)](logits, logits.stride(0), vocab, temperature, top_k, top_k.stride(0), top_p, greedy,
+                            state, state.stride(0), scratch, tokens, tokens if uniforms_out is None else uniforms_out,
+                            BLOCK=block, TILES=tiles, PIVOTS=pivots or 1, DRAW_BLOCK=min(block, 8192),
+                            STORE_U=uniforms_out is not None, num_warps=max(4, min(32, block // 1024)))
     return tokens
