@@ -34,7 +34,7 @@ SETTINGS = {
     "top-p 0.95": SamplingParams(temperature=1.0, top_p=0.95),
     "top-k 50, top-p 0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
 }
-PIVOTS = (1, 3, 7, 15)
+PIVOTS = (1, 7)
 
 
 def loop_us(fn, calls: int = 100) -> float:
