@@ -98,7 +98,7 @@ def check_rows(logits, params, tokens, u, table, what):
 
 # (vocab, the longest row kept in registers, pivots per walk): resident rows, one of a power of two, and rows
 # walked in tiles (what a 128k vocabulary gets on a GPU), with one and several pivots.
-SHAPES = [(300, None, None), (1024, None, 3), (1500, None, None), (1500, 512, None), (1100, 256, 1)]
+SHAPES = [(300, None, None), (1024, None, 3), (1500, 512, None), (700, 256, 1)]
 
 
 @pytest.mark.parametrize("vocab, resident, pivots", SHAPES)
@@ -142,13 +142,13 @@ def test_greedy_rows_take_the_first_maximum_and_a_row_does_not_depend_on_the_bat
 
 
 def test_masked_and_dropped_tokens_are_never_drawn():
-    """Over many numbers, a top-p of 0.3 on a row with masked tokens only draws what float64 keeps."""
+    """Over 16 numbers, a top-p of 0.3 on a row with masked tokens only draws what float64 keeps."""
     gen = torch.Generator().manual_seed(fresh_seed())
     row = torch.randn(1, 200, generator=gen) * 2
     row[0, ::3] = -math.inf
-    params = [SamplingParams(temperature=0.8, top_p=0.3)] * 40
-    logits = row.expand(40, 200).contiguous()
-    tokens, u, table = run(logits, params, list(range(40)), [0] * 40)
+    params = [SamplingParams(temperature=0.8, top_p=0.3)] * 16
+    logits = row.expand(16, 200).contiguous()
+    tokens, u, table = run(logits, params, list(range(16)), [0] * 16)
     kept = float64_probs(row[0], params[0]) > 0
     assert kept[tokens].all(), f"drawn tokens outside the nucleus: {tokens[~kept[tokens]].tolist()}"
     check_rows(logits, params, tokens, u, table, "top-p 0.3 with masked tokens")
