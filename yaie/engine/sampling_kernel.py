@@ -1,17 +1,20 @@
 """The sampler of :mod:`yaie.engine.sampling` as one Triton kernel: a program per row, no sort.
 
-:func:`sample_rows` picks every row's token in one launch (plus a ``topk`` when some row has a top-k). It
+:func:`sample_rows` picks every row's token in one launch, top-k and top-p included. It
 keeps the same tokens as :func:`yaie.engine.sampling.filter_logits` and draws as
 :func:`yaie.engine.sampling.draw`, with the row's number from :func:`yaie.engine.sampling.uniforms`, so a
 seeded request gets the same token from either, except where float rounding puts the cut or the draw on the
 other side of a boundary (their sums run in different orders).
 
-A program owns one row. Up to ``RESIDENT_VOCAB`` tokens the row stays in the program's registers from the
-first load to the draw; a longer row is walked in tiles, its masses kept in a scratch row (L2-resident):
+A program owns one row. Up to ``RESIDENT_VOCAB`` tokens the row stays in the program's registers for the
+bisections; a longer row is walked in tiles. The masses also go to a scratch row (L2-resident), which the
+draw reads back in tiles:
 
-1. the maximum of the scaled logits ``s = x / temperature`` among the tokens top-k keeps, and the first index
-   that holds it (a greedy row's token: its program stops there);
-2. each kept token's mass ``e = exp(s - max)`` (in (0, 1], the maximum's is 1; 0 for dropped tokens), and
+1. the maximum of the scaled logits ``s = x / temperature`` and the first index that holds it (a greedy row's
+   token: its program stops there);
+2. for a top-k row, the k-th largest scaled logit, by bisection over the floats' order keys (an int32 per
+   float32 whose signed order is the floats' order), counting the tokens at or above each candidate; then
+   each kept token's mass ``e = exp(s - max)`` (in (0, 1], the maximum's is 1; 0 for dropped tokens), and
    their sum ``Z``;
 3. for a top-p row, the cut without sorting: the smallest mass ``c`` such that the tokens heavier than ``c``
    hold less than ``top_p * Z``. A sorted row keeps exactly those tokens, and of the tokens of mass ``c``
