@@ -34,7 +34,6 @@ SETTINGS = {
     "top-p 0.95": SamplingParams(temperature=1.0, top_p=0.95),
     "top-k 50, top-p 0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
 }
-PIVOTS = (1, 7)
 
 
 def loop_us(fn, calls: int = 100) -> float:
@@ -65,12 +64,6 @@ def measure(vocab: int, batch: int, name: str, params: SamplingParams) -> dict:
     for label, fn in (("torch", torch_fn), ("kernel", kernel_fn)):
         row[f"{label}_gpu_us"] = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1000
         row[f"{label}_loop_us"] = loop_us(fn)
-    if params.top_p < 1:          # the bisection's pivots per walk, beside the default
-        for pivots in PIVOTS:
-            fn = lambda: sample_rows(logits, table.temperature, table.top_k,  # noqa: E731
-                                     table.top_p, table.greedy, table.state, pivots=pivots)
-            row[f"kernel_pivots{pivots}_gpu_us"] = triton.testing.do_bench(fn, warmup=20, rep=100,
-                                                                           return_mode="median") * 1000
     return row
 
 
@@ -98,13 +91,6 @@ def main() -> None:
         lines.append(f"| {r['vocab']} | {r['batch']} | {r['setting']} | {r['torch_gpu_us']:.1f} | "
                      f"{r['kernel_gpu_us']:.1f} | {r['torch_loop_us']:.1f} | {r['kernel_loop_us']:.1f} | "
                      f"{r['torch_loop_us'] / r['kernel_loop_us']:.2f}x | {r['same_tokens']:.0%} |")
-    lines += ["", "The top-p rows' kernel time (GPU us) by pivots per bisection walk:", "",
-              "| vocab | batch | setting | " + " | ".join(f"{p} pivots" for p in PIVOTS) + " |",
-              "|---:|---:|---|" + "---:|" * len(PIVOTS)]
-    for r in rows:
-        if f"kernel_pivots{PIVOTS[0]}_gpu_us" in r:
-            lines.append(f"| {r['vocab']} | {r['batch']} | {r['setting']} | "
-                         + " | ".join(f"{r[f'kernel_pivots{p}_gpu_us']:.1f}" for p in PIVOTS) + " |")
     (args.out / f"sampling_{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

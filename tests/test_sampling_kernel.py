@@ -77,12 +77,11 @@ def random_logits(gen: torch.Generator, rows: int, vocab: int, device="cpu") -> 
     return logits.to(device)
 
 
-def run(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int],
-        pivots: int | None = None):
+def run(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]):
     table = StepTable(params, [noise_key(s) for s in seeds], indices, logits.shape[1], logits.device)
     u = torch.full((len(params),), -1.0, dtype=torch.float64, device=logits.device)
     tokens = sample_rows(logits, table.temperature, table.top_k, table.top_p, table.greedy,
-                         table.state, u, pivots=pivots)
+                         table.state, u)
     return tokens, u, table
 
 
@@ -96,21 +95,21 @@ def check_rows(logits, params, tokens, u, table, what):
             f"picked {int(tokens[row])}, float64 says {sorted(allowed)}")
 
 
-# (vocab, the longest row kept in registers, pivots per walk): resident rows, one of a power of two, and rows
-# walked in tiles (what a 128k vocabulary gets on a GPU), with one and several pivots.
-SHAPES = [(300, None, None), (1024, None, 3), (1500, 512, None), (700, 256, 1)]
+# (vocab, the longest row kept in registers): resident rows, one of a power of two, and rows walked in tiles
+# (what a 128k vocabulary gets on a GPU).
+SHAPES = [(300, None), (1024, None), (1500, 512), (700, 256)]
 
 
-@pytest.mark.parametrize("vocab, resident, pivots", SHAPES)
-def test_tokens_are_the_float64_draws(vocab, resident, pivots, monkeypatch):
+@pytest.mark.parametrize("vocab, resident", SHAPES)
+def test_tokens_are_the_float64_draws(vocab, resident, monkeypatch):
     if resident:
         monkeypatch.setattr(sampling_kernel, "RESIDENT_VOCAB", resident)
     seed = fresh_seed()
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     params = random_params(rng, vocab, 12)
     logits = random_logits(gen, len(params), vocab)
-    tokens, u, table = run(logits, params, [rng.getrandbits(64) for _ in params], list(range(len(params))), pivots)
-    check_rows(logits, params, tokens, u, table, f"seed {seed}, vocab {vocab}, {resident=}, {pivots=}")
+    tokens, u, table = run(logits, params, [rng.getrandbits(64) for _ in params], list(range(len(params))))
+    check_rows(logits, params, tokens, u, table, f"seed {seed}, vocab {vocab}, {resident=}")
     # The torch sampler (the CPU's) uses the same numbers and keeps the same tokens.
     same = (tokens == sample_batch_reference(logits, table)).float().mean()
     assert same >= 0.9, f"seed {seed}: the kernel and sample_batch_reference agree on {same:.0%} of rows"

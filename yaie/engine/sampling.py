@@ -5,8 +5,10 @@ the smallest set of tokens whose probabilities add up to ``top_p``, renormalise,
 
 The engine samples a whole step at once, on the logits' device (:func:`sample_batch`): each row's
 temperature, top-k, top-p and place in its random stream are columns of one small table
-(:class:`StepTable`), the filters are one ``topk`` and one sort for the batch with a mask per row, and one
-draw picks every row's token. Nothing in it reads the device: only the chosen ids go to the host, so a step
+(:class:`StepTable`). On CUDA one Triton kernel filters and draws every row
+(:mod:`yaie.engine.sampling_kernel`, no sort); elsewhere the filters are one ``topk`` and one sort for the
+batch with a mask per row, and one draw picks every row's token (:func:`sample_batch_reference`, also the
+kernel's reference). Nothing in it reads the device: only the chosen ids go to the host, so a step
 with sampled requests waits for the device no longer than a greedy one, and the next step may be launched
 before they are read (the look-ahead of :mod:`yaie.engine.core`), for sampled rows as for greedy ones.
 

@@ -20,8 +20,7 @@ draw reads back in tiles:
    hold less than ``top_p * Z``. A sorted row keeps exactly those tokens, and of the tokens of mass ``c``
    (lowest ids first) as many as keep the mass before each under ``top_p * Z``. Non-negative float32s order
    as their bits do as int32s, so ``c`` is found by bisection over those integers: each walk over the row
-   sums the mass above ``PIVOTS`` candidates and the interval shrinks ``PIVOTS + 1`` times (30 walks for one
-   pivot cover the 2**30 floats in [0, 1]);
+   sums the mass above the middle of the interval and halves it (30 walks cover the 2**30 floats in [0, 1]);
 4. the kept tokens' total mass in float64, then the draw: the first kept token whose cumulative mass, in
    vocabulary order, exceeds ``u * total``. Both use the same sums, so the last token's cumulative mass is
    that total exactly.
@@ -115,7 +114,7 @@ def _mass_tile(mass_row_ptr, offs, vocab, resident, TILES: tl.constexpr):
 @triton.jit
 def _sample_kernel(logits_ptr, row_stride, vocab, temperature_ptr, top_k_ptr, top_k_stride, top_p_ptr,
                    greedy_ptr, state_ptr, state_stride, mass_ptr, token_ptr, u_ptr,
-                   BLOCK: tl.constexpr, TILES: tl.constexpr, PIVOTS: tl.constexpr, DRAW_BLOCK: tl.constexpr,
+                   BLOCK: tl.constexpr, TILES: tl.constexpr, DRAW_BLOCK: tl.constexpr,
                    STORE_U: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
@@ -154,8 +153,7 @@ def _sample_kernel(logits_ptr, row_stride, vocab, temperature_ptr, top_k_ptr, to
             tl.store(mass_row_ptr + offs, e, mask=offs < vocab)
             total_mass += tl.sum(e)
         tl.debug_barrier()         # the scratch row's stores are seen by every thread of the program
-        cut, ties_kept = _top_p_cut(mass_row_ptr, vocab, e, total_mass, tl.load(top_p_ptr + row),
-                                    BLOCK, TILES, PIVOTS)
+        cut, ties_kept = _top_p_cut(mass_row_ptr, vocab, e, total_mass, tl.load(top_p_ptr + row), BLOCK, TILES)
         state = tl.load(state_ptr + row * state_stride)
         u = _uniform(state)
         token = _draw(mass_row_ptr, vocab, cut, ties_kept, u, DRAW_BLOCK)
@@ -165,8 +163,7 @@ def _sample_kernel(logits_ptr, row_stride, vocab, temperature_ptr, top_k_ptr, to
 
 
 @triton.jit
-def _top_p_cut(mass_row_ptr, vocab, resident, total_mass, top_p,
-               BLOCK: tl.constexpr, TILES: tl.constexpr, PIVOTS: tl.constexpr):
+def _top_p_cut(mass_row_ptr, vocab, resident, total_mass, top_p, BLOCK: tl.constexpr, TILES: tl.constexpr):
     """``(cut, ties_kept)``: the row keeps the tokens whose mass's bits, as an int32, exceed ``cut``, and the
     first ``ties_kept`` of those equal to it. Without top-p (``top_p >= 1``) every token of mass > 0 stays."""
     lanes = tl.arange(0, BLOCK)
@@ -180,19 +177,16 @@ def _top_p_cut(mass_row_ptr, vocab, resident, total_mass, top_p,
         high = tl.full((), 0x3F800000, tl.int32)   # the bits of 1.0
         above_high = tl.full((), 0.0, tl.float32)
         while high - low > 1:
-            new_low, new_high, new_above_high = low, high, above_high
-            for j in tl.static_range(PIVOTS):
-                pivot = low + ((j + 1) * (high - low).to(tl.int64) // (PIVOTS + 1)).to(tl.int32)
-                above = tl.full((), 0.0, tl.float32)
-                for tile in range(TILES):
-                    offs = tile * BLOCK + lanes
-                    e = _mass_tile(mass_row_ptr, offs, vocab, resident, TILES)
-                    above += tl.sum(tl.where(e.to(tl.int32, bitcast=True) > pivot, e, 0.0))
-                light = above < wanted             # false for low pivots, true for high ones
-                new_above_high = tl.where(light & (pivot < new_high), above, new_above_high)
-                new_high = tl.where(light, tl.minimum(new_high, pivot), new_high)
-                new_low = tl.where(light, new_low, tl.maximum(new_low, pivot))
-            low, high, above_high = new_low, new_high, new_above_high
+            middle = low + (high - low) // 2
+            above = tl.full((), 0.0, tl.float32)
+            for tile in range(TILES):
+                offs = tile * BLOCK + lanes
+                e = _mass_tile(mass_row_ptr, offs, vocab, resident, TILES)
+                above += tl.sum(tl.where(e.to(tl.int32, bitcast=True) > middle, e, 0.0))
+            light = above < wanted
+            above_high = tl.where(light, above, above_high)
+            high = tl.where(light, middle, high)
+            low = tl.where(light, low, middle)
         cut = high
         # Tokens of the cut's mass, lowest ids first: the r-th stays while above + r * its mass < wanted.
         cut_mass = cut.to(tl.float32, bitcast=True)
@@ -244,14 +238,13 @@ def _draw(mass_row_ptr, vocab, cut, ties_kept, u, BLOCK: tl.constexpr):
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, greedy: torch.Tensor, state: torch.Tensor,
-                uniforms_out: torch.Tensor | None = None, pivots: int | None = None) -> torch.Tensor:
+                uniforms_out: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``logits`` ``[B, vocab]`` (float32, float16 or bfloat16, rows contiguous), int64
     ``[B]`` on its device: greedy rows take their first maximum, the others draw from their filtered
     distribution. The columns are those of :class:`yaie.engine.sampling.StepTable`: ``temperature``
     float32 ``[B]`` (> 0), ``top_k`` int64 ``[B]`` (0: none), ``top_p`` float32 ``[B]`` (>= 1: none), ``greedy`` bool ``[B]``, ``state`` int64 ``[B]`` (the
     stream's state for this token). ``uniforms_out``: a float64 ``[B]`` tensor for each sampled row's number
-    (the tests read it); greedy rows leave theirs untouched. ``pivots``: candidates per walk of the top-p
-    bisection (default 1, the fastest on the H100 for 32k and 128k vocabularies; the benchmark tries others).
+    (the tests read it); greedy rows leave theirs untouched.
 
     Raises ValueError for a shape, dtype or device the kernel does not take; logits are expected finite or
     -inf, with a finite value in every row."""
@@ -276,6 +269,6 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     scratch = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
     _sample_kernel[(rows,)](logits, logits.stride(0), vocab, temperature, top_k, top_k.stride(0), top_p, greedy,
                             state, state.stride(0), scratch, tokens, tokens if uniforms_out is None else uniforms_out,
-                            BLOCK=block, TILES=tiles, PIVOTS=pivots or 1, DRAW_BLOCK=min(block, 8192),
+                            BLOCK=block, TILES=tiles, DRAW_BLOCK=min(block, 8192),
                             STORE_U=uniforms_out is not None, num_warps=max(4, min(32, block // 1024)))
     return tokens
