@@ -292,6 +292,8 @@ md(r"""
 new tokens start) and `context_lens` (how many tokens each has cached). Below: a 13-token sequence is prefilled,
 cached, then a second sequence reuses its first 8 tokens and computes only 3 new ones; the output is compared
 with plain attention over the whole 11 tokens in float64.
+Without the course's reference (the copy students get), this cell waits for task 4: until you have written
+it in notebook 05b, it prints one line saying so.
 """)
 
 code(r"""

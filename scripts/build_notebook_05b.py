@@ -185,9 +185,14 @@ max stays finite; the junk the row sums meanwhile (`exp2(0) = 1` per masked key)
 
 md(r"""
 ## Try it: the kernel, the reference, and lesson 06 on a gathered copy
+
+The comparison with lesson 06 needs lesson 06's `flash_attention_varlen_forward` (its task 4): until you have
+written it, that line says it is not implemented yet.
 """)
 
 code(r"""
+from yaie.notebook import try_it
+
 args, prefix_k, prefix_v = make_batch([37, 0, 20], [19, 6, 1])
 q, k, v, k_cache, v_cache, tables, cu, ctx = args
 out, lse = L5.prefix_prefill_attention(*args, max_query_len=19)
@@ -195,16 +200,22 @@ ref_out, ref_lse = L5.prefix_prefill_reference(*args)
 print("kernel vs reference: max |out diff|", float((out - ref_out).abs().max()), "| max |lse diff|",
       float((lse - ref_lse).abs().max()))
 
-# Lesson 06 needs every prefix gathered into one contiguous buffer first: that copy is what this kernel saves.
-keys, values, cu_k = [], [], [0]
-for b in range(len(prefix_k)):
-    first, last = int(cu[b]), int(cu[b + 1])
-    keys.append(torch.cat([prefix_k[b].to(k), k[first:last]]))
-    values.append(torch.cat([prefix_v[b].to(v), v[first:last]]))
-    cu_k.append(cu_k[-1] + keys[-1].shape[0])
-cu_k = torch.tensor(cu_k, dtype=torch.int32, device=device)
-out06, _ = L6.flash_attention_varlen_forward(q, torch.cat(keys), torch.cat(values), cu, cu_k, 19, int(cu_k.diff().max()))
-print("kernel vs lesson 06 on the gathered copy: max |diff|", float((out - out06).abs().max()))
+
+def kernel_vs_lesson06():
+    # Lesson 06 needs every prefix gathered into one contiguous buffer first: that copy is what this kernel saves.
+    keys, values, cu_k = [], [], [0]
+    for b in range(len(prefix_k)):
+        first, last = int(cu[b]), int(cu[b + 1])
+        keys.append(torch.cat([prefix_k[b].to(k), k[first:last]]))
+        values.append(torch.cat([prefix_v[b].to(v), v[first:last]]))
+        cu_k.append(cu_k[-1] + keys[-1].shape[0])
+    cu_k = torch.tensor(cu_k, dtype=torch.int32, device=device)
+    out06, _ = L6.flash_attention_varlen_forward(q, torch.cat(keys), torch.cat(values), cu, cu_k, 19,
+                                                 int(cu_k.diff().max()))
+    print("kernel vs lesson 06 on the gathered copy: max |diff|", float((out - out06).abs().max()))
+
+
+try_it(kernel_vs_lesson06)
 """)
 
 md(r"""

@@ -1,5 +1,5 @@
 """Every grader fails task by task, as "not implemented", on the stubs; the grader's options. (That the reference
-passes every grader, part by part in the order of the notebooks: ``tests/test_lesson_order.py``.)"""
+passes every grader, part by part in the order of the notebooks: ``tests/test_notebooks.py``.)"""
 
 from __future__ import annotations
 

@@ -1,14 +1,19 @@
-"""Every lesson notebook is stored without outputs and runs top to bottom on the reference solutions."""
+"""Every lesson notebook is stored without outputs, and runs top to bottom in the copy students get, in the
+order students take them."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+from pathlib import Path
 
 import nbformat
 import pytest
 
 from tests.helpers import ROOT
+from tests.test_student_copy import copy  # noqa: F401 (a fixture)
 
 NOTEBOOKS = sorted((ROOT / "lessons").glob("*/*.ipynb"))
 
@@ -35,12 +40,56 @@ def test_notebook_is_stored_without_outputs(path):
                 f"{path.name}: clear the outputs before committing (jupyter nbconvert --clear-output --inplace)"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.parent.name)
-def test_notebook_runs_on_the_solutions(path, monkeypatch):
+# The parts in the order students take them: (notebook, modules it has the student write, the later tasks'
+# functions one of its demos previews, which say they wait for them).
+PARTS = [
+    ("01_cpu_kernels/01_cpu_kernels.ipynb", ["cpu_kernels"], ()),
+    ("02_triton_elementwise/02_triton_elementwise.ipynb", ["gpu_elementwise"], ()),
+    ("03_paged_kv_cache/03_paged_kv_cache.ipynb", ["kv_cache"], ()),
+    ("04_paged_attention/04_paged_attention.ipynb", ["paged_attention"], ()),
+    ("05_radix_flashinfer/05a_radix_tree.ipynb", ["radix_attention"], ("prefix_prefill_attention",)),
+    ("05_radix_flashinfer/05b_prefix_prefill.ipynb", ["prefix_prefill"], ("flash_attention_varlen_forward",)),
+    ("05_radix_flashinfer/05c_plan_run_cascade.ipynb", ["flashinfer"], ()),
+    ("06_flash_attention/06_flash_attention.ipynb", ["flash_attention"], ()),
+    ("07_telescoping_cache/07_telescoping_cache.ipynb", ["telescoping"], ()),
+    ("08_based_linear_attention/08_based_linear_attention.ipynb", ["based"], ()),
+]
+
+
+def test_the_parts_are_the_notebooks():
+    assert sorted(ROOT / "lessons" / notebook for notebook, _, _ in PARTS) == NOTEBOOKS
+
+
+@pytest.fixture(scope="module")
+def course(copy, tmp_path_factory) -> Path:
+    """A copy of the student copy that the parts are written into, one after the other, and a folder whose
+    ``solutions`` package cannot be imported: on ``PYTHONPATH`` before the editable install of this repository,
+    it keeps the notebooks' kernels and the graders they start from finding this repository's reference."""
+    course = shutil.copytree(copy, tmp_path_factory.mktemp("order") / "course")
+    hidden = tmp_path_factory.mktemp("no_reference") / "solutions"
+    hidden.mkdir()
+    (hidden / "__init__.py").write_text(
+        'raise ModuleNotFoundError("the student copy has no reference solutions", name="solutions")\n')
+    return course, hidden.parent
+
+
+@pytest.mark.parametrize("index", range(len(PARTS)), ids=[Path(notebook).stem[:3].rstrip("_") for notebook, _, _ in PARTS])
+def test_notebook_runs_in_the_students_copy_with_the_parts_up_to_it_written(course, index, monkeypatch):
+    """Notebook by notebook, in the copy students get, with the parts up to and including this one written (the
+    reference's modules copied in as the student's code): the notebook runs top to bottom and its last cell,
+    the part's grader, gives full marks. A cell that needs a later part fails here. The walk is one pass of
+    every grader over the reference: the course's proof that the reference passes every grader
+    (``tests/test_graders.py`` proves the stubs fail them)."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError
 
-    monkeypatch.setenv("YAIE_SOLUTIONS", "all")
+    course, no_reference = course
+    for _, modules, _ in PARTS[:index + 1]:          # every part up to this one (written again: idempotent)
+        for module in modules:
+            shutil.copy(ROOT / "solutions" / "kernels" / f"{module}.py", course / "yaie" / "kernels" / f"{module}.py")
+    path = course / "lessons" / PARTS[index][0]
+    monkeypatch.delenv("YAIE_SOLUTIONS", raising=False)
+    monkeypatch.setenv("PYTHONPATH", f"{no_reference}{os.pathsep}{course}")
     # One thread per kernel: the notebooks' tensors are tiny, and on a loaded 2-core machine torch's
     # thread pool can spin for minutes (seen once here).
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -60,7 +109,13 @@ def test_notebook_runs_on_the_solutions(path, monkeypatch):
                 raise
     text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                      for out in cell.get("outputs", []) if out.get("output_type") == "stream")
-    assert "not implemented yet" not in text, "with the reference every exercise cell must run"
-    assert "tasks passed" in text, "the last cell must run the lesson's grader"
+    previews = PARTS[index][2]
+    missing = [line for line in text.splitlines() if "not implemented yet" in line or "reference solution" in line]
+    waits = [line for line in missing if any(name in line for name in previews)]
+    assert missing == waits, (f"{path.name} needs a part not written yet, or the reference the copy lacks: "
+                              f"{[line for line in missing if line not in waits]}")
+    assert all(any(name in line for line in waits) for name in previews), \
+        f"{path.name} no longer waits for {previews}: take them out of PARTS"
     score = re.search(rf"lesson {path.parent.name[:2]}: (\d+)/(\d+) tasks passed", text)
-    assert score and score.group(1) == score.group(2) != "0", f"the grader cell must pass on the reference: {text[-2000:]}"
+    assert score and score.group(1) == score.group(2) != "0", \
+        f"the part's grader (the last cell) must give full marks with the parts up to it written: {text[-3000:]}"
