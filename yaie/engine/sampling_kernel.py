@@ -22,8 +22,9 @@ draw reads back in tiles:
    as their bits do as int32s, so ``c`` is found by bisection over those integers: each walk over the row
    sums the mass above the middle of the interval and halves it (30 walks cover the 2**30 floats in [0, 1]);
 4. the kept tokens' total mass in float64, then the draw: the first kept token whose cumulative mass, in
-   vocabulary order, exceeds ``u * total``. Both use the same sums, so the last token's cumulative mass is
-   that total exactly.
+   vocabulary order, exceeds ``u * total``. The total is a sum of tile sums, and the draw adds the same tile
+   sums in the same order to find the tile where the cumulative mass passes ``u * total``: only that tile
+   takes a prefix sum.
 
 A walk over a resident row is a few instructions per register and one reduction, where the torch sampler
 sorts the row. The row's uniform number is SplitMix64 of its state, computed in the kernel on uint64
@@ -202,15 +203,24 @@ def _kept_masses(mass_row_ptr, offs, vocab, cut, ties_kept, ties_before):
     e = tl.load(mass_row_ptr + offs, mask=offs < vocab, other=0.0)
     key = e.to(tl.int32, bitcast=True)
     tie = (key == cut) & (e > 0)
-    rank = ties_before + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-    kept = (key > cut) | (tie & (rank < ties_kept))
-    return tl.where(kept, e, 0.0), tl.sum(tie.to(tl.int32))
+    ties = tl.sum(tie.to(tl.int32))
+    # Ranking the ties takes a prefix sum over the tile; only the tile that holds the last kept tie needs it.
+    if ties_before + ties <= ties_kept:
+        kept = (key > cut) | tie
+    elif ties_before >= ties_kept:
+        kept = key > cut
+    else:
+        rank = ties_before + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        kept = (key > cut) | (tie & (rank < ties_kept))
+    return tl.where(kept, e, 0.0), ties
 
 
 @triton.jit
 def _draw(mass_row_ptr, vocab, cut, ties_kept, u, BLOCK: tl.constexpr):
     """The first token whose cumulative kept mass (float64, vocabulary order) exceeds ``u`` times the total,
-    from the scratch row in tiles of ``BLOCK``."""
+    from the scratch row in tiles of ``BLOCK``. The total is a sum of tile sums; the second walk adds the same
+    tile sums in the same order until the tile where the running sum passes ``u * total``, and takes a prefix
+    sum inside that tile only (a prefix sum costs a program several times what a sum does)."""
     lanes = tl.arange(0, BLOCK)
     total = tl.full((), 0.0, tl.float64)
     last_kept = tl.full((), -1, tl.int32)
@@ -219,19 +229,23 @@ def _draw(mass_row_ptr, vocab, cut, ties_kept, u, BLOCK: tl.constexpr):
         offs = start + lanes
         kept, ties = _kept_masses(mass_row_ptr, offs, vocab, cut, ties_kept, ties_before)
         ties_before += ties
-        total = tl.max(total + tl.cumsum(kept.to(tl.float64), axis=0))     # nondecreasing: its last value
+        total += tl.sum(kept.to(tl.float64))
         last_kept = tl.maximum(last_kept, tl.max(tl.where(kept > 0, offs, -1)))
     target = u * total
-    token = vocab
+    token = tl.full((), vocab, tl.int32)
     cumulative = tl.full((), 0.0, tl.float64)
     ties_before = tl.full((), 0, tl.int32)
     for start in range(0, vocab, BLOCK):
         offs = start + lanes
         kept, ties = _kept_masses(mass_row_ptr, offs, vocab, cut, ties_kept, ties_before)
         ties_before += ties
-        sums = cumulative + tl.cumsum(kept.to(tl.float64), axis=0)
-        token = tl.minimum(token, tl.min(tl.where(sums > target, offs, vocab)))
-        cumulative = tl.max(sums)
+        tile_mass = tl.sum(kept.to(tl.float64))
+        if (token == vocab) & (cumulative + tile_mass > target):
+            sums = cumulative + tl.cumsum(kept.to(tl.float64), axis=0)
+            # A kept token only: the prefix sum may round below the tile's sum and leave the crossing to
+            # the next tile, whose running sum starts above the target.
+            token = tl.min(tl.where((sums > target) & (kept > 0), offs, vocab))
+        cumulative += tile_mass
     # u * total may round up to total (about once in 2**53 draws): then the last token with mass.
     return tl.where(token < vocab, token, last_kept)
 
