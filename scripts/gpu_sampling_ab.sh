@@ -22,7 +22,7 @@ BASE_TREE=$(cd "${BASE_TREE:-.baseline}" && pwd)
     -q -p no:cacheprovider
   echo "== tests rc $?"
   bench() {   # tree, label
-    PYTHONPATH=$1 python3 -c "import yaie.engine.sampling_kernel as k; print('== $2 runs', k.__file__)"
+    (cd "$1" && PYTHONPATH=$1 python3 -c "import yaie.engine.sampling_kernel as k; print('== $2 runs', k.__file__)")
     PYTHONPATH=$1 timeout 150 python3 scripts/bench_sampling.py --out "$OUT/$2" --vocabs "${VOCABS:-32000,128256}" \
       --batches "${BATCHES:-1,16,64}"
     echo "== $2 rc $?"

@@ -70,9 +70,10 @@ def _from_order_key(key):
 
 
 @triton.jit
-def _kth_largest(row_ptr, vocab, temperature, k, resident, BLOCK: tl.constexpr, TILES: tl.constexpr):
+def _kth_largest(scaled_row_ptr, vocab, k, resident, BLOCK: tl.constexpr, TILES: tl.constexpr):
     """The k-th largest scaled logit of the row (equal values counted each), by bisection over order keys:
-    at least k keys are >= ``low``, fewer than k are >= ``high``. ``resident``: the row, if it is one tile."""
+    at least k keys are >= ``low``, fewer than k are >= ``high``. ``resident``: the row, if it is one tile;
+    else the scaled logits are read from ``scaled_row_ptr`` (the scratch row)."""
     lanes = tl.arange(0, BLOCK)
     low = tl.full((), -2147483648, tl.int64)
     high = tl.full((), 2147483648, tl.int64)
@@ -84,7 +85,7 @@ def _kth_largest(row_ptr, vocab, temperature, k, resident, BLOCK: tl.constexpr, 
             if TILES == 1:
                 s = resident
             else:
-                s, _ = _scaled_tile(row_ptr, offs, vocab, temperature, float("-inf"))
+                s = tl.load(scaled_row_ptr + offs, mask=offs < vocab, other=float("-inf"))
             count += tl.sum(((_order_key(s) >= middle) & (offs < vocab)).to(tl.int32))
         enough = count >= k
         low = tl.where(enough, middle.to(tl.int64), low)
@@ -142,7 +143,17 @@ def _sample_kernel(logits_ptr, row_stride, vocab, temperature_ptr, top_k_ptr, to
         top_k = tl.load(top_k_ptr + row * top_k_stride).to(tl.int32)
         kth = tl.full((), float("-inf"), tl.float32)
         if top_k > 0:
-            kth = _kth_largest(row_ptr, vocab, temperature, top_k, resident, BLOCK, TILES)
+            if TILES > 1:
+                # The scaled logits go to the scratch row once (the masses overwrite them below): each walk of
+                # the bisection then reads them back instead of dividing every logit again, which is what
+                # a walk over a long row otherwise spends its time on.
+                for tile in range(TILES):
+                    offs = tile * BLOCK + lanes
+                    s, _ = _scaled_tile(row_ptr, offs, vocab, temperature, float("-inf"))
+                    tl.store(mass_row_ptr + offs, s, mask=offs < vocab)
+                tl.debug_barrier()
+            kth = _kth_largest(mass_row_ptr, vocab, top_k, resident, BLOCK, TILES)
+            tl.debug_barrier()     # every thread's last read of the scaled logits comes before the masses' stores
         # 2. The masses and their sum, into the scratch row (a resident row also keeps its one tile in
         # registers for the bisection).
         total_mass = tl.full((), 0.0, tl.float32)
