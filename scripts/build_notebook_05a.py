@@ -155,6 +155,11 @@ def build_tree():
     return tree
 
 tree = try_it(build_tree)
+
+
+def built_tree():
+    # The tree above; while task 1 is unfinished that is None, and this raises its NotImplementedError again.
+    return tree if tree is not None else build_tree()
 """)
 
 md(r"""
@@ -170,7 +175,7 @@ Now `match_prefix`: the longest cached prefix in whole blocks. A partial last bl
 code(r"""
 def matches():
     question = tokenizer.encode(SYSTEM + "Tell me about a dog.")
-    found = tree.match_prefix(question)
+    found = built_tree().match_prefix(question)
     print(f"{len(question)} tokens; cached: {found.num_tokens} tokens in blocks {list(found.blocks)}")
     print("reused:  ", repr(tokenizer.decode(question[:found.num_tokens])))
     print("to compute:", repr(tokenizer.decode(question[found.num_tokens:])))
@@ -188,14 +193,15 @@ blocks is removed. Below, the fox prompt is locked (red border) and we ask for 6
 
 code(r"""
 def lock_and_evict():
-    fox = tree.match_prefix(ids[0])
-    tree.lock(fox.node)
-    freed = tree.evict(6)
-    print("evicted blocks:", list(freed), "| still cached:", tree.num_cached_blocks, "blocks")
+    the_tree = built_tree()
+    fox = the_tree.match_prefix(ids[0])
+    the_tree.lock(fox.node)
+    freed = the_tree.evict(6)
+    print("evicted blocks:", list(freed), "| still cached:", the_tree.num_cached_blocks, "blocks")
     fig, ax = plt.subplots(figsize=(12, 2.6))
-    draw_tree(tree, ax, "after evict(6) with the fox prompt locked (red)")
+    draw_tree(the_tree, ax, "after evict(6) with the fox prompt locked (red)")
     plt.show()
-    tree.unlock(fox.node)
+    the_tree.unlock(fox.node)
 
 try_it(lock_and_evict)
 """)
@@ -341,7 +347,10 @@ def engine_demo():
     llm.generate(story + "she", params)                                  # caches the story
     outs = llm.generate([story + "they went to the park.", story + "it rained."], params)
     stats = llm.prefix_cache_stats()
-    print(f"tokens reused: {stats.cached_tokens} of {stats.prompt_tokens} prompt tokens ({stats.hit_rate:.0%})")
+    if stats is None:       # no prefix cache: tasks 1-2 unfinished (the engine's notice above says which)
+        print("the engine ran without a prefix cache: it reuses tokens once tasks 1 and 2 are written")
+    else:
+        print(f"tokens reused: {stats.cached_tokens} of {stats.prompt_tokens} prompt tokens ({stats.hit_rate:.0%})")
     for o in outs:
         print(repr(o.text))
 

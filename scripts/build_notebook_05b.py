@@ -195,13 +195,17 @@ from yaie.notebook import try_it
 
 args, prefix_k, prefix_v = make_batch([37, 0, 20], [19, 6, 1])
 q, k, v, k_cache, v_cache, tables, cu, ctx = args
-out, lse = L5.prefix_prefill_attention(*args, max_query_len=19)
-ref_out, ref_lse = L5.prefix_prefill_reference(*args)
-print("kernel vs reference: max |out diff|", float((out - ref_out).abs().max()), "| max |lse diff|",
-      float((lse - ref_lse).abs().max()))
+
+
+def kernel_vs_reference():
+    out, lse = L5.prefix_prefill_attention(*args, max_query_len=19)
+    ref_out, ref_lse = L5.prefix_prefill_reference(*args)
+    print("kernel vs reference: max |out diff|", float((out - ref_out).abs().max()), "| max |lse diff|",
+          float((lse - ref_lse).abs().max()))
 
 
 def kernel_vs_lesson06():
+    out, _ = L5.prefix_prefill_attention(*args, max_query_len=19)
     # Lesson 06 needs every prefix gathered into one contiguous buffer first: that copy is what this kernel saves.
     keys, values, cu_k = [], [], [0]
     for b in range(len(prefix_k)):
@@ -215,6 +219,7 @@ def kernel_vs_lesson06():
     print("kernel vs lesson 06 on the gathered copy: max |diff|", float((out - out06).abs().max()))
 
 
+try_it(kernel_vs_reference)
 try_it(kernel_vs_lesson06)
 """)
 
@@ -232,21 +237,26 @@ zeros in a new `out`, or whatever your own `out` held (e.g. what the decode kern
 """)
 
 code(r"""
-sinks = torch.tensor([0.0, 2.0, 4.0, 8.0], device=device)
-with_sinks, lse_s = L5.prefix_prefill_attention(*args, 19, sinks=sinks)
-plain_norm = out.float().norm(dim=-1).mean(0)
-sink_norm = with_sinks.float().norm(dim=-1).mean(0)
-for h in range(4):
-    print(f"head {h}: sink {float(sinks[h]):4.1f}  mean |out| {float(plain_norm[h]):.3f} -> {float(sink_norm[h]):.3f}"
-          f"   mean lse {float(lse[h].mean()):.2f} -> {float(lse_s[h].mean()):.2f}")
+def sinks_window_skip_decode():
+    out, lse = L5.prefix_prefill_attention(*args, 19)
+    sinks = torch.tensor([0.0, 2.0, 4.0, 8.0], device=device)
+    with_sinks, lse_s = L5.prefix_prefill_attention(*args, 19, sinks=sinks)
+    plain_norm = out.float().norm(dim=-1).mean(0)
+    sink_norm = with_sinks.float().norm(dim=-1).mean(0)
+    for h in range(4):
+        print(f"head {h}: sink {float(sinks[h]):4.1f}  mean |out| {float(plain_norm[h]):.3f} -> "
+              f"{float(sink_norm[h]):.3f}   mean lse {float(lse[h].mean()):.2f} -> {float(lse_s[h].mean()):.2f}")
 
-windowed, _ = L5.prefix_prefill_attention(*args, 19, sliding_window=8)
-ref_w, _ = L5.prefix_prefill_reference(*args, sliding_window=8)
-print("window 8: kernel vs reference", float((windowed - ref_w).abs().max()))
+    windowed, _ = L5.prefix_prefill_attention(*args, 19, sliding_window=8)
+    ref_w, _ = L5.prefix_prefill_reference(*args, sliding_window=8)
+    print("window 8: kernel vs reference", float((windowed - ref_w).abs().max()))
 
-mine = torch.full_like(q, 7.0)
-L5.prefix_prefill_attention(*args, 19, skip_decode=True, out=mine)
-print("skip_decode: the one-token sequence's row kept its 7.0:", bool((mine[int(cu[2]):] == 7.0).all()))
+    mine = torch.full_like(q, 7.0)
+    L5.prefix_prefill_attention(*args, 19, skip_decode=True, out=mine)
+    print("skip_decode: the one-token sequence's row kept its 7.0:", bool((mine[int(cu[2]):] == 7.0).all()))
+
+
+try_it(sinks_window_skip_decode)
 """)
 
 md(r"""
@@ -260,14 +270,18 @@ reads either layout (a 5-D `k_cache` selects this one); the benchmark (`yaie ben
 """)
 
 code(r"""
-k16 = L5.to_vector_k_layout(k_cache.half())
-print("lesson 03 layout:", tuple(k_cache.shape), "-> vector layout:", tuple(k16.shape),
-      f"(x = {k16.shape[-1]} halves = {k16.shape[-1] * k16.element_size()} bytes)")
-if not interpreted or k16.dtype != torch.bfloat16:
+def vector_k_layout():
+    k16 = L5.to_vector_k_layout(k_cache.half())
+    print("lesson 03 layout:", tuple(k_cache.shape), "-> vector layout:", tuple(k16.shape),
+          f"(x = {k16.shape[-1]} halves = {k16.shape[-1] * k16.element_size()} bytes)")
     args16 = [t.half() if t.is_floating_point() else t for t in args]
     args16[3] = k16
     out16, _ = L5.prefix_prefill_attention(*args16, 19)
+    out, _ = L5.prefix_prefill_attention(*args, 19)
     print("fp16, vector K layout: max |diff| to the float32 result", float((out16.float() - out.float()).abs().max()))
+
+
+try_it(vector_k_layout)
 """)
 
 md(r"""

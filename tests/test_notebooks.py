@@ -60,12 +60,11 @@ def test_the_parts_are_the_notebooks():
     assert sorted(ROOT / "lessons" / notebook for notebook, _, _ in PARTS) == NOTEBOOKS
 
 
-@pytest.fixture(scope="module")
-def course(copy, tmp_path_factory) -> Path:
-    """A copy of the student copy that the parts are written into, one after the other, and a folder whose
+def _students_copy(copy, tmp_path_factory, name: str) -> tuple[Path, Path]:
+    """A copy of the student copy that parts are written into, one after the other, and a folder whose
     ``solutions`` package cannot be imported: on ``PYTHONPATH`` before the editable install of this repository,
     it keeps the notebooks' kernels and the graders they start from finding this repository's reference."""
-    course = shutil.copytree(copy, tmp_path_factory.mktemp("order") / "course")
+    course = shutil.copytree(copy, tmp_path_factory.mktemp(name) / "course")
     hidden = tmp_path_factory.mktemp("no_reference") / "solutions"
     hidden.mkdir()
     (hidden / "__init__.py").write_text(
@@ -73,18 +72,24 @@ def course(copy, tmp_path_factory) -> Path:
     return course, hidden.parent
 
 
-@pytest.mark.parametrize("index", range(len(PARTS)), ids=[Path(notebook).stem[:3].rstrip("_") for notebook, _, _ in PARTS])
-def test_notebook_runs_in_the_students_copy_with_the_parts_up_to_it_written(course, index, monkeypatch):
-    """Notebook by notebook, in the copy students get, with the parts up to and including this one written (the
-    reference's modules copied in as the student's code): the notebook runs top to bottom and its last cell,
-    the part's grader, gives full marks. A cell that needs a later part fails here. The walk is one pass of
-    every grader over the reference: the course's proof that the reference passes every grader
-    (``tests/test_graders.py`` proves the stubs fail them)."""
+@pytest.fixture(scope="module")
+def course(copy, tmp_path_factory) -> tuple[Path, Path]:
+    return _students_copy(copy, tmp_path_factory, "written")
+
+
+@pytest.fixture(scope="module")
+def course_before(copy, tmp_path_factory) -> tuple[Path, Path]:
+    return _students_copy(copy, tmp_path_factory, "before")
+
+
+def _run_in_copy(course: tuple[Path, Path], parts: int, index: int, monkeypatch) -> tuple[Path, str]:
+    """Write the first ``parts`` parts into the copy (again: idempotent), run notebook ``index`` there top to
+    bottom (a cell that raises fails the test with its traceback), and return its path and printed text."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError
 
     course, no_reference = course
-    for _, modules, _ in PARTS[:index + 1]:          # every part up to this one (written again: idempotent)
+    for _, modules, _ in PARTS[:parts]:
         for module in modules:
             shutil.copy(ROOT / "solutions" / "kernels" / f"{module}.py", course / "yaie" / "kernels" / f"{module}.py")
     path = course / "lessons" / PARTS[index][0]
@@ -109,6 +114,20 @@ def test_notebook_runs_in_the_students_copy_with_the_parts_up_to_it_written(cour
                 raise
     text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                      for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+    return path, text
+
+
+IDS = [Path(notebook).stem[:3].rstrip("_") for notebook, _, _ in PARTS]
+
+
+@pytest.mark.parametrize("index", range(len(PARTS)), ids=IDS)
+def test_notebook_runs_in_the_students_copy_with_the_parts_up_to_it_written(course, index, monkeypatch):
+    """Notebook by notebook, in the copy students get, with the parts up to and including this one written (the
+    reference's modules copied in as the student's code): the notebook runs top to bottom and its last cell,
+    the part's grader, gives full marks. A cell that needs a later part fails here. The walk is one pass of
+    every grader over the reference: the course's proof that the reference passes every grader
+    (``tests/test_graders.py`` proves the stubs fail them)."""
+    path, text = _run_in_copy(course, index + 1, index, monkeypatch)
     previews = PARTS[index][2]
     missing = [line for line in text.splitlines() if "not implemented yet" in line or "reference solution" in line]
     waits = [line for line in missing if any(name in line for name in previews)]
@@ -119,3 +138,15 @@ def test_notebook_runs_in_the_students_copy_with_the_parts_up_to_it_written(cour
     score = re.search(rf"lesson {path.parent.name[:2]}: (\d+)/(\d+) tasks passed", text)
     assert score and score.group(1) == score.group(2) != "0", \
         f"the part's grader (the last cell) must give full marks with the parts up to it written: {text[-3000:]}"
+
+
+@pytest.mark.parametrize("index", range(len(PARTS)), ids=IDS)
+def test_notebook_opened_before_its_part_is_written_says_what_to_write(course_before, index, monkeypatch):
+    """The notebook as a student first opens it, the parts before it written and its own still stubs: it runs
+    top to bottom with no traceback, each unfinished exercise printing its one "not implemented yet" line,
+    and its grader cell scoring 0."""
+    path, text = _run_in_copy(course_before, index, index, monkeypatch)
+    assert "not implemented yet" in text, f"{path.name} never says which task to write: {text[-2000:]}"
+    score = re.search(rf"lesson {path.parent.name[:2]}: (\d+)/(\d+) tasks passed", text)
+    assert score and score.group(1) == "0" != score.group(2), \
+        f"the part's grader (the last cell) must score 0 on its stubs: {text[-3000:]}"
