@@ -60,7 +60,7 @@ def test_the_parts_are_the_notebooks():
     assert sorted(ROOT / "lessons" / notebook for notebook, _, _ in PARTS) == NOTEBOOKS
 
 
-def _students_copy(copy, tmp_path_factory, name: str) -> tuple[Path, Path]:
+def students_copy(copy, tmp_path_factory, name: str) -> tuple[Path, Path]:
     """A copy of the student copy that parts are written into, one after the other, and a folder whose
     ``solutions`` package cannot be imported: on ``PYTHONPATH`` before the editable install of this repository,
     it keeps the notebooks' kernels and the graders they start from finding this repository's reference."""
@@ -74,17 +74,14 @@ def _students_copy(copy, tmp_path_factory, name: str) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def course(copy, tmp_path_factory) -> tuple[Path, Path]:
-    return _students_copy(copy, tmp_path_factory, "written")
+    return students_copy(copy, tmp_path_factory, "written")
 
 
-@pytest.fixture(scope="module")
-def course_before(copy, tmp_path_factory) -> tuple[Path, Path]:
-    return _students_copy(copy, tmp_path_factory, "before")
-
-
-def _run_in_copy(course: tuple[Path, Path], parts: int, index: int, monkeypatch) -> tuple[Path, str]:
+def run_in_copy(course: tuple[Path, Path], parts: int, index: int, monkeypatch,
+                grader_cell: bool = True) -> tuple[Path, str]:
     """Write the first ``parts`` parts into the copy (again: idempotent), run notebook ``index`` there top to
-    bottom (a cell that raises fails the test with its traceback), and return its path and printed text."""
+    bottom (a cell that raises fails the test with its traceback), and return its path and printed text.
+    ``grader_cell=False`` leaves out the grader's cell."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError
 
@@ -105,6 +102,10 @@ def _run_in_copy(course: tuple[Path, Path], parts: int, index: int, monkeypatch)
     # reply costs 2 minutes of one test worker rather than 4.
     for attempt in (1, 2):
         nb = nbformat.read(path, as_version=4)
+        if not grader_cell:
+            graders = [cell for cell in nb.cells if cell.cell_type == "code" and "run_grader(" in cell.source]
+            assert len(graders) == 1, f"{path.name}: {len(graders)} grader cells"
+            nb.cells.remove(graders[0])
         try:
             NotebookClient(nb, timeout=120, kernel_name="python3",
                            resources={"metadata": {"path": str(path.parent)}}).execute()
@@ -127,7 +128,7 @@ def test_notebook_runs_in_the_students_copy_with_the_parts_up_to_it_written(cour
     the part's grader, gives full marks. A cell that needs a later part fails here. The walk is one pass of
     every grader over the reference: the course's proof that the reference passes every grader
     (``tests/test_graders.py`` proves the stubs fail them)."""
-    path, text = _run_in_copy(course, index + 1, index, monkeypatch)
+    path, text = run_in_copy(course, index + 1, index, monkeypatch)
     previews = PARTS[index][2]
     missing = [line for line in text.splitlines() if "not implemented yet" in line or "reference solution" in line]
     waits = [line for line in missing if any(name in line for name in previews)]
@@ -138,15 +139,3 @@ def test_notebook_runs_in_the_students_copy_with_the_parts_up_to_it_written(cour
     score = re.search(rf"lesson {path.parent.name[:2]}: (\d+)/(\d+) tasks passed", text)
     assert score and score.group(1) == score.group(2) != "0", \
         f"the part's grader (the last cell) must give full marks with the parts up to it written: {text[-3000:]}"
-
-
-@pytest.mark.parametrize("index", range(len(PARTS)), ids=IDS)
-def test_notebook_opened_before_its_part_is_written_says_what_to_write(course_before, index, monkeypatch):
-    """The notebook as a student first opens it, the parts before it written and its own still stubs: it runs
-    top to bottom with no traceback, each unfinished exercise printing its one "not implemented yet" line,
-    and its grader cell scoring 0."""
-    path, text = _run_in_copy(course_before, index, index, monkeypatch)
-    assert "not implemented yet" in text, f"{path.name} never says which task to write: {text[-2000:]}"
-    score = re.search(rf"lesson {path.parent.name[:2]}: (\d+)/(\d+) tasks passed", text)
-    assert score and score.group(1) == "0" != score.group(2), \
-        f"the part's grader (the last cell) must score 0 on its stubs: {text[-3000:]}"
