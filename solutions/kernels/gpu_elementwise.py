@@ -19,8 +19,6 @@ Tensors must live on a CUDA GPU, or on the CPU when the Triton interpreter is on
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from yaie.device import prepare_triton, triton_interpreted
@@ -553,20 +551,17 @@ def _matvec_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out
     # bytes in flight) to keep the memory busy. The input vector (a few KB) comes from the L2 cache.
     # PROLOGUE builds the input from the previous op's output instead of reading it from memory:
     # 0 the vector itself, 1 SwiGLU's silu(gate) * up, 2 RMSNorm of x + residual (the sum goes to res_out).
-    # The program walks the blocks of BLOCK_N rows pid, pid + grid, ... (a grid smaller than the number of
-    # blocks keeps part of each SM free for the next kernel's programs, which then read their first weights
-    # while this kernel drains).
-    pid = tl.program_id(0)
-    num_blocks = tl.cdiv(N, BLOCK_N)
-    first_cols = tl.arange(0, BLOCK_K)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
     # The first tile of weights. The weights are the same at every step, so with programmatic dependent
     # launch (PDL) they are read BEFORE waiting for the kernel launched before this one: that kernel's tail
     # and this kernel's first loads overlap. Everything the earlier kernels write (the input vector, the
     # residual) is read after gdc_wait, and this kernel writes nothing before it.
     # "Evict first": each weight is read once, and must not push the input vector out of the cache.
-    w_first = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + first_cols[None, :],
-                      mask=(rows < N)[:, None] & (first_cols < K)[None, :], other=0.0, eviction_policy="evict_first")
+    first_cols = tl.arange(0, BLOCK_K)
+    w_first = tl.load(w_rows + first_cols[None, :], mask=row_ok[:, None] & (first_cols < K)[None, :], other=0.0,
+                      eviction_policy="evict_first")
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()   # the next kernel may start its own weight reads
         tl.extra.cuda.gdc_wait()                # the kernel before has finished and its writes are visible
@@ -581,32 +576,23 @@ def _matvec_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out
             x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             res = tl.load(res_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             h = (x + res).to(res_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + cols, h, mask=cols < tl.where(pid == 0, K, 0))
+            tl.store(res_out_ptr + cols, h, mask=cols < tl.where(tl.program_id(0) == 0, K, 0))
             h = h.to(tl.float32)
             squares += h * h
         inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + epsilon)
-    for block in range(pid, num_blocks, tl.num_programs(0)):
-        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-        if block == pid:
-            w = w_first
-        else:
-            w = tl.load(w_rows + first_cols[None, :], mask=row_ok[:, None] & (first_cols < K)[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        vec = _matvec_input(x_ptr, res_ptr, norm_w_ptr, first_cols, first_cols < K, K, inv_rms, PROLOGUE)
-        acc = w.to(tl.float32) * vec[None, :]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            vec = _matvec_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, K, inv_rms, PROLOGUE)
-            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            acc += w.to(tl.float32) * vec[None, :]
-        out = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+    vec = _matvec_input(x_ptr, res_ptr, norm_w_ptr, first_cols, first_cols < K, K, inv_rms, PROLOGUE)
+    acc = w_first.to(tl.float32) * vec[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        vec = _matvec_input(x_ptr, res_ptr, norm_w_ptr, cols, col_ok, K, inv_rms, PROLOGUE)
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        acc += w.to(tl.float32) * vec[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 # yaie: solution-only
@@ -649,15 +635,9 @@ def _launch_matvec(prologue, x, weight, bias, residual=None, norm_weight=None, e
     if triton_interpreted():
         config = dict(config, BLOCK_K=min(config["BLOCK_K"], triton.next_power_of_2(k)))
     block_n = config["BLOCK_N"]
-    programs = (n + block_n - 1) // block_n
-    per_sm = int(os.environ.get("YAIE_MATVEC_PER_SM", "0"))
-    if per_sm and weight.is_cuda:
-        programs = min(programs, per_sm * torch.cuda.get_device_properties(weight.device).multi_processor_count)
-    if triton_interpreted():
-        programs = min(programs, 3)     # the interpreter walks the row blocks the way a small grid does
     # Programmatic dependent launch on Hopper (yaie.device.programmatic_launch): the kernel may start
     # before the one before it ends, and waits for it inside (gdc_wait) before it reads the input.
-    _matvec_kernel[(programs,)](
+    _matvec_kernel[((n + block_n - 1) // block_n,)](
         x, x if residual is None else residual, x if norm_weight is None else norm_weight, weight,
         weight if bias is None else bias, out, out if res_out is None else res_out, n, k, weight.stride(0),
         epsilon, PROLOGUE=prologue, HAS_BIAS=bias is not None, **config,
