@@ -7,8 +7,9 @@ seeded request gets the same token from either, except where float rounding puts
 other side of a boundary (their sums run in different orders).
 
 A program owns one row. Up to ``RESIDENT_VOCAB`` tokens the row stays in the program's registers for the
-bisections; a longer row is walked in tiles. The masses also go to a scratch row (L2-resident), which the
-draw reads back in tiles:
+bisections; a longer row is walked in tiles of a scratch row (L2-resident), which holds its scaled logits for
+top-k's bisection and then its masses. Every row's masses go to the scratch row, which the draw reads back in
+tiles:
 
 1. the maximum of the scaled logits ``s = x / temperature`` and the first index that holds it (a greedy row's
    token: its program stops there);
