@@ -161,7 +161,11 @@ def _sample_kernel(logits_ptr, row_stride, vocab, temperature_ptr, top_k_ptr, to
         e = tl.zeros([BLOCK], tl.float32)
         for tile in range(TILES):
             offs = tile * BLOCK + lanes
-            s, kept = _scaled_tile(row_ptr, offs, vocab, temperature, kth)
+            if TILES == 1:          # the scaled row is still in registers: no second load and division
+                s = resident
+                kept = (offs < vocab) & (s >= kth)
+            else:
+                s, kept = _scaled_tile(row_ptr, offs, vocab, temperature, kth)
             e = tl.where(kept, tl.exp(s - best), 0.0)
             tl.store(mass_row_ptr + offs, e, mask=offs < vocab)
             total_mass += tl.sum(e)
