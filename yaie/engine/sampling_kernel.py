@@ -95,13 +95,21 @@ def _kth_largest(scaled_row_ptr, vocab, k, resident, BLOCK: tl.constexpr, TILES:
 
 
 @triton.jit
-def _scaled_tile(row_ptr, offs, vocab, temperature, kth):
-    """A tile of scaled logits and which of them top-k keeps (in the vocabulary and >= the k-th scaled value).
-    ``div_rn`` rounds as torch's float32 division does, so the reference's values come back bit for bit."""
-    inside = offs < vocab
-    x = tl.load(row_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32)
-    s = tl.math.div_rn(x, temperature)
-    return s, inside & (s >= kth)
+def _scaled_tile(row_ptr, offs, vocab, temperature):
+    """A tile of scaled logits (``-inf`` past the vocabulary). ``div_rn`` rounds as torch's float32 division
+    does, so the reference's values come back bit for bit."""
+    x = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+    return tl.math.div_rn(x, temperature)
+
+
+@triton.jit
+def _scaled_row_tile(row_ptr, offs, vocab, temperature, resident, TILES: tl.constexpr):
+    """A tile of the row's scaled logits: the registers' copy for a resident row, else loaded and divided."""
+    if TILES == 1:
+        s = resident
+    else:
+        s = _scaled_tile(row_ptr, offs, vocab, temperature)
+    return s
 
 
 @triton.jit
@@ -131,9 +139,9 @@ def _sample_kernel(logits_ptr, row_stride, vocab, temperature_ptr, top_k_ptr, to
     resident = tl.zeros([BLOCK], tl.float32)
     for tile in range(TILES):
         offs = tile * BLOCK + lanes
-        s, inside = _scaled_tile(row_ptr, offs, vocab, temperature, float("-inf"))
+        s = _scaled_tile(row_ptr, offs, vocab, temperature)
         tile_best = tl.max(s)
-        tile_index = tl.min(tl.where(inside & (s == tile_best), offs, vocab))
+        tile_index = tl.min(tl.where((offs < vocab) & (s == tile_best), offs, vocab))
         best_index = tl.where(tile_best > best, tile_index, best_index)
         best = tl.maximum(best, tile_best)
         resident = s
@@ -150,23 +158,19 @@ def _sample_kernel(logits_ptr, row_stride, vocab, temperature_ptr, top_k_ptr, to
                 # a walk over a long row otherwise spends its time on.
                 for tile in range(TILES):
                     offs = tile * BLOCK + lanes
-                    s, _ = _scaled_tile(row_ptr, offs, vocab, temperature, float("-inf"))
-                    tl.store(mass_row_ptr + offs, s, mask=offs < vocab)
+                    tl.store(mass_row_ptr + offs, _scaled_tile(row_ptr, offs, vocab, temperature), mask=offs < vocab)
                 tl.debug_barrier()
             kth = _kth_largest(mass_row_ptr, vocab, top_k, resident, BLOCK, TILES)
-            tl.debug_barrier()     # every thread's last read of the scaled logits comes before the masses' stores
+            if TILES > 1:
+                tl.debug_barrier()     # every read of the scaled logits comes before the masses' stores
         # 2. The masses and their sum, into the scratch row (a resident row also keeps its one tile in
         # registers for the bisection).
         total_mass = tl.full((), 0.0, tl.float32)
         e = tl.zeros([BLOCK], tl.float32)
         for tile in range(TILES):
             offs = tile * BLOCK + lanes
-            if TILES == 1:          # the scaled row is still in registers: no second load and division
-                s = resident
-                kept = (offs < vocab) & (s >= kth)
-            else:
-                s, kept = _scaled_tile(row_ptr, offs, vocab, temperature, kth)
-            e = tl.where(kept, tl.exp(s - best), 0.0)
+            s = _scaled_row_tile(row_ptr, offs, vocab, temperature, resident, TILES)
+            e = tl.where((offs < vocab) & (s >= kth), tl.exp(s - best), 0.0)     # top-k keeps s >= kth
             tl.store(mass_row_ptr + offs, e, mask=offs < vocab)
             total_mass += tl.sum(e)
         tl.debug_barrier()         # the scratch row's stores are seen by every thread of the program
