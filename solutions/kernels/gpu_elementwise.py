@@ -554,9 +554,9 @@ def _matvec_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-    # The first tile of weights. The weights are the same at every step, so with programmatic dependent
-    # launch (PDL) they are read BEFORE waiting for the kernel launched before this one: that kernel's tail
-    # and this kernel's first loads overlap. Everything the earlier kernels write (the input vector, the
+    # The first tile of weights (a whole row when K <= BLOCK_K). The weights are the same at every step, so
+    # with programmatic dependent launch (PDL) they are read BEFORE waiting for the kernel launched before
+    # this one: that kernel's tail and this kernel's first loads overlap. Everything the earlier kernels write (the input vector, the
     # residual) is read after gdc_wait, and this kernel writes nothing before it.
     # "Evict first": each weight is read once, and must not push the input vector out of the cache.
     first_cols = tl.arange(0, BLOCK_K)
@@ -627,11 +627,15 @@ def _check_matvec_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def _launch_matvec(prologue, x, weight, bias, residual=None, norm_weight=None, epsilon=0.0, res_out=None):
     n, k = weight.shape
     out = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
-    # Measured on an H100 at the 1.1B Llama's projections (bench/results/decode_kernels_h100.json): 4 rows of
-    # 1024 columns per program and 8 warps; with the norm (two passes over the row), 512 columns and 4 warps.
-    config = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=3)
-    if prologue == 2:
-        config = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3)
+    # 4 rows per program; tiles of 2048 columns where the row is at most 4096 long (the projections from the
+    # hidden state), else 1024; 8 warps, 4 with the norm. With 2048 columns the first tile, which is read
+    # before gdc_wait, is a whole row at hidden 2048 (half a row at 4096), and the norm's first pass is one
+    # load: in the decode layer's chain of kernels (scripts/bench_decode_chain.py, H200,
+    # bench/results/decode_chain_*_h200.json) a 1.1B layer took 44.4 us against 49.1 with 512 columns for the
+    # norm's products and 1024 for the others, an 8B-shape layer 129.6 against 134.1. Longer rows (the down
+    # product) were slower with 2048 columns or more.
+    block_k = min(2048, triton.next_power_of_2(k)) if k <= 4096 else 1024
+    config = dict(BLOCK_N=4, BLOCK_K=block_k, num_warps=4 if prologue == 2 else 8, num_stages=3)
     if triton_interpreted():
         config = dict(config, BLOCK_K=min(config["BLOCK_K"], triton.next_power_of_2(k)))
     block_n = config["BLOCK_N"]

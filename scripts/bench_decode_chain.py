@@ -1,0 +1,229 @@
+"""A batch-1 decode step's layers as the engine chains them, timed inside one CUDA graph, under launch variants.
+
+    python scripts/bench_decode_chain.py --out "$OUT"        # on a CUDA GPU -> $OUT/decode_chain_1b_<gpu>.json
+    python scripts/bench_decode_chain.py --check             # CPU: every variant once (Triton interpreter)
+
+Shapes (``--size``): the engine benchmark's random 1.1B Llama (hidden 2048, 32 query / 8 KV heads of 64,
+SwiGLU 8192, 16 layers) or the Llama-3-8B shape (``SIZES``); bf16, KV blocks of 16 tokens, a context of 192. One layer is lesson 02's one-row products
+and lesson 04's fused decode kernel, as ``yaie.model.llama`` runs them at batch 1 on CUDA:
+
+    qkv, residual = add_rms_norm_matvec(x, residual, input_norm, qkv)
+    attn = paged_decode_with_rope(q, k, v, ...)
+    x = matvec(attn, o)
+    gate_up, residual = add_rms_norm_matvec(x, residual, post_attention_norm, gate_up)
+    x = silu_and_mul_matvec(gate_up, down)
+
+Each variant records the layers ``--reps`` times in one graph (distinct weights per layer, 1.9 GB or more,
+so every weight comes from memory) and replays it; a row gives the median microseconds per layer over several
+replays, and the bytes of the layer's weights at the copy bandwidth measured in the same call.
+Variants differ only in how the products launch (``VARIANTS``); each is checked against the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from yaie.device import prepare_triton  # noqa: E402
+
+if not torch.cuda.is_available():
+    prepare_triton()
+
+import triton  # noqa: E402
+
+from solutions.kernels import gpu_elementwise as l02  # noqa: E402
+from solutions.kernels import paged_attention as l04  # noqa: E402
+
+BLOCK, CONTEXT = 16, 192
+# --size: (hidden, intermediate, layers, heads, KV heads, head dim); the 8B shape with 8 of its 32 layers
+# (3.5 GB of weights, still far past the L2 cache).
+SIZES = {"1b": (2048, 8192, 16, 32, 8, 64), "8b": (4096, 14336, 8, 32, 8, 128)}
+BOUND = 1024            # the context bound the decode kernel is launched for
+EPS = 1e-5
+
+# name -> launch settings of the four products: (BLOCK_N, BLOCK_K, num_warps) for qkv (norm), o, gate/up (norm),
+# down (SiLU-and-mul prologue); BLOCK_K 0 is the whole row (K) in one tile, -2 half of it. "engine": lesson
+# 02's functions as the engine calls them, with their own settings.
+VARIANTS = {
+    "engine": None,
+    "512 / 1024 columns": dict(qkv=(4, 512, 4), o=(4, 1024, 8), gate_up=(4, 512, 4), down=(4, 1024, 8)),
+    "whole row": dict(qkv=(4, 0, 4), o=(4, 0, 8), gate_up=(4, 0, 4), down=(4, 1024, 8)),
+    "whole row, 8 warps": dict(qkv=(4, 0, 8), o=(4, 0, 8), gate_up=(4, 0, 8), down=(4, 1024, 8)),
+    "whole row, 2 rows": dict(qkv=(2, 0, 4), o=(2, 0, 4), gate_up=(2, 0, 4), down=(4, 1024, 8)),
+    "half row": dict(qkv=(4, -2, 4), o=(4, -2, 8), gate_up=(4, -2, 4), down=(4, 1024, 8)),
+    "whole row, down 2048 columns": dict(qkv=(4, 0, 4), o=(4, 0, 8), gate_up=(4, 0, 4), down=(4, 2048, 8)),
+}
+
+
+def product(prologue, x, weight, out, config, residual=None, norm_weight=None, res_out=None):
+    """One one-row product; returns ``(product, new residual or None)``. ``config`` None: lesson 02's function as
+    the engine calls it (new tensors, its own settings); else its kernel launched with ``config``'s settings
+    into ``out`` (and ``res_out``)."""
+    if config is None:
+        if prologue == 2:
+            return l02.add_rms_norm_matvec(x, residual, norm_weight, EPS, weight)
+        return (l02.silu_and_mul_matvec if prologue == 1 else l02.matvec)(x, weight), None
+    block_n, block_k, warps = config
+    n, k = weight.shape
+    if block_k <= 0:
+        block_k = triton.next_power_of_2(k) // (-block_k or 1)
+    if not torch.cuda.is_available():
+        block_k = min(block_k, 64)
+    l02._matvec_kernel[((n + block_n - 1) // block_n,)](
+        x, x if residual is None else residual, x if norm_weight is None else norm_weight, weight, weight, out,
+        out if res_out is None else res_out, n, k, weight.stride(0), EPS, PROLOGUE=prologue, HAS_BIAS=False,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3, **l02._pdl_options(weight.device))
+    return out, res_out
+
+
+class Model:
+    def __init__(self, device, dtype, hidden, inter, layers, heads, kv_heads, head_dim):
+        def w(n, k):
+            return torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        self.sizes = (q_size, kv_size, heads, kv_heads, head_dim)
+        self.layers = [dict(qkv=w(q_size + 2 * kv_size, hidden), o=w(hidden, q_size), gate_up=w(2 * inter, hidden),
+                            down=w(hidden, inter), n1=1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype),
+                            n2=1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype))
+                       for _ in range(layers)]
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.layers[0].values())
+        blocks = BOUND // BLOCK       # a block-table row as long as the graphs' context bound
+        self.k_cache = torch.randn(layers, blocks, BLOCK, kv_heads, head_dim, device=device, dtype=dtype)
+        self.v_cache = torch.randn_like(self.k_cache)
+        self.table = torch.randperm(blocks, device=device, dtype=torch.int32)[None]
+        self.lens = torch.tensor([CONTEXT], device=device, dtype=torch.int32)
+        self.positions = torch.tensor([CONTEXT - 1], device=device)
+        last = self.table[0, (CONTEXT - 1) // BLOCK].item()
+        self.slots = torch.tensor([last * BLOCK + (CONTEXT - 1) % BLOCK], device=device)
+        self.cos = torch.randn(4096, head_dim, device=device)
+        self.sin = torch.randn(4096, head_dim, device=device)
+        self.x0 = torch.randn(1, hidden, device=device, dtype=dtype)
+        self.res0 = torch.randn(1, hidden, device=device, dtype=dtype)
+        # Buffers every variant writes (allocated once, outside the graph).
+        self.buf = dict(qkv=torch.empty(1, q_size + 2 * kv_size, device=device, dtype=dtype),
+                        x=torch.empty(1, hidden, device=device, dtype=dtype),
+                        res_a=torch.empty(1, hidden, device=device, dtype=dtype),
+                        res_b=torch.empty(1, hidden, device=device, dtype=dtype),
+                        gate_up=torch.empty(1, 2 * inter, device=device, dtype=dtype),
+                        out=torch.empty(1, hidden, device=device, dtype=dtype))
+
+    def step(self, variant, layers=None):
+        """The first ``layers`` layers (all by default) under ``variant``; returns the last one's output and
+        residual."""
+        v, b = VARIANTS[variant] or dict.fromkeys(("qkv", "o", "gate_up", "down")), self.buf
+        q_size, kv_size, heads, kv_heads, head_dim = self.sizes
+        x, residual = self.x0, self.res0
+        for n, layer in enumerate(self.layers[:layers]):
+            qkv, residual = product(2, x, layer["qkv"], b["qkv"], v["qkv"], residual, layer["n1"], b["res_a"])
+            q, k, val = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            attn = l04.paged_decode_with_rope(
+                q.reshape(1, heads, head_dim), k.reshape(1, kv_heads, head_dim), val.reshape(1, kv_heads, head_dim),
+                self.cos, self.sin, self.positions, self.k_cache[n], self.v_cache[n], self.slots, self.table,
+                self.lens, BOUND, validate=False)
+            x, _ = product(0, attn.reshape(1, q_size), layer["o"], b["x"], v["o"])
+            gate_up, residual = product(2, x, layer["gate_up"], b["gate_up"], v["gate_up"], residual, layer["n2"],
+                                        b["res_b"])
+            x, _ = product(1, gate_up, layer["down"], b["out"], v["down"])
+        return x.clone(), residual.clone()
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + written), median of 10."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(11):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / sorted(times[1:])[5]
+
+
+def time_variant(model, variant, reps, iters=15) -> float:
+    """Microseconds per layer: the 16 layers recorded ``reps`` times in one CUDA graph, median of replays."""
+    for _ in range(2):
+        model.step(variant)                 # compile and warm up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            model.step(variant)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[iters // 2] / (reps * len(model.layers))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--check", action="store_true", help="tiny shapes, each variant once (CPU interpreter)")
+    p.add_argument("--size", choices=SIZES, default="1b")
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="times each variant is timed, interleaved")
+    p.add_argument("--variants", default=";".join(VARIANTS), help="names from VARIANTS, separated by ';'")
+    args = p.parse_args(argv)
+    names = args.variants.split(";")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    cuda = torch.cuda.is_available() and not args.check
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    torch.manual_seed(0)
+    shape = SIZES[args.size] if cuda else (64, 96, 2, 4, 2, 16)
+    model = Model(device, dtype, *shape)
+    # One layer: bf16 products summed in other orders round apart by an ulp, and random layers amplify that.
+    expected = model.step(names[0], layers=1)
+    for name in names[1:]:
+        got = model.step(name, layers=1)
+        for e, g in zip(expected, got):
+            error = ((e.float() - g.float()).norm() / e.float().norm()).item()
+            if not error < 1e-2:
+                raise SystemExit(f"{name}: differs from {names[0]} by {error:.3g} (relative norm)")
+    if not cuda:
+        print(f"checked {len(names)} variants against {names[0]} on the CPU")
+        return 0
+    bandwidth = copy_bandwidth(device)
+    at_bandwidth = model.weight_bytes / bandwidth * 1e6
+    times = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            times[name].append(time_variant(model, name, args.reps))
+    rows = []
+    for name in names:
+        us = sorted(times[name])[len(times[name]) // 2]
+        rows.append(dict(variant=name, settings=VARIANTS[name], us_per_layer=us, all_us=times[name],
+                         weights_at_copy_bw_us=at_bandwidth, fraction_of_copy_bw=at_bandwidth / us))
+        print(f"{name:32s} {us:7.2f} us/layer  ({at_bandwidth / us:.1%} of copy bw; rounds {times[name]})")
+    if args.out:
+        from yaie.bench.harness import environment, gpu_slug
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        path = Path(args.out) / f"decode_chain_{args.size}_{gpu_slug()}.json"
+        path.write_text(json.dumps(dict(command="python scripts/bench_decode_chain.py " + " ".join(argv or sys.argv[1:]),
+                                        environment=environment(), copy_bandwidth_GBps=bandwidth / 1e9,
+                                        size=args.size, shape=dict(zip(
+                                            ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim"),
+                                            shape)), layer_weight_MB=model.weight_bytes / 1e6, context=CONTEXT, rows=rows),
+                                   indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
