@@ -213,7 +213,8 @@ def linear64(x, weight, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("k", [48, 1100])   # 1100: several column blocks (1024, or 512 with the norm), a partial last
+# 48 and 1100: the row in one tile; 4100: several tiles (of 1024 columns), a partial last one
+@pytest.mark.parametrize("k", [48, 1100, 4100])
 def test_matvec_kernels_match_float64(dtype, bias, k):
     c = matvec_case(dtype, k=k, bias=bias)
     tol = TOL[dtype]
