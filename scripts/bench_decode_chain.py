@@ -44,7 +44,7 @@ BLOCK, CONTEXT = 16, 192
 # --size: (hidden, intermediate, layers, heads, KV heads, head dim); the 8B shape with 8 of its 32 layers
 # (3.5 GB of weights, still far past the L2 cache).
 SIZES = {"1b": (2048, 8192, 16, 32, 8, 64), "8b": (4096, 14336, 8, 32, 8, 128)}
-BOUND = 1024            # the context bound the decode kernel is launched for
+BOUND = 512             # the context bound the decode kernel is launched for: the engine's graphs' for contexts <= 512
 EPS = 1e-5
 
 # name -> launch settings of the four products: (BLOCK_N, BLOCK_K, num_warps) for qkv (norm), o, gate/up (norm),
