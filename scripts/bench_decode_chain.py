@@ -4,8 +4,9 @@
     python scripts/bench_decode_chain.py --check             # CPU: every variant once (Triton interpreter)
 
 Shapes (``--size``): the engine benchmark's random 1.1B Llama (hidden 2048, 32 query / 8 KV heads of 64,
-SwiGLU 8192, 16 layers) or the Llama-3-8B shape (``SIZES``); bf16, KV blocks of 16 tokens, a context of 192. One layer is lesson 02's one-row products
-and lesson 04's fused decode kernel, as ``yaie.model.llama`` runs them at batch 1 on CUDA:
+SwiGLU 8192, 16 layers) or the Llama-3-8B shape (``SIZES``); bf16, KV blocks of 16 tokens, a context of 192.
+One layer is lesson 02's one-row products and lesson 04's fused decode kernel, as ``yaie.model.llama`` runs
+them at batch 1 on CUDA:
 
     qkv, residual = add_rms_norm_matvec(x, residual, input_norm, qkv)
     attn = paged_decode_with_rope(q, k, v, ...)
@@ -44,7 +45,7 @@ BLOCK, CONTEXT = 16, 192
 # --size: (hidden, intermediate, layers, heads, KV heads, head dim); the 8B shape with 8 of its 32 layers
 # (3.5 GB of weights, still far past the L2 cache).
 SIZES = {"1b": (2048, 8192, 16, 32, 8, 64), "8b": (4096, 14336, 8, 32, 8, 128)}
-BOUND = 512             # the context bound the decode kernel is launched for: the engine's graphs' for contexts <= 512
+BOUND = 512             # the decode kernel's context bound: the engine's graphs use 512 for contexts up to 512
 EPS = 1e-5
 
 # name -> launch settings of the four products: (BLOCK_N, BLOCK_K, num_warps) for qkv (norm), o, gate/up (norm),
@@ -156,7 +157,7 @@ def copy_bandwidth(device) -> float:
 
 
 def time_variant(model, variant, reps, iters=15) -> float:
-    """Microseconds per layer: the 16 layers recorded ``reps`` times in one CUDA graph, median of replays."""
+    """Microseconds per layer: the model's layers recorded ``reps`` times in one CUDA graph, median of replays."""
     for _ in range(2):
         model.step(variant)                 # compile and warm up outside the graph
     torch.cuda.synchronize()
@@ -224,12 +225,12 @@ def main(argv=None) -> int:
         from yaie.bench.harness import environment, gpu_slug
         Path(args.out).mkdir(parents=True, exist_ok=True)
         path = Path(args.out) / f"decode_chain_{args.size}_{gpu_slug()}.json"
-        path.write_text(json.dumps(dict(command="python scripts/bench_decode_chain.py " + " ".join(argv or sys.argv[1:]),
-                                        environment=environment(), copy_bandwidth_GBps=bandwidth / 1e9,
-                                        size=args.size, shape=dict(zip(
-                                            ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim"),
-                                            shape)), layer_weight_MB=model.weight_bytes / 1e6, context=CONTEXT, rows=rows),
-                                   indent=1))
+        names_of_shape = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim")
+        result = dict(command="python scripts/bench_decode_chain.py " + " ".join(argv or sys.argv[1:]),
+                      environment=environment(), copy_bandwidth_GBps=bandwidth / 1e9, size=args.size,
+                      shape=dict(zip(names_of_shape, shape)), layer_weight_MB=model.weight_bytes / 1e6,
+                      context=CONTEXT, context_bound=BOUND, rows=rows)
+        path.write_text(json.dumps(result, indent=1))
         print(f"wrote {path}")
     return 0
 
