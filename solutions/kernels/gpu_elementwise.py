@@ -556,8 +556,8 @@ def _matvec_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
     # The first tile of weights (a whole row when K <= BLOCK_K). The weights are the same at every step, so
     # with programmatic dependent launch (PDL) they are read BEFORE waiting for the kernel launched before
-    # this one: that kernel's tail and this kernel's first loads overlap. Everything the earlier kernels write (the input vector, the
-    # residual) is read after gdc_wait, and this kernel writes nothing before it.
+    # this one: that kernel's tail and this kernel's first loads overlap. Everything the earlier kernels
+    # write (the input vector, the residual) is read after gdc_wait, and this kernel writes nothing before it.
     # "Evict first": each weight is read once, and must not push the input vector out of the cache.
     first_cols = tl.arange(0, BLOCK_K)
     w_first = tl.load(w_rows + first_cols[None, :], mask=row_ok[:, None] & (first_cols < K)[None, :], other=0.0,
