@@ -83,10 +83,7 @@ def _kth_largest(scaled_row_ptr, vocab, k, resident, BLOCK: tl.constexpr, TILES:
         count = tl.full((), 0, tl.int32)
         for tile in range(TILES):
             offs = tile * BLOCK + lanes
-            if TILES == 1:
-                s = resident
-            else:
-                s = tl.load(scaled_row_ptr + offs, mask=offs < vocab, other=float("-inf"))
+            s = _scratch_tile(scaled_row_ptr, offs, vocab, resident, TILES)
             count += tl.sum(((_order_key(s) >= middle) & (offs < vocab)).to(tl.int32))
         enough = count >= k
         low = tl.where(enough, middle.to(tl.int64), low)
@@ -113,13 +110,14 @@ def _scaled_row_tile(row_ptr, offs, vocab, temperature, resident, TILES: tl.cons
 
 
 @triton.jit
-def _mass_tile(mass_row_ptr, offs, vocab, resident, TILES: tl.constexpr):
-    """A tile of the row's masses: the registers' copy for a resident row, else the scratch row's."""
+def _scratch_tile(scratch_row_ptr, offs, vocab, resident, TILES: tl.constexpr):
+    """A tile of what the scratch row holds (the scaled logits, later the masses): the registers' copy for a
+    resident row, else the scratch row's (0 past the vocabulary)."""
     if TILES == 1:
-        e = resident
+        t = resident
     else:
-        e = tl.load(mass_row_ptr + offs, mask=offs < vocab, other=0.0)
-    return e
+        t = tl.load(scratch_row_ptr + offs, mask=offs < vocab, other=0.0)
+    return t
 
 
 @triton.jit
@@ -202,7 +200,7 @@ def _top_p_cut(mass_row_ptr, vocab, resident, total_mass, top_p, BLOCK: tl.const
             above = tl.full((), 0.0, tl.float32)
             for tile in range(TILES):
                 offs = tile * BLOCK + lanes
-                e = _mass_tile(mass_row_ptr, offs, vocab, resident, TILES)
+                e = _scratch_tile(mass_row_ptr, offs, vocab, resident, TILES)
                 above += tl.sum(tl.where(e.to(tl.int32, bitcast=True) > middle, e, 0.0))
             light = above < wanted
             above_high = tl.where(light, above, above_high)
@@ -276,8 +274,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     """One token per row of ``logits`` ``[B, vocab]`` (float32, float16 or bfloat16, rows contiguous), int64
     ``[B]`` on its device: greedy rows take their first maximum, the others draw from their filtered
     distribution. The columns are those of :class:`yaie.engine.sampling.StepTable`: ``temperature``
-    float32 ``[B]`` (> 0), ``top_k`` int64 ``[B]`` (0: none), ``top_p`` float32 ``[B]`` (>= 1: none), ``greedy`` bool ``[B]``, ``state`` int64 ``[B]`` (the
-    stream's state for this token). ``uniforms_out``: a float64 ``[B]`` tensor for each sampled row's number
+    float32 ``[B]`` (> 0), ``top_k`` int64 ``[B]`` (0: none), ``top_p`` float32 ``[B]`` (>= 1: none),
+    ``greedy`` bool ``[B]``, ``state`` int64 ``[B]`` (the stream's state for this token). ``uniforms_out``: a float64 ``[B]`` tensor for each sampled row's number
     (the tests read it); greedy rows leave theirs untouched.
 
     Raises ValueError for a shape, dtype or device the kernel does not take; logits are expected finite or
