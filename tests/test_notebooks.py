@@ -79,16 +79,18 @@ def course(copy, tmp_path_factory) -> tuple[Path, Path]:
 
 def run_in_copy(course: tuple[Path, Path], parts: int, index: int, monkeypatch,
                 grader_cell: bool = True) -> tuple[Path, str]:
-    """Write the first ``parts`` parts into the copy (again: idempotent), run notebook ``index`` there top to
-    bottom (a cell that raises fails the test with its traceback), and return its path and printed text.
-    ``grader_cell=False`` leaves out the grader's cell."""
+    """Write the first ``parts`` parts into the copy and put the stubs back in the others (so the copy does not
+    depend on which tests ran before), run notebook ``index`` there top to bottom (a cell that raises fails the
+    test with its traceback), and return its path and printed text. ``grader_cell=False`` leaves out the
+    grader's cell."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError
 
     course, no_reference = course
-    for _, modules, _ in PARTS[:parts]:
+    for number, (_, modules, _) in enumerate(PARTS):
+        source = ROOT / ("solutions" if number < parts else "yaie") / "kernels"    # the reference, or the stubs
         for module in modules:
-            shutil.copy(ROOT / "solutions" / "kernels" / f"{module}.py", course / "yaie" / "kernels" / f"{module}.py")
+            shutil.copy(source / f"{module}.py", course / "yaie" / "kernels" / f"{module}.py")
     path = course / "lessons" / PARTS[index][0]
     monkeypatch.delenv("YAIE_SOLUTIONS", raising=False)
     monkeypatch.setenv("PYTHONPATH", f"{no_reference}{os.pathsep}{course}")
