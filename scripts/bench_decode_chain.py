@@ -51,7 +51,10 @@ EPS = 1e-5
 # name -> launch settings of the four products: (BLOCK_N, BLOCK_K, num_warps) for qkv (norm), o, gate/up (norm),
 # down (SiLU-and-mul prologue); BLOCK_K 0 is the whole row (K) in one tile, -2 half of it. "engine": lesson
 # 02's functions as the engine calls them, with their own settings; "attention": False leaves the attention
-# kernel out (the output product reads a fixed random row), which shows what the rest of the layer costs.
+# kernel out (the output product reads a fixed random row), which shows what the rest of the layer costs;
+# "attention": a dict launches lesson 04's kernel with that many context splits ("splits") and those launch
+# settings instead of its own choice. "one product": a single one-row product per layer over as many weight
+# bytes as the layer's (hidden columns), no attention: what the same bytes cost without kernel boundaries.
 VARIANTS = {
     "engine": None,
     "512 / 1024 columns": dict(qkv=(4, 512, 4), o=(4, 1024, 8), gate_up=(4, 512, 4), down=(4, 1024, 8)),
@@ -61,10 +64,31 @@ VARIANTS = {
     "half row": dict(qkv=(4, -2, 4), o=(4, -2, 8), gate_up=(4, -2, 4), down=(4, 1024, 8)),
     "whole row, down 2048 columns": dict(qkv=(4, 0, 4), o=(4, 0, 8), gate_up=(4, 0, 4), down=(4, 2048, 8)),
     "engine's products, no attention": dict(engine=True, attention=False),
+    "attention in 2 splits": dict(engine=True, attention=dict(splits=2)),
+    "attention in 4 splits": dict(engine=True, attention=dict(splits=4)),
+    "attention in 8 splits": dict(engine=True, attention=dict(splits=8)),
+    "attention in 8 splits, 2 warps": dict(engine=True, attention=dict(splits=8, num_warps=2)),
+    "attention, tiles of 32": dict(engine=True, attention=dict(splits=1, TILE_N=32)),
+    "attention in 4 splits, tiles of 32": dict(engine=True, attention=dict(splits=4, TILE_N=32)),
+    "one product": dict(engine=True, one_product=True),
+    "persistent, 2 per SM": dict(engine=True, persistent=dict(per_sm=2)),
+    "persistent, 4 per SM": dict(engine=True, persistent=dict(per_sm=4)),
+    "persistent, 8 per SM": dict(engine=True, persistent=dict(per_sm=8)),
+    "persistent, 4 per SM, 8 warps": dict(engine=True, persistent=dict(per_sm=4, warps=8)),
+    "persistent, 2 per SM, 4 stages": dict(engine=True, persistent=dict(per_sm=2, stages=4)),
+    "attention + output product": dict(engine=True, attention_o=dict(trigger=True)),
+    "attention + output product, no trigger": dict(engine=True, attention_o=dict(trigger=False)),
+    "attention + output product, 4 warps": dict(engine=True, attention_o=dict(trigger=True, warps=4)),
+    "attention + output product, 4 warps, sleep": dict(engine=True, attention_o=dict(trigger=True, warps=4, sleep=1)),
+    "attention + output product, 2 warps, sleep": dict(engine=True, attention_o=dict(trigger=True, warps=2, sleep=1)),
 }
 
 
 def product(prologue, x, weight, out, config, residual=None, norm_weight=None, res_out=None):
+    if isinstance(config, dict):
+        from scripts._proto_attn_o import matvec_rows
+        return matvec_rows(prologue, x, weight, out, residual=residual, norm_weight=norm_weight, res_out=res_out,
+                           eps=EPS, **config)
     """One one-row product; returns ``(product, new residual or None)``. ``config`` None: lesson 02's function as
     the engine calls it (new tensors, its own settings); else its kernel launched with ``config``'s settings
     into ``out`` (and ``res_out``)."""
@@ -96,6 +120,8 @@ class Model:
                             n2=1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype))
                        for _ in range(layers)]
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.layers[0].values())
+        for layer in self.layers:           # "one product": the layer's bytes as one [rows, hidden] matrix
+            layer["all"] = w(self.weight_bytes // (hidden * layer["o"].element_size()), hidden)
         blocks = BOUND // BLOCK       # a block-table row as long as the graphs' context bound
         self.k_cache = torch.randn(layers, blocks, BLOCK, kv_heads, head_dim, device=device, dtype=dtype)
         self.v_cache = torch.randn_like(self.k_cache)
@@ -106,6 +132,8 @@ class Model:
         self.slots = torch.tensor([last * BLOCK + (CONTEXT - 1) % BLOCK], device=device)
         self.cos = torch.randn(4096, head_dim, device=device)
         self.sin = torch.randn(4096, head_dim, device=device)
+        self.counters = torch.zeros(layers, 4, device=device, dtype=torch.int32)
+        self.attn_buf = torch.empty(1, q_size, device=device, dtype=dtype)
         self.attn_fixed = torch.randn(1, heads, head_dim, device=device, dtype=dtype)    # "attention": False
         self.x0 = torch.randn(1, hidden, device=device, dtype=dtype)
         self.res0 = torch.randn(1, hidden, device=device, dtype=dtype)
@@ -123,17 +151,41 @@ class Model:
         v, b = VARIANTS[variant] or dict(engine=True), self.buf
         if v.get("engine"):
             v = dict(dict.fromkeys(("qkv", "o", "gate_up", "down")), **v)
+        if v.get("persistent"):
+            v = dict(v, qkv=v["persistent"], o=v["persistent"], gate_up=v["persistent"])
         q_size, kv_size, heads, kv_heads, head_dim = self.sizes
         x, residual = self.x0, self.res0
         for n, layer in enumerate(self.layers[:layers]):
+            if v.get("one_product"):
+                x = l02.matvec(x, layer["all"])[:, :x.shape[1]]
+                continue
             qkv, residual = product(2, x, layer["qkv"], b["qkv"], v["qkv"], residual, layer["n1"], b["res_a"])
             q, k, val = qkv.split([q_size, kv_size, kv_size], dim=-1)
             attn = self.attn_fixed
-            if v.get("attention", True):
-                attn = l04.paged_decode_with_rope(
-                    q.reshape(1, heads, head_dim), k.reshape(1, kv_heads, head_dim), val.reshape(1, kv_heads, head_dim),
-                    self.cos, self.sin, self.positions, self.k_cache[n], self.v_cache[n], self.slots, self.table,
-                    self.lens, BOUND, validate=False)
+            attention = v.get("attention", True)
+            q, k, val = (q.reshape(1, heads, head_dim), k.reshape(1, kv_heads, head_dim),
+                         val.reshape(1, kv_heads, head_dim))
+            if v.get("attention_o"):
+                from scripts._proto_attn_o import attention_output
+                x = attention_output(q, k, val, self.cos, self.sin, self.positions, self.k_cache[n], self.v_cache[n],
+                                     self.slots, self.table, self.lens, layer["o"], self.counters[n], self.attn_buf,
+                                     b["x"], **v["attention_o"])
+                gate_up, residual = product(2, x, layer["gate_up"], b["gate_up"], v["gate_up"], residual,
+                                            layer["n2"], b["res_b"])
+                x, _ = product(1, gate_up, layer["down"], b["out"], v["down"])
+                continue
+            if isinstance(attention, dict):
+                settings = {key: value for key, value in attention.items() if key != "splits"}
+                if not torch.cuda.is_available():
+                    settings = dict(settings, TILE_N=16, num_warps=1, num_stages=1)
+                attn = l04._launch_decode(
+                    q, self.k_cache[n], self.v_cache[n], self.table, self.lens, BOUND, head_dim ** -0.5,
+                    attention["splits"], config=settings,
+                    rope=(k, val, self.cos, self.sin, self.positions, self.slots))
+            elif attention:
+                attn = l04.paged_decode_with_rope(q, k, val, self.cos, self.sin, self.positions, self.k_cache[n],
+                                                  self.v_cache[n], self.slots, self.table, self.lens, BOUND,
+                                                  validate=False)
             x, _ = product(0, attn.reshape(1, q_size), layer["o"], b["x"], v["o"])
             gate_up, residual = product(2, x, layer["gate_up"], b["gate_up"], v["gate_up"], residual, layer["n2"],
                                         b["res_b"])
@@ -199,7 +251,7 @@ def main(argv=None) -> int:
     # One layer: bf16 products summed in other orders round apart by an ulp, and random layers amplify that.
     expected = model.step(names[0], layers=1)
     for name in names[1:]:
-        if not (VARIANTS[name] or {}).get("attention", True):
+        if not (VARIANTS[name] or {}).get("attention", True) or (VARIANTS[name] or {}).get("one_product"):
             continue                        # another computation: nothing to compare
         got = model.step(name, layers=1)
         for e, g in zip(expected, got):
