@@ -17,7 +17,10 @@ them at batch 1 on CUDA:
 Each variant records the layers ``--reps`` times in one graph (distinct weights per layer, 1.9 GB or more,
 so every weight comes from memory) and replays it; a row gives the median microseconds per layer over several
 replays, and the bytes of the layer's weights at the copy bandwidth measured in the same call.
-Variants differ only in how the products launch (``VARIANTS``); each is checked against the first.
+Variants differ in how the products and the attention kernel launch (``VARIANTS``); each is checked against
+the first. Two leave part of the layer out, to show what bounds it: "engine's products, no attention" (the
+products alone) and "one product" (one product per layer over the layer's weight bytes: the same bytes without
+the kernel boundaries between the layer's steps).
 """
 
 from __future__ import annotations
@@ -71,24 +74,10 @@ VARIANTS = {
     "attention, tiles of 32": dict(engine=True, attention=dict(splits=1, TILE_N=32)),
     "attention in 4 splits, tiles of 32": dict(engine=True, attention=dict(splits=4, TILE_N=32)),
     "one product": dict(engine=True, one_product=True),
-    "persistent, 2 per SM": dict(engine=True, persistent=dict(per_sm=2)),
-    "persistent, 4 per SM": dict(engine=True, persistent=dict(per_sm=4)),
-    "persistent, 8 per SM": dict(engine=True, persistent=dict(per_sm=8)),
-    "persistent, 4 per SM, 8 warps": dict(engine=True, persistent=dict(per_sm=4, warps=8)),
-    "persistent, 2 per SM, 4 stages": dict(engine=True, persistent=dict(per_sm=2, stages=4)),
-    "attention + output product": dict(engine=True, attention_o=dict(trigger=True)),
-    "attention + output product, no trigger": dict(engine=True, attention_o=dict(trigger=False)),
-    "attention + output product, 4 warps": dict(engine=True, attention_o=dict(trigger=True, warps=4)),
-    "attention + output product, 4 warps, sleep": dict(engine=True, attention_o=dict(trigger=True, warps=4, sleep=1)),
-    "attention + output product, 2 warps, sleep": dict(engine=True, attention_o=dict(trigger=True, warps=2, sleep=1)),
 }
 
 
 def product(prologue, x, weight, out, config, residual=None, norm_weight=None, res_out=None):
-    if isinstance(config, dict):
-        from scripts._proto_attn_o import matvec_rows
-        return matvec_rows(prologue, x, weight, out, residual=residual, norm_weight=norm_weight, res_out=res_out,
-                           eps=EPS, **config)
     """One one-row product; returns ``(product, new residual or None)``. ``config`` None: lesson 02's function as
     the engine calls it (new tensors, its own settings); else its kernel launched with ``config``'s settings
     into ``out`` (and ``res_out``)."""
@@ -132,8 +121,6 @@ class Model:
         self.slots = torch.tensor([last * BLOCK + (CONTEXT - 1) % BLOCK], device=device)
         self.cos = torch.randn(4096, head_dim, device=device)
         self.sin = torch.randn(4096, head_dim, device=device)
-        self.counters = torch.zeros(layers, 4, device=device, dtype=torch.int32)
-        self.attn_buf = torch.empty(1, q_size, device=device, dtype=dtype)
         self.attn_fixed = torch.randn(1, heads, head_dim, device=device, dtype=dtype)    # "attention": False
         self.x0 = torch.randn(1, hidden, device=device, dtype=dtype)
         self.res0 = torch.randn(1, hidden, device=device, dtype=dtype)
@@ -151,8 +138,6 @@ class Model:
         v, b = VARIANTS[variant] or dict(engine=True), self.buf
         if v.get("engine"):
             v = dict(dict.fromkeys(("qkv", "o", "gate_up", "down")), **v)
-        if v.get("persistent"):
-            v = dict(v, qkv=v["persistent"], o=v["persistent"], gate_up=v["persistent"])
         q_size, kv_size, heads, kv_heads, head_dim = self.sizes
         x, residual = self.x0, self.res0
         for n, layer in enumerate(self.layers[:layers]):
@@ -165,15 +150,6 @@ class Model:
             attention = v.get("attention", True)
             q, k, val = (q.reshape(1, heads, head_dim), k.reshape(1, kv_heads, head_dim),
                          val.reshape(1, kv_heads, head_dim))
-            if v.get("attention_o"):
-                from scripts._proto_attn_o import attention_output
-                x = attention_output(q, k, val, self.cos, self.sin, self.positions, self.k_cache[n], self.v_cache[n],
-                                     self.slots, self.table, self.lens, layer["o"], self.counters[n], self.attn_buf,
-                                     b["x"], **v["attention_o"])
-                gate_up, residual = product(2, x, layer["gate_up"], b["gate_up"], v["gate_up"], residual,
-                                            layer["n2"], b["res_b"])
-                x, _ = product(1, gate_up, layer["down"], b["out"], v["down"])
-                continue
             if isinstance(attention, dict):
                 settings = {key: value for key, value in attention.items() if key != "splits"}
                 if not torch.cuda.is_available():
