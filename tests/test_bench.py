@@ -123,3 +123,16 @@ def test_results_round_trip_and_replot(tmp_path):
 def test_write_results_rejects_bad_names(tmp_path):
     with pytest.raises(ValueError):
         harness.write_results("../escape", _rows(), PEAKS, tmp_path)
+
+
+def test_decode_chain_tool_checks_its_variants_on_the_cpu():
+    """scripts/bench_decode_chain.py --check runs a layer under each variant in the Triton interpreter and
+    compares it with the engine's; a variant that computes something else ends the run with its error."""
+    variants = "engine;attention in 4 splits;whole row;one product"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode_chain.py"), "--check",
+                           "--variants", variants], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "checked 4 variants against engine on the CPU" in done.stdout
+    unknown = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode_chain.py"), "--check",
+                              "--variants", "engine;no such variant"], capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "unknown variants" in unknown.stderr
