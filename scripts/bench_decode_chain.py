@@ -2,6 +2,7 @@
 
     python scripts/bench_decode_chain.py --out "$OUT"        # on a CUDA GPU -> $OUT/decode_chain_1b_<gpu>.json
     python scripts/bench_decode_chain.py --check             # CPU: every variant once (Triton interpreter)
+    python scripts/bench_decode_chain.py --batch 64 --out "$OUT"   # a batch-64 layer (BATCH_VARIANTS)
 
 Shapes (``--size``): the engine benchmark's random 1.1B Llama (hidden 2048, 32 query / 8 KV heads of 64,
 SwiGLU 8192, 16 layers) or the Llama-3-8B shape (``SIZES``); bf16, KV blocks of 16 tokens, a context of 192.
@@ -17,6 +18,11 @@ them at batch 1 on CUDA:
 Each variant records the layers ``--reps`` times in one graph (distinct weights per layer, 1.9 GB or more,
 so every weight comes from memory) and replays it; a row gives the median microseconds per layer over several
 replays, and the bytes of the layer's weights at the copy bandwidth measured in the same call.
+With ``--batch B`` (B > 1) a layer is the engine's at that batch: lesson 02's add + RMSNorm, cuBLAS's q/k/v
+product, lesson 04's fused decode over B sequences of 192 tokens, cuBLAS's output product, add + RMSNorm,
+lesson 02's few-row gate/up product with SiLU-and-mul, cuBLAS's down product (``BATCH_VARIANTS``); its roofline
+counts the B sequences' keys and values beside the weights.
+
 Variants differ in how the products and the attention kernel launch (``VARIANTS``); each is checked against
 the first. Two leave part of the layer out, to show what bounds it: "engine's products, no attention" (the
 products alone) and "one product" (one product per layer over the layer's weight bytes: the same bytes without
@@ -77,6 +83,15 @@ VARIANTS = {
 }
 
 
+# Variants of a batched layer (--batch B > 1): the engine's kernels, without the attention kernel, and one cuBLAS
+# product of B rows over the layer's weight bytes.
+BATCH_VARIANTS = {
+    "engine": {},
+    "engine's products, no attention": dict(attention=False),
+    "one product": dict(one_product=True),
+}
+
+
 def product(prologue, x, weight, out, config, residual=None, norm_weight=None, res_out=None):
     """One one-row product; returns ``(product, new residual or None)``. ``config`` None: lesson 02's function as
     the engine calls it (new tensors, its own settings); else its kernel launched with ``config``'s settings
@@ -99,7 +114,7 @@ def product(prologue, x, weight, out, config, residual=None, norm_weight=None, r
 
 
 class Model:
-    def __init__(self, device, dtype, hidden, inter, layers, heads, kv_heads, head_dim):
+    def __init__(self, device, dtype, hidden, inter, layers, heads, kv_heads, head_dim, batch=1):
         def w(n, k):
             return torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -111,19 +126,21 @@ class Model:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.layers[0].values())
         for layer in self.layers:           # "one product": the layer's bytes as one [rows, hidden] matrix
             layer["all"] = w(self.weight_bytes // (hidden * layer["o"].element_size()), hidden)
+        # The keys and values the attention reads in a step: each sequence's context, K and V.
+        self.batch, self.kv_bytes = batch, batch * CONTEXT * 2 * kv_size * self.layers[0]["o"].element_size()
         blocks = BOUND // BLOCK       # a block-table row as long as the graphs' context bound
-        self.k_cache = torch.randn(layers, blocks, BLOCK, kv_heads, head_dim, device=device, dtype=dtype)
+        self.k_cache = torch.randn(layers, batch * blocks, BLOCK, kv_heads, head_dim, device=device, dtype=dtype)
         self.v_cache = torch.randn_like(self.k_cache)
-        self.table = torch.randperm(blocks, device=device, dtype=torch.int32)[None]
-        self.lens = torch.tensor([CONTEXT], device=device, dtype=torch.int32)
-        self.positions = torch.tensor([CONTEXT - 1], device=device)
-        last = self.table[0, (CONTEXT - 1) // BLOCK].item()
-        self.slots = torch.tensor([last * BLOCK + (CONTEXT - 1) % BLOCK], device=device)
+        self.table = torch.randperm(batch * blocks, device=device, dtype=torch.int32).view(batch, blocks)
+        self.lens = torch.full((batch,), CONTEXT, device=device, dtype=torch.int32)
+        self.positions = torch.full((batch,), CONTEXT - 1, device=device)
+        last = self.table[:, (CONTEXT - 1) // BLOCK].long()
+        self.slots = last * BLOCK + (CONTEXT - 1) % BLOCK
         self.cos = torch.randn(4096, head_dim, device=device)
         self.sin = torch.randn(4096, head_dim, device=device)
-        self.attn_fixed = torch.randn(1, heads, head_dim, device=device, dtype=dtype)    # "attention": False
-        self.x0 = torch.randn(1, hidden, device=device, dtype=dtype)
-        self.res0 = torch.randn(1, hidden, device=device, dtype=dtype)
+        self.attn_fixed = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)  # "attention": False
+        self.x0 = torch.randn(batch, hidden, device=device, dtype=dtype)
+        self.res0 = torch.randn(batch, hidden, device=device, dtype=dtype)
         # Buffers every variant writes (allocated once, outside the graph).
         self.buf = dict(qkv=torch.empty(1, q_size + 2 * kv_size, device=device, dtype=dtype),
                         x=torch.empty(1, hidden, device=device, dtype=dtype),
@@ -168,6 +185,34 @@ class Model:
             x, _ = product(1, gate_up, layer["down"], b["out"], v["down"])
         return x.clone(), residual.clone()
 
+    def step_batched(self, variant, layers=None):
+        """:meth:`step` for a batch of ``self.batch`` sequences, under a name of ``BATCH_VARIANTS``."""
+        v = BATCH_VARIANTS[variant]
+        q_size, kv_size, heads, kv_heads, head_dim = self.sizes
+        batch, hidden = self.x0.shape
+        x, residual = self.x0.clone(), self.res0.clone()     # the add + norm works in place
+        for n, layer in enumerate(self.layers[:layers]):
+            if v.get("one_product"):
+                x = torch.nn.functional.linear(x, layer["all"])[:, :hidden]
+                continue
+            h, residual = l02.fused_add_rms_norm(x, residual, layer["n1"], EPS)
+            q, k, val = torch.nn.functional.linear(h, layer["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
+            attn = self.attn_fixed
+            if v.get("attention", True):
+                attn = l04.paged_decode_with_rope(
+                    q.reshape(batch, heads, head_dim), k.reshape(batch, kv_heads, head_dim),
+                    val.reshape(batch, kv_heads, head_dim), self.cos, self.sin, self.positions, self.k_cache[n],
+                    self.v_cache[n], self.slots, self.table, self.lens, BOUND, validate=False)
+            x = torch.nn.functional.linear(attn.reshape(batch, q_size), layer["o"])
+            h, residual = l02.fused_add_rms_norm(x, residual, layer["n2"], EPS)
+            # The few-row product takes half precision only; on the CPU check (float32) its reference stands in.
+            gate = l02.skinny_matmul_silu_and_mul if h.is_cuda else l02.skinny_matmul_silu_and_mul_reference
+            x = torch.nn.functional.linear(gate(h, layer["gate_up"]), layer["down"])
+        return x.clone(), residual.clone()
+
+    def run(self, variant, layers=None):
+        return (self.step if self.batch == 1 else self.step_batched)(variant, layers)
+
 
 def copy_bandwidth(device) -> float:
     """Bytes per second of a 1 GiB device-to-device copy (read + written), median of 10."""
@@ -187,12 +232,12 @@ def copy_bandwidth(device) -> float:
 def time_variant(model, variant, reps, iters=15) -> float:
     """Microseconds per layer: the model's layers recorded ``reps`` times in one CUDA graph, median of replays."""
     for _ in range(2):
-        model.step(variant)                 # compile and warm up outside the graph
+        model.run(variant)                  # compile and warm up outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
-            model.step(variant)
+            model.run(variant)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -211,34 +256,41 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--check", action="store_true", help="tiny shapes, each variant once (CPU interpreter)")
     p.add_argument("--size", choices=SIZES, default="1b")
+    p.add_argument("--batch", type=int, default=1, help="sequences a step decodes (B > 1: BATCH_VARIANTS)")
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3, help="times each variant is timed, interleaved")
-    p.add_argument("--variants", default=";".join(VARIANTS), help="names from VARIANTS, separated by ';'")
+    p.add_argument("--variants", default=None,
+                   help="names from VARIANTS (BATCH_VARIANTS with --batch > 1), separated by ';' (default: all)")
     args = p.parse_args(argv)
-    names = args.variants.split(";")
-    unknown = [n for n in names if n not in VARIANTS]
+    if args.batch < 1:
+        p.error(f"--batch must be at least 1, got {args.batch}")
+    known = VARIANTS if args.batch == 1 else BATCH_VARIANTS
+    names = args.variants.split(";") if args.variants else list(known)
+    unknown = [n for n in names if n not in known]
     if unknown:
-        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        p.error(f"unknown variants {unknown}; choose from {list(known)}")
     cuda = torch.cuda.is_available() and not args.check
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
     shape = SIZES[args.size] if cuda else (64, 96, 2, 4, 2, 16)
-    model = Model(device, dtype, *shape)
+    model = Model(device, dtype, *shape, batch=args.batch)
     # One layer: bf16 products summed in other orders round apart by an ulp, and random layers amplify that.
-    expected = model.step(names[0], layers=1)
+    expected = model.run(names[0], layers=1)
     for name in names[1:]:
-        if not (VARIANTS[name] or {}).get("attention", True) or (VARIANTS[name] or {}).get("one_product"):
+        got = model.run(name, layers=1)
+        if not (known[name] or {}).get("attention", True) or (known[name] or {}).get("one_product"):
             continue                        # another computation: nothing to compare
-        got = model.step(name, layers=1)
         for e, g in zip(expected, got):
             error = ((e.float() - g.float()).norm() / e.float().norm()).item()
             if not error < 1e-2:
                 raise SystemExit(f"{name}: differs from {names[0]} by {error:.3g} (relative norm)")
     if not cuda:
-        print(f"checked {len(names)} variants against {names[0]} on the CPU")
+        print(f"checked {len(names)} variants against {names[0]} on the CPU (batch {args.batch})")
         return 0
     bandwidth = copy_bandwidth(device)
     at_bandwidth = model.weight_bytes / bandwidth * 1e6
+    # The roofline of a layer: its weights, and (batched) the sequences' keys and values, at the copy bandwidth.
+    roofline = (model.weight_bytes + (model.kv_bytes if args.batch > 1 else 0)) / bandwidth * 1e6
     times = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:
@@ -246,17 +298,20 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         us = sorted(times[name])[len(times[name]) // 2]
-        rows.append(dict(variant=name, settings=VARIANTS[name], us_per_layer=us, all_us=times[name],
-                         weights_at_copy_bw_us=at_bandwidth, fraction_of_copy_bw=at_bandwidth / us))
-        print(f"{name:32s} {us:7.2f} us/layer  ({at_bandwidth / us:.1%} of copy bw; rounds {times[name]})")
+        rows.append(dict(variant=name, settings=known[name], us_per_layer=us, all_us=times[name],
+                         weights_at_copy_bw_us=at_bandwidth, roofline_us=roofline, fraction_of_copy_bw=roofline / us))
+        print(f"{name:32s} {us:7.2f} us/layer  ({roofline / us:.1%} of copy bw; rounds {times[name]})")
     if args.out:
         from yaie.bench.harness import environment, gpu_slug
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        path = Path(args.out) / f"decode_chain_{args.size}_{gpu_slug()}.json"
+        batch = f"_b{args.batch}" if args.batch > 1 else ""
+        path = Path(args.out) / f"decode_chain_{args.size}{batch}_{gpu_slug()}.json"
         names_of_shape = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim")
         result = dict(command="python scripts/bench_decode_chain.py " + " ".join(argv or sys.argv[1:]),
                       environment=environment(), copy_bandwidth_GBps=bandwidth / 1e9, size=args.size,
-                      shape=dict(zip(names_of_shape, shape)), layer_weight_MB=model.weight_bytes / 1e6,
+                      shape=dict(zip(names_of_shape, shape)), batch=args.batch,
+                      layer_weight_MB=model.weight_bytes / 1e6,
+                      layer_kv_MB=model.kv_bytes / 1e6 if args.batch > 1 else 0.0,
                       context=CONTEXT, context_bound=BOUND, rows=rows)
         path.write_text(json.dumps(result, indent=1))
         print(f"wrote {path}")

@@ -128,11 +128,18 @@ def test_write_results_rejects_bad_names(tmp_path):
 def test_decode_chain_tool_checks_its_variants_on_the_cpu():
     """scripts/bench_decode_chain.py --check runs a layer under each variant in the Triton interpreter and
     compares it with the engine's; a variant that computes something else ends the run with its error."""
+    tool = [sys.executable, str(ROOT / "scripts" / "bench_decode_chain.py"), "--check"]
     variants = "engine;attention in 4 splits;whole row;one product"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode_chain.py"), "--check",
-                           "--variants", variants], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(tool + ["--variants", variants], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "checked 4 variants against engine on the CPU" in done.stdout
-    unknown = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode_chain.py"), "--check",
-                              "--variants", "engine;no such variant"], capture_output=True, text=True, timeout=120)
+    assert "checked 4 variants against engine on the CPU (batch 1)" in done.stdout
+    batched = subprocess.run(tool + ["--batch", "3"], capture_output=True, text=True, timeout=300)
+    assert batched.returncode == 0, batched.stdout + batched.stderr
+    assert "checked 3 variants against engine on the CPU (batch 3)" in batched.stdout
+    unknown = subprocess.run(tool + ["--variants", "engine;no such variant"], capture_output=True, text=True,
+                             timeout=120)
     assert unknown.returncode == 2 and "unknown variants" in unknown.stderr
+    # A batched layer has its own variants: the batch-1 launch settings are refused there.
+    refused = subprocess.run(tool + ["--batch", "3", "--variants", "engine;whole row"], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "unknown variants" in refused.stderr
