@@ -83,12 +83,19 @@ VARIANTS = {
 }
 
 
-# Variants of a batched layer (--batch B > 1): the engine's kernels, without the attention kernel, and one cuBLAS
-# product of B rows over the layer's weight bytes.
+# Variants of a batched layer (--batch B > 1): the engine's kernels, without the attention kernel, one cuBLAS
+# product of B rows over the layer's weight bytes, and lesson 04's kernel under other launch settings.
 BATCH_VARIANTS = {
     "engine": {},
     "engine's products, no attention": dict(attention=False),
     "one product": dict(one_product=True),
+    "attention, tiles of 32": dict(attention=dict(splits=1, TILE_N=32)),
+    "attention, tiles of 32, 4 stages": dict(attention=dict(splits=1, TILE_N=32, num_stages=4)),
+    "attention, tiles of 16, 4 stages": dict(attention=dict(splits=1, TILE_N=16, num_stages=4)),
+    "attention, 2 warps": dict(attention=dict(splits=1, num_warps=2)),
+    "attention, 8 warps": dict(attention=dict(splits=1, num_warps=8)),
+    "attention, 2 stages": dict(attention=dict(splits=1, num_stages=2)),
+    "attention in 2 splits": dict(attention=dict(splits=2)),
 }
 
 
@@ -168,13 +175,7 @@ class Model:
             q, k, val = (q.reshape(1, heads, head_dim), k.reshape(1, kv_heads, head_dim),
                          val.reshape(1, kv_heads, head_dim))
             if isinstance(attention, dict):
-                settings = {key: value for key, value in attention.items() if key != "splits"}
-                if not torch.cuda.is_available():
-                    settings = dict(settings, TILE_N=16, num_warps=1, num_stages=1)
-                attn = l04._launch_decode(
-                    q, self.k_cache[n], self.v_cache[n], self.table, self.lens, BOUND, head_dim ** -0.5,
-                    attention["splits"], config=settings,
-                    rope=(k, val, self.cos, self.sin, self.positions, self.slots))
+                attn = self.attend_with(attention, n, q, k, val)
             elif attention:
                 attn = l04.paged_decode_with_rope(q, k, val, self.cos, self.sin, self.positions, self.k_cache[n],
                                                   self.v_cache[n], self.slots, self.table, self.lens, BOUND,
@@ -184,6 +185,16 @@ class Model:
                                         b["res_b"])
             x, _ = product(1, gate_up, layer["down"], b["out"], v["down"])
         return x.clone(), residual.clone()
+
+    def attend_with(self, attention, n, q, k, v):
+        """Layer ``n``'s RoPE, cache write and attention by lesson 04's kernel in ``attention["splits"]`` splits of
+        the context, with the other items of ``attention`` as its launch settings."""
+        settings = {key: value for key, value in attention.items() if key != "splits"}
+        if not torch.cuda.is_available():
+            settings = dict(settings, TILE_N=16, num_warps=1, num_stages=1)
+        return l04._launch_decode(q, self.k_cache[n], self.v_cache[n], self.table, self.lens, BOUND,
+                                  q.shape[-1] ** -0.5, attention["splits"], config=settings,
+                                  rope=(k, v, self.cos, self.sin, self.positions, self.slots))
 
     def step_batched(self, variant, layers=None):
         """:meth:`step` for a batch of ``self.batch`` sequences, under a name of ``BATCH_VARIANTS``."""
@@ -198,11 +209,15 @@ class Model:
             h, residual = l02.fused_add_rms_norm(x, residual, layer["n1"], EPS)
             q, k, val = torch.nn.functional.linear(h, layer["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
             attn = self.attn_fixed
-            if v.get("attention", True):
-                attn = l04.paged_decode_with_rope(
-                    q.reshape(batch, heads, head_dim), k.reshape(batch, kv_heads, head_dim),
-                    val.reshape(batch, kv_heads, head_dim), self.cos, self.sin, self.positions, self.k_cache[n],
-                    self.v_cache[n], self.slots, self.table, self.lens, BOUND, validate=False)
+            attention = v.get("attention", True)
+            q, k, val = (q.reshape(batch, heads, head_dim), k.reshape(batch, kv_heads, head_dim),
+                         val.reshape(batch, kv_heads, head_dim))
+            if isinstance(attention, dict):
+                attn = self.attend_with(attention, n, q, k, val)
+            elif attention:
+                attn = l04.paged_decode_with_rope(q, k, val, self.cos, self.sin, self.positions, self.k_cache[n],
+                                                  self.v_cache[n], self.slots, self.table, self.lens, BOUND,
+                                                  validate=False)
             x = torch.nn.functional.linear(attn.reshape(batch, q_size), layer["o"])
             h, residual = l02.fused_add_rms_norm(x, residual, layer["n2"], EPS)
             # The few-row product takes half precision only; on the CPU check (float32) its reference stands in.

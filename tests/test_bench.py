@@ -133,7 +133,8 @@ def test_decode_chain_tool_checks_its_variants_on_the_cpu():
     done = subprocess.run(tool + ["--variants", variants], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "checked 4 variants against engine on the CPU (batch 1)" in done.stdout
-    batched = subprocess.run(tool + ["--batch", "3"], capture_output=True, text=True, timeout=300)
+    batched = subprocess.run(tool + ["--batch", "3", "--variants", "engine;attention in 2 splits;one product"],
+                             capture_output=True, text=True, timeout=300)
     assert batched.returncode == 0, batched.stdout + batched.stderr
     assert "checked 3 variants against engine on the CPU (batch 3)" in batched.stdout
     unknown = subprocess.run(tool + ["--variants", "engine;no such variant"], capture_output=True, text=True,
