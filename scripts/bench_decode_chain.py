@@ -131,8 +131,11 @@ class Model:
                             n2=1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype))
                        for _ in range(layers)]
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.layers[0].values())
-        for layer in self.layers:           # "one product": the layer's bytes as one [rows, hidden] matrix
-            layer["all"] = w(self.weight_bytes // (hidden * layer["o"].element_size()), hidden)
+        # "one product": the layer's bytes as one [rows, hidden] matrix, rows a multiple of 128 (cuBLAS takes a
+        # slower kernel for a row count that leaves the output's rows unaligned).
+        rows = self.weight_bytes // (hidden * self.layers[0]["o"].element_size()) // 128 * 128
+        for layer in self.layers:
+            layer["all"] = w(rows, hidden)
         # The keys and values the attention reads in a step: each sequence's context, K and V.
         self.batch, self.kv_bytes = batch, batch * CONTEXT * 2 * kv_size * self.layers[0]["o"].element_size()
         blocks = BOUND // BLOCK       # a block-table row as long as the graphs' context bound
