@@ -20,8 +20,8 @@ so every weight comes from memory) and replays it; a row gives the median micros
 replays, and the bytes of the layer's weights at the copy bandwidth measured in the same call.
 With ``--batch B`` (B > 1) a layer is the engine's at that batch: lesson 02's add + RMSNorm, cuBLAS's q/k/v
 product, lesson 04's fused decode over B sequences of 192 tokens, cuBLAS's output product, add + RMSNorm,
-lesson 02's few-row gate/up product with SiLU-and-mul, cuBLAS's down product (``BATCH_VARIANTS``); its roofline
-counts the B sequences' keys and values beside the weights.
+lesson 02's few-row gate/up product with SiLU-and-mul, cuBLAS's down product (``BATCH_VARIANTS``); the roofline
+of a variant that runs the attention kernel counts the B sequences' keys and values beside the weights.
 
 Variants differ in how the products and the attention kernel launch (``VARIANTS``); each is checked against
 the first. Two leave part of the layer out, to show what bounds it: "engine's products, no attention" (the
@@ -307,8 +307,9 @@ def main(argv=None) -> int:
         return 0
     bandwidth = copy_bandwidth(device)
     at_bandwidth = model.weight_bytes / bandwidth * 1e6
-    # The roofline of a layer: its weights, and (batched) the sequences' keys and values, at the copy bandwidth.
-    roofline = (model.weight_bytes + (model.kv_bytes if args.batch > 1 else 0)) / bandwidth * 1e6
+    # A row's roofline: the bytes it reads at the copy bandwidth, the layer's weights and, batched, the
+    # sequences' keys and values when the variant runs the attention kernel.
+    kv_at_bandwidth = (model.kv_bytes if args.batch > 1 else 0) / bandwidth * 1e6
     times = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         us = sorted(times[name])[len(times[name]) // 2]
+        reads_kv = (known[name] or {}).get("attention", True) and not (known[name] or {}).get("one_product")
+        roofline = at_bandwidth + (kv_at_bandwidth if reads_kv else 0.0)
         rows.append(dict(variant=name, settings=known[name], us_per_layer=us, all_us=times[name],
                          weights_at_copy_bw_us=at_bandwidth, roofline_us=roofline, fraction_of_copy_bw=roofline / us))
         print(f"{name:32s} {us:7.2f} us/layer  ({roofline / us:.1%} of copy bw; rounds {times[name]})")
