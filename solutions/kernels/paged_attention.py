@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from yaie.device import programmatic_launch_options, triton_interpreted
+from yaie.device import triton_interpreted
 
 # Given code (constants, validators, helpers; read it, do not edit it): yaie/kernels/paged_attention_given.py
 from yaie.kernels.paged_attention_given import (
@@ -119,21 +119,6 @@ def _rope_rotate(ptr, offsets, partner_offsets, mask, first, cos, sin):
 
 
 # yaie: solution-only
-@triton.jit
-def _load_kv_tile(K_CACHE, V_CACHE, block, offs_n, end, kv_head, offs_d, d_ok, stride_kb, stride_kt, stride_kh,
-                  stride_vb, stride_vt, stride_vh, BLOCK_SIZE: tl.constexpr):
-    # One KV head's keys and values of the tokens offs_n (those before `end`; zeros past it), whose blocks are
-    # `block`: token t is row t % BLOCK_SIZE of its block.
-    within = offs_n % BLOCK_SIZE
-    mask = (offs_n < end)[:, None] & d_ok[None, :]
-    k = tl.load(K_CACHE + block[:, None] * stride_kb + within[:, None] * stride_kt + kv_head * stride_kh
-                + offs_d[None, :], mask=mask, other=0.0)
-    v = tl.load(V_CACHE + block[:, None] * stride_vb + within[:, None] * stride_vt + kv_head * stride_vh
-                + offs_d[None, :], mask=mask, other=0.0)
-    return k, v
-
-
-# yaie: solution-only
 # Lengths and the window are plain values: Triton would otherwise compile a new kernel when one of them
 # happens to be 1 or a multiple of 16, and it gains nothing from knowing that here.
 @triton.jit(do_not_specialize=["window", "tokens_per_split", "max_context_len", "max_position", "num_slots"])
@@ -149,7 +134,6 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_MERGE: tl.constexpr,
     WINDOWED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
     """One program: one sequence, one KV head (all its GROUP query heads), one range of the context.
 
@@ -157,8 +141,7 @@ def _paged_decode_kernel(
     ``[batch, num_heads, num_splits]`` are the launcher's own contiguous buffers: their strides follow from
     the sizes, so they are not passed. ROPE (:func:`paged_decode_with_rope`): Q holds the new tokens' queries
     before RoPE, K_NEW and V_NEW their keys and values, not yet in the cache; the K_NEW ... num_slots
-    arguments are unused without it. PDL (with ROPE, launched with programmatic dependent launch): everything
-    but Q, K_NEW and V_NEW is read before ``gdc_wait``, so the kernel before must not write it.
+    arguments are unused without it.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -180,24 +163,11 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM                            # head dims that are not a power of two
     q_offsets = heads[:, None] * stride_qh + offs_d[None, :]
-    # Follow the block table: token t is row t % BLOCK_SIZE of block table[t // BLOCK_SIZE]. The block ids
-    # and the K/V tiles are read one tile AHEAD: a tile's K/V addresses do not hang on a load of the same
-    # iteration, and Triton's software pipeliner can keep num_stages - 1 tiles of K and V in flight (with the
-    # ids read in the same iteration it kept one K/V buffer, whatever num_stages said).
-    # The first tile's ids are masked by the bound, not the length: they are requested at the same time as the
-    # length, not after it (one memory round trip less before the first K/V bytes arrive).
-    table = BLOCK_TABLES + seq.to(tl.int64) * stride_table
-    offs_n = start + tl.arange(0, TILE_N)
-    block = tl.load(table + offs_n // BLOCK_SIZE, mask=offs_n < max_context_len, other=0).to(tl.int64)
-    k_next, v_next = _load_kv_tile(K_CACHE, V_CACHE, block, offs_n, end, kv_head, offs_d, d_ok,
-                                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
     if ROPE:
         # The step's RoPE and cache write, done here instead of in a kernel of their own: rotate the
         # group's queries (every program of the sequence does, they are a few hundred bytes), and the
         # program whose range holds the new token (the sequence's last) rotates its key and stores it and
-        # its value in the cache. The cache's older tokens, the table and the angles come from no kernel of
-        # this step, so with PDL they are read above and here, before gdc_wait, while the q/k/v product
-        # before this kernel drains.
+        # its value in the cache, before the loop below reads them back.
         position = tl.load(POSITIONS + seq).to(tl.int64)
         valid = (position >= 0) & (position < max_position)
         position = tl.where(valid, position, 0)            # never read outside the table
@@ -207,49 +177,55 @@ def _paged_decode_kernel(
         # The rotate-half table repeats its angles (cos[p, i] == cos[p, i + half]): read the first half.
         cos = tl.load(COS + position * stride_cos + offs_d % half, mask=d_ok, other=0.0)
         sin = tl.load(SIN + position * stride_cos + offs_d % half, mask=d_ok, other=0.0)
-        slot = tl.load(SLOTS + seq).to(tl.int64)
-        if PDL:
-            tl.extra.cuda.gdc_wait()                 # the q/k/v product has finished: its output is visible
-            tl.extra.cuda.gdc_launch_dependents()    # the output product may start reading its weights
         q_ptr = Q + seq.to(tl.int64) * stride_qb
         q = _rope_rotate(q_ptr, q_offsets, heads[:, None] * stride_qh + partner[None, :],
                          row_ok[:, None] & d_ok[None, :], first[None, :], cos[None, :], sin[None, :])
         # A position outside the table has no angle: NaN, so the mistake shows (as lesson 02's RoPE).
         q = tl.where(valid, q, float("nan")).to(Q.dtype.element_ty)
         newest = context_len - 1
-        k_ptr = K_NEW + seq.to(tl.int64) * stride_knb + kv_head * stride_knh
-        k_new = _rope_rotate(k_ptr, offs_d, partner, d_ok, first, cos, sin)
-        k_new = tl.where(valid, k_new, float("nan")).to(K_CACHE.dtype.element_ty)
-        v_new = tl.load(V_NEW + seq.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d, mask=d_ok)
-        v_new = v_new.to(V_CACHE.dtype.element_ty)
-        # Only the program whose range holds the new token stores it, and never to a slot outside the cache.
-        slot_ok = (slot >= 0) & (slot < num_slots) & (start <= newest) & (newest < end)
-        slot = tl.where(slot_ok, slot, 0)
-        store_ok = offs_d < tl.where(slot_ok, HEAD_DIM, 0)
-        tl.store(K_CACHE + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-                 + offs_d, k_new, mask=store_ok)
-        tl.store(V_CACHE + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
-                 + offs_d, v_new, mask=store_ok)
+        if (start <= newest) & (newest < end):
+            slot = tl.load(SLOTS + seq).to(tl.int64)
+            slot_ok = (slot >= 0) & (slot < num_slots)
+            store_ok = offs_d < tl.where(slot_ok, HEAD_DIM, 0)      # a slot outside the cache is never written
+            slot = tl.where(slot_ok, slot, 0)
+            k_ptr = K_NEW + seq.to(tl.int64) * stride_knb + kv_head * stride_knh
+            k_new = _rope_rotate(k_ptr, offs_d, partner, d_ok, first, cos, sin)
+            k_new = tl.where(valid, k_new, float("nan")).to(K_CACHE.dtype.element_ty)
+            v_new = tl.load(V_NEW + seq.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d, mask=d_ok)
+            block = slot // BLOCK_SIZE
+            within = slot % BLOCK_SIZE
+            tl.store(K_CACHE + block * stride_kb + within * stride_kt + kv_head * stride_kh + offs_d, k_new,
+                     mask=store_ok)
+            tl.store(V_CACHE + block * stride_vb + within * stride_vt + kv_head * stride_vh + offs_d, v_new,
+                     mask=store_ok)
+        # Every thread's stores are visible to the whole program after the barrier: the loop's loads of the
+        # newest token's K/V read what was just stored.
+        tl.debug_barrier()
     else:
         q = tl.load(Q + seq.to(tl.int64) * stride_qb + q_offsets, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)   # running max of the scores (log2 units)
     l = tl.zeros([GROUP_PAD], tl.float32)                 # running sum of exp2(score - m)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)      # running sum of exp2(score - m) * v
+    # Follow the block table: token t is row t % BLOCK_SIZE of block table[t // BLOCK_SIZE]. The block ids
+    # are read one tile AHEAD: then a tile's K/V addresses do not hang on a load of the same iteration,
+    # and Triton's software pipeliner can keep num_stages - 1 tiles of K and V in flight (with the ids
+    # read in the same iteration it kept one K/V buffer, whatever num_stages said).
+    table = BLOCK_TABLES + seq.to(tl.int64) * stride_table
+    first = start + tl.arange(0, TILE_N)
+    next_block = tl.load(table + first // BLOCK_SIZE, mask=first < max_context_len, other=0)
     for tile_start in range(start, end, TILE_N):
         offs_n = tile_start + tl.arange(0, TILE_N)
         n_ok = offs_n < end
-        k, v = k_next, v_next
+        block = next_block.to(tl.int64)
         ahead = offs_n + TILE_N
-        block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0).to(tl.int64)
-        k_next, v_next = _load_kv_tile(K_CACHE, V_CACHE, block, ahead, end, kv_head, offs_d, d_ok,
-                                       stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
-        if ROPE:
-            # The new token's row of the tile was read before it was stored (or, with PDL, before the
-            # product that computed it had finished): take it from the registers.
-            is_new = (offs_n == newest)[:, None]
-            k = tl.where(is_new, k_new[None, :], k)
-            v = tl.where(is_new, v_new[None, :], v)
+        next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
+        within = offs_n % BLOCK_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_CACHE + block[:, None] * stride_kb + within[:, None] * stride_kt + kv_head * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V_CACHE + block[:, None] * stride_vb + within[:, None] * stride_vt + kv_head * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
         if FP32_DOT:   # the interpreter's bf16 tl.dot is broken: upcast there
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
         else:
@@ -436,9 +412,6 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
         k, v, cos, sin, position_ids, slot_mapping = rope
         rope_args = (k, v, cos, sin, position_ids, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                      cos.stride(0), cos.shape[0], k_cache.shape[0] * k_cache.shape[1])
-    # With RoPE (a decode step of the engine) the kernel launches with programmatic dependent launch on Hopper:
-    # it reads the cache and the angles while the q/k/v product before it drains.
-    pdl = programmatic_launch_options(q.device) if rope is not None else {}
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         q.stride(0), q.stride(1),
@@ -447,7 +420,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, max_context_
         block_tables.stride(0), sliding_window or 0,
         scale * LOG2E, tokens_per_split, max_context_len,
         *rope_args,
-        **meta, **pdl,
+        **meta,
     )
     if use_splits and not fused:
         _launch_merge(part_out, part_lse, out)   # our own buffers: no need to check them again
