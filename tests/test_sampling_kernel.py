@@ -215,3 +215,54 @@ def test_on_cuda_tokens_are_the_float64_draws_and_repeat(vocab):
     assert torch.equal(tokens, again), "the same inputs gave other tokens"
     same = (tokens == sample_batch_reference(logits, table)).float().mean()
     assert same >= 0.95, f"seed {seed}: the kernel and the torch sampler agree on {same:.0%} of rows"
+
+
+def greedy_cases(gen: torch.Generator, vocab: int, device: str = "cpu") -> torch.Tensor:
+    """Rows argmax_rows must pick as torch.argmax does: random ones, a maximum repeated across tiles, a row of
+    -inf, -inf but one, +inf, and NaNs (the first NaN is the pick)."""
+    rows = torch.randn(8, vocab, generator=gen).to(device)
+    rows[1, torch.randint(0, vocab, (3,), generator=gen)] = 7.0
+    rows[2] = -float("inf")
+    rows[3] = -float("inf")
+    rows[3, torch.randint(0, vocab, (1,), generator=gen)] = -3.0
+    rows[4, torch.randint(0, vocab, (2,), generator=gen)] = float("inf")
+    nans = torch.randint(0, vocab, (2,), generator=gen)
+    rows[5, nans] = float("nan")
+    rows[6, -1] = 50.0                                   # the maximum in the last tile
+    return rows
+
+
+@pytest.mark.parametrize("vocab", [1, 100, sampling_kernel.GREEDY_BLOCK + 3, 40000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_picks_as_torch_argmax(vocab, dtype):
+    seed = fresh_seed()
+    logits = greedy_cases(torch.Generator().manual_seed(seed), vocab).to(dtype)
+    got = sampling_kernel.argmax_rows(logits)
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(got, expected), f"seed {seed}, vocab {vocab}: picked {got.tolist()}, torch.argmax " \
+                                       f"{expected.tolist()}"
+    strided = torch.cat([logits, logits], dim=1)[:, :vocab]         # rows 2 * vocab apart
+    assert torch.equal(sampling_kernel.argmax_rows(strided), expected)
+
+
+def test_argmax_rows_bad_inputs_raise():
+    with pytest.raises(ValueError, match=r"float logits \[B, vocab\]"):
+        sampling_kernel.argmax_rows(torch.randn(10))
+    with pytest.raises(ValueError, match=r"float logits"):
+        sampling_kernel.argmax_rows(torch.zeros(2, 10, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"vocab >= 1"):
+        sampling_kernel.argmax_rows(torch.zeros(2, 0))
+    assert sampling_kernel.argmax_rows(torch.randn(0, 10)).shape == (0,)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [32000, 128256])
+def test_on_cuda_argmax_rows_picks_as_torch_argmax(vocab):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    seed = fresh_seed()
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = greedy_cases(torch.Generator().manual_seed(seed), vocab, "cuda").to(dtype)
+        got, expected = sampling_kernel.argmax_rows(logits), logits.argmax(dim=-1)
+        assert torch.equal(got, expected), f"seed {seed}, {dtype}: picked {got.tolist()}, torch.argmax " \
+                                           f"{expected.tolist()}"
