@@ -2,8 +2,7 @@
 
 For each vocabulary, batch and setting (greedy, temperature 1.0, top-p 0.95, top-k 50 with top-p 0.9), random
 bf16 logits (standard deviation 3): the torch ops (``sample_batch_reference``; for greedy rows ``argmax``) and
-the kernel (``sample_rows``), and for greedy rows also the greedy kernel (``argmax_rows``, what the engine runs
-when a step's rows are all greedy), each timed two ways:
+the kernel (``sample_rows``), each timed two ways:
 
 * ``gpu_us``: ``triton.testing.do_bench``'s median, L2 cleared before each call (the kernels' time);
 * ``loop_us``: 100 calls back to back between two CUDA events, per call (what the engine sees, where the
@@ -27,7 +26,7 @@ import triton
 import triton.testing
 
 from yaie.engine.sampling import SamplingParams, StepTable, noise_key, sample_batch_reference
-from yaie.engine.sampling_kernel import argmax_rows, sample_rows
+from yaie.engine.sampling_kernel import sample_rows
 
 SETTINGS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -62,12 +61,7 @@ def measure(vocab: int, batch: int, name: str, params: SamplingParams) -> dict:
                                     table.top_p, table.greedy, table.state)
     same = (torch_fn() == kernel_fn()).float().mean().item()
     row = {"vocab": vocab, "batch": batch, "setting": name, "same_tokens": same}
-    timed = [("torch", torch_fn), ("kernel", kernel_fn)]
-    if params.greedy:
-        greedy_fn = lambda: argmax_rows(logits)                                     # noqa: E731
-        row["argmax_kernel_same_tokens"] = (torch_fn() == greedy_fn()).float().mean().item()
-        timed.append(("argmax_kernel", greedy_fn))
-    for label, fn in timed:
+    for label, fn in (("torch", torch_fn), ("kernel", kernel_fn)):
         row[f"{label}_gpu_us"] = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1000
         row[f"{label}_loop_us"] = loop_us(fn)
     return row
@@ -97,15 +91,6 @@ def main() -> None:
         lines.append(f"| {r['vocab']} | {r['batch']} | {r['setting']} | {r['torch_gpu_us']:.1f} | "
                      f"{r['kernel_gpu_us']:.1f} | {r['torch_loop_us']:.1f} | {r['kernel_loop_us']:.1f} | "
                      f"{r['torch_loop_us'] / r['kernel_loop_us']:.2f}x | {r['same_tokens']:.0%} |")
-    lines += ["", "Greedy rows, the greedy kernel (`argmax_rows`):", "",
-              "| vocab | batch | torch argmax, GPU us | argmax_rows, GPU us | torch, loop us | argmax_rows, loop us | "
-              "loop speed-up | same tokens |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if "argmax_kernel_gpu_us" in r:
-            lines.append(f"| {r['vocab']} | {r['batch']} | {r['torch_gpu_us']:.1f} | {r['argmax_kernel_gpu_us']:.1f} | "
-                         f"{r['torch_loop_us']:.1f} | {r['argmax_kernel_loop_us']:.1f} | "
-                         f"{r['torch_loop_us'] / r['argmax_kernel_loop_us']:.2f}x | "
-                         f"{r['argmax_kernel_same_tokens']:.0%} |")
     (args.out / f"sampling_{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

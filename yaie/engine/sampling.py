@@ -318,26 +318,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, index: int = 0) -> int:
 
 
 # ----------------------------------------------------------------------------- one step's rows
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` (int64 ``[B]``, on the logits' device): on CUDA by one Triton kernel
-    (:func:`yaie.engine.sampling_kernel.argmax_rows`), elsewhere by torch."""
-    if logits.is_cuda:
-        from yaie.engine.sampling_kernel import argmax_rows   # imports triton: only where a GPU runs it
-        return argmax_rows(logits)
-    return logits.argmax(dim=-1)
-
-
 def pick_tokens(logits: torch.Tensor, requests: Sequence, states: Sequence, table: StepTable | None = None
                 ) -> tuple[torch.Tensor, StepTable | None]:
     """One token per row of ``logits`` ``[B, vocab]``, int64 on its device, not read by the host: greedy
-    rows by argmax (:func:`greedy_tokens` when every row is greedy), sampled rows by :func:`sample_batch`; and the rows' :class:`StepTable` (None when all
+    rows by argmax, sampled rows by :func:`sample_batch`; and the rows' :class:`StepTable` (None when all
     are greedy). ``requests``: the rows' requests (row ``i`` samples token ``len(requests[i].output_ids)``
     of its request); ``states``: their ``params``, ``key`` and ``greedy``
     (:class:`yaie.engine.output.OutputState`). ``table``: the rows' table for this step, made before (a
     looked-ahead step's: :meth:`StepTable.next` of the step before's); then ``requests`` is not read."""
     if table is None:
         if all(state.greedy for state in states):
-            return greedy_tokens(logits), None
+            return logits.argmax(dim=-1), None
         table = StepTable([s.params for s in states], [s.key for s in states],
                           [len(r.output_ids) for r in requests], logits.shape[-1], logits.device)
     return sample_batch(logits, table), table

@@ -28,9 +28,7 @@ tiles:
    takes a prefix sum.
 
 A walk over a resident row is a few instructions per register and one reduction, where the torch sampler
-sorts the row.
-
-A step whose rows are all greedy needs only step 1: :func:`argmax_rows` is that step alone, in its own kernel. The row's uniform number is SplitMix64 of its state, computed in the kernel on uint64
+sorts the row. The row's uniform number is SplitMix64 of its state, computed in the kernel on uint64
 (products wrap modulo 2**64 as :func:`yaie.engine.sampling.mix64`'s int64 products do).
 """
 
@@ -305,53 +303,4 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
                             state, state.stride(0), scratch, tokens, tokens if uniforms_out is None else uniforms_out,
                             BLOCK=block, TILES=tiles, DRAW_BLOCK=min(block, 8192),
                             STORE_U=uniforms_out is not None, num_warps=max(4, min(32, block // 1024)))
-    return tokens
-
-
-GREEDY_BLOCK = 16384       # the tile argmax_rows walks a row longer than it in
-
-
-@triton.jit
-def _argmax_kernel(logits_ptr, logits_stride, vocab, token_ptr, BLOCK: tl.constexpr):
-    """One row's first maximum (``torch.argmax``'s pick): the first NaN where there is one, else the first
-    index holding the largest value. The row is read in tiles of BLOCK, keeping the best so far."""
-    row = tl.program_id(0)
-    base = logits_ptr + row.to(tl.int64) * logits_stride
-    best = tl.full([], -float("inf"), tl.float32)
-    best_index = tl.full([], 0, tl.int32)          # an all -inf row picks 0, as torch.argmax does
-    first_nan = tl.full([], 0, tl.int32) + vocab
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(base + offs, mask=offs < vocab, other=-float("inf")).to(tl.float32)
-        first_nan = tl.minimum(first_nan, tl.min(tl.where(x != x, offs, vocab)))
-        x = tl.where(x != x, -float("inf"), x)
-        tile_max = tl.max(x)
-        tile_index = tl.min(tl.where(x == tile_max, offs, vocab))      # the tile's first maximum
-        take = tile_max > best         # strictly larger: on a tie the earlier tile's index stays
-        best_index = tl.where(take, tile_index, best_index)
-        best = tl.where(take, tile_max, best)
-    tl.store(token_ptr + row, tl.where(first_nan < vocab, first_nan, best_index).to(tl.int64))
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` for ``logits`` ``[B, vocab]`` (float32, float16 or bfloat16, contiguous
-    rows), int64 ``[B]`` on its device: a step's greedy tokens in one launch, one program per row.
-
-    The same index as ``torch.argmax`` for every row: the first maximum, the first NaN where a row has one,
-    0 for a row of -inf.
-
-    Raises ValueError for a shape or dtype the kernel does not take."""
-    if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16) \
-            or logits.shape[1] == 0:
-        raise ValueError(f"argmax_rows needs float logits [B, vocab] with vocab >= 1, got {logits.dtype} "
-                         f"{tuple(logits.shape)}")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    rows, vocab = logits.shape
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows == 0:
-        return tokens
-    block = min(triton.next_power_of_2(vocab), GREEDY_BLOCK)
-    _argmax_kernel[(rows,)](logits, logits.stride(0), vocab, tokens, BLOCK=block,
-                            num_warps=max(4, min(16, block // 1024)))
     return tokens
