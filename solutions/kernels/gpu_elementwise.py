@@ -631,8 +631,8 @@ def _launch_matvec(prologue, x, weight, bias, residual=None, norm_weight=None, e
     # hidden state), else 1024; 8 warps, 4 with the norm. With 2048 columns the first tile, which is read
     # before gdc_wait, is a whole row at hidden 2048 (half a row at 4096), and the norm's first pass is one
     # load: in the decode layer's chain of kernels (scripts/bench_decode_chain.py, H200,
-    # bench/results/decode_chain_*_h200.json) a 1.1B layer took 43.6 us against 47.9 with 512 columns for the
-    # norm's products and 1024 for the others, an 8B-shape layer 129.6 against 132.7. Longer rows (the down
+    # bench/results/decode_chain_*_h200.json) a 1.1B layer took 43.8 us against 48.4 with 512 columns for the
+    # norm's products and 1024 for the others, an 8B-shape layer 129.3 against 133.5. Longer rows (the down
     # product) were no faster with 2048 columns, and slower with more.
     block_k = min(2048, triton.next_power_of_2(k)) if k <= 4096 else 1024
     config = dict(BLOCK_N=4, BLOCK_K=block_k, num_warps=4 if prologue == 2 else 8, num_stages=3)
