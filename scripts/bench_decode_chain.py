@@ -165,7 +165,7 @@ class Model:
         v, b = VARIANTS[variant] or dict(engine=True), self.buf
         if v.get("engine"):
             v = dict(dict.fromkeys(("qkv", "o", "gate_up", "down")), **v)
-        q_size, kv_size, heads, kv_heads, head_dim = self.sizes
+        q_size, kv_size = self.sizes[:2]
         x, residual = self.x0, self.res0
         for n, layer in enumerate(self.layers[:layers]):
             if v.get("one_product"):
@@ -173,36 +173,39 @@ class Model:
                 continue
             qkv, residual = product(2, x, layer["qkv"], b["qkv"], v["qkv"], residual, layer["n1"], b["res_a"])
             q, k, val = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            attn = self.attn_fixed
-            attention = v.get("attention", True)
-            q, k, val = (q.reshape(1, heads, head_dim), k.reshape(1, kv_heads, head_dim),
-                         val.reshape(1, kv_heads, head_dim))
-            if isinstance(attention, dict):
-                attn = self.attend_with(attention, n, q, k, val)
-            elif attention:
-                attn = l04.paged_decode_with_rope(q, k, val, self.cos, self.sin, self.positions, self.k_cache[n],
-                                                  self.v_cache[n], self.slots, self.table, self.lens, BOUND,
-                                                  validate=False)
+            attn = self.attend(v.get("attention", True), n, q, k, val)
             x, _ = product(0, attn.reshape(1, q_size), layer["o"], b["x"], v["o"])
             gate_up, residual = product(2, x, layer["gate_up"], b["gate_up"], v["gate_up"], residual, layer["n2"],
                                         b["res_b"])
             x, _ = product(1, gate_up, layer["down"], b["out"], v["down"])
         return x.clone(), residual.clone()
 
-    def attend_with(self, attention, n, q, k, v):
-        """Layer ``n``'s RoPE, cache write and attention by lesson 04's kernel in ``attention["splits"]`` splits of
-        the context, with the other items of ``attention`` as its launch settings."""
+    def attend(self, attention, n, q, k, v):
+        """Layer ``n``'s RoPE, cache write and attention for the step's rows of ``q`` ``[B, heads * head_dim]``
+        and ``k``, ``v`` (views of the q/k/v product). ``attention``: True, lesson 04's fused decode as the engine
+        calls it; a dict, its kernel in ``attention["splits"]`` splits of the context with the other items as
+        launch settings; False, no attention (a fixed random output)."""
+        if not attention:
+            return self.attn_fixed
+        _, _, heads, kv_heads, head_dim = self.sizes
+        batch = q.shape[0]
+        q, k, v = (q.reshape(batch, heads, head_dim), k.reshape(batch, kv_heads, head_dim),
+                   v.reshape(batch, kv_heads, head_dim))
+        if attention is True:
+            return l04.paged_decode_with_rope(q, k, v, self.cos, self.sin, self.positions, self.k_cache[n],
+                                              self.v_cache[n], self.slots, self.table, self.lens, BOUND,
+                                              validate=False)
         settings = {key: value for key, value in attention.items() if key != "splits"}
         if not torch.cuda.is_available():
             settings = dict(settings, TILE_N=16, num_warps=1, num_stages=1)
-        return l04._launch_decode(q, self.k_cache[n], self.v_cache[n], self.table, self.lens, BOUND,
-                                  q.shape[-1] ** -0.5, attention["splits"], config=settings,
+        return l04._launch_decode(q, self.k_cache[n], self.v_cache[n], self.table, self.lens, BOUND, head_dim ** -0.5,
+                                  attention["splits"], config=settings,
                                   rope=(k, v, self.cos, self.sin, self.positions, self.slots))
 
     def step_batched(self, variant, layers=None):
         """:meth:`step` for a batch of ``self.batch`` sequences, under a name of ``BATCH_VARIANTS``."""
         v = BATCH_VARIANTS[variant]
-        q_size, kv_size, heads, kv_heads, head_dim = self.sizes
+        q_size, kv_size = self.sizes[:2]
         batch, hidden = self.x0.shape
         x, residual = self.x0.clone(), self.res0.clone()     # the add + norm works in place
         for n, layer in enumerate(self.layers[:layers]):
@@ -211,16 +214,7 @@ class Model:
                 continue
             h, residual = l02.fused_add_rms_norm(x, residual, layer["n1"], EPS)
             q, k, val = torch.nn.functional.linear(h, layer["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
-            attn = self.attn_fixed
-            attention = v.get("attention", True)
-            q, k, val = (q.reshape(batch, heads, head_dim), k.reshape(batch, kv_heads, head_dim),
-                         val.reshape(batch, kv_heads, head_dim))
-            if isinstance(attention, dict):
-                attn = self.attend_with(attention, n, q, k, val)
-            elif attention:
-                attn = l04.paged_decode_with_rope(q, k, val, self.cos, self.sin, self.positions, self.k_cache[n],
-                                                  self.v_cache[n], self.slots, self.table, self.lens, BOUND,
-                                                  validate=False)
+            attn = self.attend(v.get("attention", True), n, q, k, val)
             x = torch.nn.functional.linear(attn.reshape(batch, q_size), layer["o"])
             h, residual = l02.fused_add_rms_norm(x, residual, layer["n2"], EPS)
             # The few-row product takes half precision only; on the CPU check (float32) its reference stands in.
