@@ -99,6 +99,13 @@ BATCH_VARIANTS = {
 }
 
 
+def runs_attention(settings) -> bool:
+    """Whether a variant (its ``VARIANTS`` or ``BATCH_VARIANTS`` entry) runs the whole layer, attention included:
+    only those are compared with the first variant, and only their roofline counts the keys and values."""
+    settings = settings or {}
+    return bool(settings.get("attention", True)) and not settings.get("one_product")
+
+
 def product(prologue, x, weight, out, config, residual=None, norm_weight=None, res_out=None):
     """One one-row product; returns ``(product, new residual or None)``. ``config`` None: lesson 02's function as
     the engine calls it (new tensors, its own settings); else its kernel launched with ``config``'s settings
@@ -133,11 +140,11 @@ class Model:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.layers[0].values())
         # "one product": the layer's bytes as one [rows, hidden] matrix, rows a multiple of 128 (cuBLAS takes a
         # slower kernel for a row count that leaves the output's rows unaligned).
-        rows = self.weight_bytes // (hidden * self.layers[0]["o"].element_size()) // 128 * 128
+        rows = self.weight_bytes // (hidden * dtype.itemsize) // 128 * 128
         for layer in self.layers:
             layer["all"] = w(rows, hidden)
         # The keys and values the attention reads in a step: each sequence's context, K and V.
-        self.batch, self.kv_bytes = batch, batch * CONTEXT * 2 * kv_size * self.layers[0]["o"].element_size()
+        self.batch, self.kv_bytes = batch, batch * CONTEXT * 2 * kv_size * dtype.itemsize
         blocks = BOUND // BLOCK       # a block-table row as long as the graphs' context bound
         self.k_cache = torch.randn(layers, batch * blocks, BLOCK, kv_heads, head_dim, device=device, dtype=dtype)
         self.v_cache = torch.randn_like(self.k_cache)
@@ -290,7 +297,7 @@ def main(argv=None) -> int:
     expected = model.run(names[0], layers=1)
     for name in names[1:]:
         got = model.run(name, layers=1)
-        if not (known[name] or {}).get("attention", True) or (known[name] or {}).get("one_product"):
+        if not runs_attention(known[name]):
             continue                        # another computation: nothing to compare
         for e, g in zip(expected, got):
             error = ((e.float() - g.float()).norm() / e.float().norm()).item()
@@ -311,8 +318,7 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         us = sorted(times[name])[len(times[name]) // 2]
-        reads_kv = (known[name] or {}).get("attention", True) and not (known[name] or {}).get("one_product")
-        roofline = at_bandwidth + (kv_at_bandwidth if reads_kv else 0.0)
+        roofline = at_bandwidth + (kv_at_bandwidth if runs_attention(known[name]) else 0.0)
         rows.append(dict(variant=name, settings=known[name], us_per_layer=us, all_us=times[name],
                          weights_at_copy_bw_us=at_bandwidth, roofline_us=roofline, fraction_of_copy_bw=roofline / us))
         print(f"{name:32s} {us:7.2f} us/layer  ({roofline / us:.1%} of copy bw; rounds {times[name]})")

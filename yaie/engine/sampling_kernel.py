@@ -275,8 +275,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     ``[B]`` on its device: greedy rows take their first maximum, the others draw from their filtered
     distribution. The columns are those of :class:`yaie.engine.sampling.StepTable`: ``temperature``
     float32 ``[B]`` (> 0), ``top_k`` int64 ``[B]`` (0: none), ``top_p`` float32 ``[B]`` (>= 1: none),
-    ``greedy`` bool ``[B]``, ``state`` int64 ``[B]`` (the stream's state for this token). ``uniforms_out``: a float64 ``[B]`` tensor for each sampled row's number
-    (the tests read it); greedy rows leave theirs untouched.
+    ``greedy`` bool ``[B]``, ``state`` int64 ``[B]`` (the stream's state for this token). ``uniforms_out``: a
+    float64 ``[B]`` tensor for each sampled row's number (the tests read it); greedy rows leave theirs untouched.
 
     Raises ValueError for a shape, dtype or device the kernel does not take; logits are expected finite or
     -inf, with a finite value in every row."""
