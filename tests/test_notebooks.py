@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -83,6 +84,7 @@ def run_in_copy(course: tuple[Path, Path], parts: int, index: int, monkeypatch,
     depend on which tests ran before), run notebook ``index`` there top to bottom (a cell that raises fails the
     test with its traceback), and return its path and printed text. ``grader_cell=False`` leaves out the
     grader's cell."""
+    from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError
 
@@ -97,24 +99,33 @@ def run_in_copy(course: tuple[Path, Path], parts: int, index: int, monkeypatch,
     # One thread per kernel: the notebooks' tensors are tiny, and on a loaded 2-core machine torch's
     # thread pool can spin for minutes (seen once here).
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    # A cell's reply can get lost between the kernel and the client: both then wait, idle (seen on notebooks 03
-    # and 06, with ipykernel 6.31 and 7.4, in about one suite run of three here; the cause is not found). A cell
-    # that runs past its time limit gets one fresh kernel and a second run of the whole notebook. The limit is
-    # about 4x the slowest cell alone (27.5 s: notebook 07's grader cell, on this 2-core machine), so a lost
-    # reply costs 2 minutes of one test worker rather than 4.
+    # A cell's reply could get lost between the kernel and the client, both then waiting idle (seen on notebooks
+    # 03, 06 and 07, in about one suite run of three here, each costing 2 minutes). The likely cause: the test
+    # workers start kernels at the same time, and jupyter_client picks a kernel's TCP ports by opening and
+    # closing them, so two kernels started together can be given the same port. The kernel therefore talks to
+    # its client over Unix sockets in a folder of its own (transport "ipc", an absolute path: the kernel runs
+    # in the notebook's folder). Should a cell still run past its time limit, it gets one fresh kernel and a
+    # second run of the whole notebook. The limit is about 4x the slowest cell alone (27.5 s: notebook 07's
+    # grader cell, on this 2-core machine).
     for attempt in (1, 2):
         nb = nbformat.read(path, as_version=4)
         if not grader_cell:
             graders = [cell for cell in nb.cells if cell.cell_type == "code" and "run_grader(" in cell.source]
             assert len(graders) == 1, f"{path.name}: {len(graders)} grader cells"
             nb.cells.remove(graders[0])
+        sockets = Path(tempfile.mkdtemp(prefix="yaie-kernel-")) / "kernel"
+        # (Unix sockets where there are some; TCP elsewhere.)
+        channels = dict(transport="ipc", ip=str(sockets)) if os.name == "posix" else {}
         try:
             NotebookClient(nb, timeout=120, kernel_name="python3",
+                           km=KernelManager(kernel_name="python3", **channels),
                            resources={"metadata": {"path": str(path.parent)}}).execute()
             break
         except CellTimeoutError:
             if attempt == 2:
                 raise
+        finally:
+            shutil.rmtree(sockets.parent, ignore_errors=True)
     text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                      for out in cell.get("outputs", []) if out.get("output_type") == "stream")
     return path, text
