@@ -46,7 +46,6 @@ if not torch.cuda.is_available():
     prepare_triton()
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from solutions.kernels import gpu_elementwise as l02  # noqa: E402
 from solutions.kernels import paged_attention as l04  # noqa: E402
@@ -81,13 +80,6 @@ VARIANTS = {
     "attention, tiles of 32": dict(engine=True, attention=dict(splits=1, TILE_N=32)),
     "attention in 4 splits, tiles of 32": dict(engine=True, attention=dict(splits=4, TILE_N=32)),
     "one product": dict(engine=True, one_product=True),
-    "prefetch o during attention": dict(engine=True, prefetch=dict(attention=("o", 0))),
-    "prefetch o + 16 MB of gate/up during attention": dict(engine=True, prefetch=dict(attention=("o", 16))),
-    "prefetch o + 32 MB of gate/up during attention": dict(engine=True, prefetch=dict(attention=("o", 32))),
-    "prefetch 16 MB of gate/up during attention": dict(engine=True, prefetch=dict(attention=(None, 16))),
-    "PDL prefetch o": dict(engine=True, main_stream=True, prefetch=dict(attention=("o", 0))),
-    "PDL prefetch o + 16 MB": dict(engine=True, main_stream=True, prefetch=dict(attention=("o", 16))),
-    "PDL prefetch o + 32 MB": dict(engine=True, main_stream=True, prefetch=dict(attention=("o", 32))),
 }
 
 
@@ -104,36 +96,7 @@ BATCH_VARIANTS = {
     "attention, 8 warps": dict(attention=dict(splits=1, num_warps=8)),
     "attention, 2 stages": dict(attention=dict(splits=1, num_stages=2)),
     "attention in 2 splits": dict(attention=dict(splits=2)),
-    "prefetch o + 16 MB of gate/up during attention": dict(prefetch=dict(attention=("o", 16))),
-    "prefetch qkv during norm 1, gate/up 16 MB during norm 2": dict(prefetch=dict(norm1=("qkv", 0), norm2=(None, 16))),
-    "prefetch all three": dict(prefetch=dict(norm1=("qkv", 0), attention=("o", 0), norm2=(None, 16))),
-    "PDL prefetch o + 16 MB": dict(main_stream=True, prefetch=dict(attention=("o", 16))),
-    "PDL prefetch all three": dict(main_stream=True, prefetch=dict(norm1=("qkv", 0), attention=("o", 0), norm2=(None, 16))),
 }
-
-
-@triton.jit
-def _l2_prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes, CHUNK: tl.constexpr, THREADS: tl.constexpr):
-    # Each thread asks the copy engine to bring CHUNK bytes into the L2 cache (no registers, no wait).
-    start = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * CHUNK
-    in_a = start < a_bytes
-    offset = tl.where(in_a, start, start - a_bytes)
-    size = tl.where(in_a, tl.minimum(a_bytes - offset, CHUNK), tl.minimum(b_bytes - offset, CHUNK))
-    size = tl.maximum(size, 0).to(tl.int32)
-    addr = tl.where(in_a, a_ptr + offset, b_ptr + offset)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def l2_prefetch(a, a_bytes, b, b_bytes, chunk=16384, threads=128, pdl=False):
-    """Prefetch the first a_bytes of a and b_bytes of b (uint8 views) into L2 (CUDA only)."""
-    if not a.is_cuda:
-        return
-    total = a_bytes + b_bytes
-    grid = (triton.cdiv(total, chunk * threads),)
-    extra = dict(launch_pdl=True) if pdl else {}
-    _l2_prefetch_kernel[grid](a, a_bytes, b, b_bytes, CHUNK=chunk, THREADS=threads, num_warps=threads // 32, **extra)
 
 
 def runs_attention(settings) -> bool:
@@ -193,7 +156,6 @@ class Model:
         self.cos = torch.randn(4096, head_dim, device=device)
         self.sin = torch.randn(4096, head_dim, device=device)
         self.attn_fixed = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)  # "attention": False
-        self.side = torch.cuda.Stream() if device == "cuda" else None
         self.x0 = torch.randn(batch, hidden, device=device, dtype=dtype)
         self.res0 = torch.randn(batch, hidden, device=device, dtype=dtype)
         # Buffers every variant writes (allocated once, outside the graph).
@@ -203,29 +165,6 @@ class Model:
                         res_b=torch.empty(1, hidden, device=device, dtype=dtype),
                         gate_up=torch.empty(1, 2 * inter, device=device, dtype=dtype),
                         out=torch.empty(1, hidden, device=device, dtype=dtype))
-
-    def prefetch(self, v, where, layer):
-        """Fork a side stream here that prefetches the weights ``v["prefetch"][where]`` names into L2."""
-        spec = (v.get("prefetch") or {}).get(where)
-        if spec is None or not self.x0.is_cuda:
-            return
-        name, gate_up_mb = spec
-        a = layer[name].view(torch.uint8).view(-1) if name else layer["gate_up"].view(torch.uint8).view(-1)
-        a_bytes = a.numel() if name else 0
-        b = layer["gate_up"].view(torch.uint8).view(-1)
-        b_bytes = min(b.numel(), gate_up_mb << 20)
-        if v.get("main_stream"):
-            l2_prefetch(a, a_bytes, b, b_bytes, pdl=True)
-            return
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            l2_prefetch(a, a_bytes, b, b_bytes)
-        self.forked = True
-
-    def join(self):
-        if getattr(self, "forked", False):
-            torch.cuda.current_stream().wait_stream(self.side)
-            self.forked = False
 
     def step(self, variant, layers=None):
         """The first ``layers`` layers (all by default) under ``variant``; returns the last one's output and
@@ -241,13 +180,11 @@ class Model:
                 continue
             qkv, residual = product(2, x, layer["qkv"], b["qkv"], v["qkv"], residual, layer["n1"], b["res_a"])
             q, k, val = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            self.prefetch(v, "attention", layer)
             attn = self.attend(v.get("attention", True), n, q, k, val)
             x, _ = product(0, attn.reshape(1, q_size), layer["o"], b["x"], v["o"])
             gate_up, residual = product(2, x, layer["gate_up"], b["gate_up"], v["gate_up"], residual, layer["n2"],
                                         b["res_b"])
             x, _ = product(1, gate_up, layer["down"], b["out"], v["down"])
-        self.join()
         return x.clone(), residual.clone()
 
     def attend(self, attention, n, q, k, v):
@@ -282,18 +219,14 @@ class Model:
             if v.get("one_product"):
                 x = torch.nn.functional.linear(x, layer["all"])[:, :hidden]
                 continue
-            self.prefetch(v, "norm1", layer)
             h, residual = l02.fused_add_rms_norm(x, residual, layer["n1"], EPS)
             q, k, val = torch.nn.functional.linear(h, layer["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
-            self.prefetch(v, "attention", layer)
             attn = self.attend(v.get("attention", True), n, q, k, val)
             x = torch.nn.functional.linear(attn.reshape(batch, q_size), layer["o"])
-            self.prefetch(v, "norm2", layer)
             h, residual = l02.fused_add_rms_norm(x, residual, layer["n2"], EPS)
             # The few-row product takes half precision only; on the CPU check (float32) its reference stands in.
             gate = l02.skinny_matmul_silu_and_mul if h.is_cuda else l02.skinny_matmul_silu_and_mul_reference
             x = torch.nn.functional.linear(gate(h, layer["gate_up"]), layer["down"])
-        self.join()
         return x.clone(), residual.clone()
 
     def run(self, variant, layers=None):
