@@ -26,17 +26,13 @@ with tempfile.TemporaryDirectory() as folder:
                      if e.device_type == DeviceType.CUDA and "Memcpy" not in e.name and "Memset" not in e.name))
         # the decode region: skip the first 10% of kernels (prefill), up to the end
         ks = ks[len(ks) // 10:]
-        busy, gaps, end = 0.0, [], ks[0][0]
+        busy, gaps, end, prev = 0.0, [], ks[0][0], ks[0][2]
         for s, e, n in ks:
             if s > end:
                 gaps.append((s - end, prev, n))
             busy += max(0.0, e - max(s, end))
             if e > end:
                 end, prev = e, n
-            elif s <= ks[0][0]:
-                prev = n
-            if 'prev' not in dir():
-                prev = n
         span = end - ks[0][0]
         big = sorted(gaps, reverse=True)
         print(f"== {size} batch {batch}: wall {wall*1e3:.1f} ms; decode region span {span/1e3:.1f} ms, kernels busy {busy/1e3:.1f} ms ({busy/span:.1%})")
