@@ -22,6 +22,8 @@ with tempfile.TemporaryDirectory() as folder:
             torch.cuda.synchronize(); return time.perf_counter() - t
         run(8)
         totals = [run(256) for _ in range(3)]
+        c = llm.last_core
+        print(f"   256 tokens: steps {c.scheduler.stats.steps}, looked ahead {c.looked_ahead_steps}, prefill steps {c.prefill_steps}")
         firsts = [run(1) for _ in range(3)]
         step_ms = (statistics.median(totals) - statistics.median(firsts)) / 255 * 1e3
         core = llm.last_core
@@ -43,5 +45,12 @@ with tempfile.TemporaryDirectory() as folder:
             replay_ms = s.elapsed_time(e) / 100
             print(f"   graph {key} replayed back to back + argmax {replay_ms:.3f} ms "
                   f"({1 - replay_ms / step_ms:+.1%} of the engine's step)", flush=True)
+            if batch == 64:
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        graph.replay(); logits.argmax(-1)
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
         del llm, core, graphs
         torch.cuda.empty_cache()
