@@ -29,9 +29,13 @@ with tempfile.TemporaryDirectory() as folder:
                   num_blocks=batch * 30 + 64)
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 32000, (128,), generator=gen).tolist() for _ in range(batch)]
-        for n in (8, 256, 256):
+        for n in (8, 1, 256, 1, 256):
             rec.clear()
+            torch.cuda.synchronize(); t0 = time.perf_counter()
             llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            torch.cuda.synchronize(); wall = time.perf_counter() - t0
+            print(f"batch {batch}, {n} tokens: generate {wall * 1e3:.1f} ms, sum of step() {sum(t for t, _ in rec) * 1e3:.1f} ms "
+                  f"over {len(rec)} steps; first 12 steps {[round(t * 1e6) for t, _ in rec[:12]]}; last 6 {[round(t * 1e6) for t, _ in rec[-6:]]}", flush=True)
         steady = rec[10:-5]
         total = [t * 1e6 for t, _ in steady]
         busy = [(t - w) * 1e6 for t, w in steady]
