@@ -8,6 +8,8 @@ import random
 import pytest
 
 from yaie.engine import DEFAULT_MODEL
+from yaie.engine.output import OutputState, final_texts
+from yaie.engine.sampling import SamplingParams
 from yaie.model.testing import fresh_seed, write_tokenizer
 from yaie.model.tokenizer import StreamDecoder, Tokenizer
 
@@ -37,3 +39,35 @@ def test_windowed_decoding_equals_whole_text_decoding(tmp_path, kind):
         pieces = [decoder.push(t) for t in ids]
         want = whole_text_decoding(tokenizer, ids)
         assert decoder.text == want == "".join(pieces), f"seed {seed} (YAIE_SEED={seed}), ids {ids}"
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "word-level"])
+def test_final_texts_decoded_in_one_batch_are_each_requests_text(tmp_path, kind):
+    """``generate`` reads the texts of the requests that ended in one batch decode (``final_texts``): each text is
+    the whole-text reference of its ids, whether the request decoded nothing before (one decode of all its ids),
+    part of them piece by piece, or ended in an incomplete character; a stop string's cut is kept."""
+    if kind == "word-level":
+        write_tokenizer(tmp_path, 2000)
+        tokenizer = Tokenizer(tmp_path)
+    else:
+        tokenizer = Tokenizer(DEFAULT_MODEL)
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    states, wanted = [], []
+    for i in range(24):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 50))]
+        state = OutputState(SamplingParams(max_tokens=64), tokenizer, [], streams=False)
+        split = rng.randint(0, len(ids)) if i % 3 == 0 else 0      # every third: some ids decoded piece by piece
+        state.pending.extend(ids[:split])
+        state._decode()
+        state.pending.extend(ids[split:])
+        want = whole_text_decoding(tokenizer, ids)
+        if i % 4 == 1 and want:
+            state.end = rng.randrange(len(want))                      # a stop string began here
+            want = want[:state.end]
+        states.append(state)
+        wanted.append(want)
+    got = final_texts(states, tokenizer)
+    for i, (g, w) in enumerate(zip(got, wanted)):
+        assert g == w, f"seed {seed} (YAIE_SEED={seed}), request {i}: expected {w!r}, got {g!r}"
+    assert [state.final_text for state in states] == wanted

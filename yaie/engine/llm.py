@@ -19,7 +19,7 @@ import torch
 
 from yaie.device import resolve_device
 from yaie.engine.core import EngineCore
-from yaie.engine.output import CompletionOutput, RequestOutput
+from yaie.engine.output import CompletionOutput, RequestOutput, final_texts
 from yaie.engine.paged_runner import PagedRunner
 from yaie.engine.prompts import is_token_id, to_token_ids
 from yaie.engine.row_runner import RowRunner, has_rows
@@ -121,10 +121,14 @@ class LLM:
         # One request per completion, in order: prompt j's n completions follow those of the prompts before it.
         ids = [ids for (_, ids), p in zip(checked, params) for _ in range(p.n)]
         choices = [p.choice(i) for p in params for i in range(p.n)]
-        finished = {}
+        ended = {}
         for request, _, state, finish_reason in self._run(ids, choices, streams=False):
             if finish_reason is not None:
-                finished[request.request_id] = CompletionOutput(state.final_text, request.output_ids, finish_reason)
+                ended[request.request_id] = (request.output_ids, state, finish_reason)
+        # Every text at the end, in one batch decode (requests of a batch tend to end together).
+        texts = final_texts([state for _, state, _ in ended.values()], self.tokenizer)
+        finished = {request_id: CompletionOutput(text, token_ids, finish_reason)
+                    for (request_id, (token_ids, _, finish_reason)), text in zip(ended.items(), texts)}
         outputs, next_id = [], 0
         for (text, prompt_ids), p in zip(checked, params):
             outputs.append(RequestOutput(text, prompt_ids, [finished[next_id + i] for i in range(p.n)]))

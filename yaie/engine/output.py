@@ -3,7 +3,7 @@
 :class:`OutputState` is one request's per-token bookkeeping: its sampling parameters and random key, its stop
 ids and stop strings, and its text, decoded incrementally. The engine core calls :meth:`OutputState.accept`
 for every sampled token (does the request end?) and :meth:`OutputState.piece` for the text that became
-final; ``generate`` reads :attr:`OutputState.final_text` once at the end instead.
+final; ``generate`` reads every request's final text once at the end instead (:func:`final_texts`).
 
 :class:`CompletionOutput` and :class:`RequestOutput` are what ``LLM.generate`` returns.
 """
@@ -110,15 +110,31 @@ class OutputState:
     @property
     def final_text(self) -> str:
         """The whole generated text, cut before a stop string."""
-        if self.pending and not self.decoder.ids:
-            # Nothing decoded piece by piece (``generate`` reads the text only at the end): one decode of
-            # all the tokens, which is what the stream decoder's pieces add up to, unless the text ends in
-            # an incomplete character (then the stream decoder holds it back: decode as it does).
-            text = self.decoder.tokenizer.decode(self.pending)
-            if not text.endswith("\ufffd"):
-                return text if self.end is None else text[:self.end]
+        return self._final_text(self.decoder.tokenizer.decode(self.pending) if self.decoded_at_once else None)
+
+    @property
+    def decoded_at_once(self) -> bool:
+        """Whether the final text is one decode of all the tokens: nothing was decoded piece by piece
+        (``generate`` reads the text only at the end)."""
+        return bool(self.pending) and not self.decoder.ids
+
+    def _final_text(self, whole: str | None) -> str:
+        # ``whole``: the decode of all the tokens, when :attr:`decoded_at_once`. It is what the stream decoder's
+        # pieces add up to, unless the text ends in an incomplete character (then the stream decoder holds it
+        # back: decode as it does).
+        if whole is not None and not whole.endswith("\ufffd"):
+            return whole if self.end is None else whole[:self.end]
         self._decode()
         return self.decoder.text if self.end is None else self.decoder.text[:self.end]
+
+
+def final_texts(states: list[OutputState], tokenizer: Tokenizer) -> list[str]:
+    """:attr:`OutputState.final_text` of each of ``states`` (requests of one engine, decoded by ``tokenizer``),
+    with the texts that are one decode of all their tokens decoded in a single batch call (the tokenizers library
+    spreads it over threads): ``generate`` reads many requests' texts when they end together."""
+    at_once = [state for state in states if state.decoded_at_once]
+    wholes = dict(zip(map(id, at_once), tokenizer.decode_batch([state.pending for state in at_once])))
+    return [state._final_text(wholes.get(id(state))) for state in states]
 
 
 def find_stop(text: str, stops: list[str], start: int) -> int | None:

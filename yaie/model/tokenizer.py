@@ -53,6 +53,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """:meth:`decode` of each id list, in one call: the tokenizers library decodes a batch on several
+        threads, without Python's interpreter lock."""
+        return self._tok.decode_batch([list(ids) for ids in batch], skip_special_tokens=skip_special_tokens)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render a conversation with the model's chat template (Jinja, as transformers does)."""
         if not self.chat_template:
