@@ -24,13 +24,17 @@ def whole_text_decoding(tokenizer, ids):
     return text
 
 
+def make_tokenizer(tmp_path, kind: str) -> Tokenizer:
+    """The bundled byte-level BPE tokenizer, or a word-level one of 2000 words written to ``tmp_path``."""
+    if kind == "byte-level":
+        return Tokenizer(DEFAULT_MODEL)
+    write_tokenizer(tmp_path, 2000)
+    return Tokenizer(tmp_path)
+
+
 @pytest.mark.parametrize("kind", ["byte-level", "word-level"])
 def test_windowed_decoding_equals_whole_text_decoding(tmp_path, kind):
-    if kind == "word-level":
-        write_tokenizer(tmp_path, 2000)
-        tokenizer = Tokenizer(tmp_path)
-    else:
-        tokenizer = Tokenizer(DEFAULT_MODEL)
+    tokenizer = make_tokenizer(tmp_path, kind)
     seed = fresh_seed()
     rng = random.Random(seed)
     for _ in range(40):
@@ -46,11 +50,7 @@ def test_final_texts_decoded_in_one_batch_are_each_requests_text(tmp_path, kind)
     """``generate`` reads the texts of the requests that ended in one batch decode (``final_texts``): each text is
     the whole-text reference of its ids, whether the request decoded nothing before (one decode of all its ids),
     part of them piece by piece, or ended in an incomplete character; a stop string's cut is kept."""
-    if kind == "word-level":
-        write_tokenizer(tmp_path, 2000)
-        tokenizer = Tokenizer(tmp_path)
-    else:
-        tokenizer = Tokenizer(DEFAULT_MODEL)
+    tokenizer = make_tokenizer(tmp_path, kind)
     seed = fresh_seed()
     rng = random.Random(seed)
     states, wanted = [], []
