@@ -121,7 +121,7 @@ class LLM:
         # One request per completion, in order: prompt j's n completions follow those of the prompts before it.
         ids = [ids for (_, ids), p in zip(checked, params) for _ in range(p.n)]
         choices = [p.choice(i) for p in params for i in range(p.n)]
-        ended = {}
+        ended = {}      # request id -> (its token ids, its output state, its finish reason)
         for request, _, state, finish_reason in self._run(ids, choices, streams=False):
             if finish_reason is not None:
                 ended[request.request_id] = (request.output_ids, state, finish_reason)

@@ -132,9 +132,8 @@ def final_texts(states: list[OutputState], tokenizer: Tokenizer) -> list[str]:
     """:attr:`OutputState.final_text` of each of ``states`` (requests of one engine, decoded by ``tokenizer``),
     with the texts that are one decode of all their tokens decoded in a single batch call (the tokenizers library
     spreads it over threads): ``generate`` reads many requests' texts when they end together."""
-    at_once = [state for state in states if state.decoded_at_once]
-    wholes = dict(zip(map(id, at_once), tokenizer.decode_batch([state.pending for state in at_once])))
-    return [state._final_text(wholes.get(id(state))) for state in states]
+    wholes = iter(tokenizer.decode_batch([state.pending for state in states if state.decoded_at_once]))
+    return [state._final_text(next(wholes) if state.decoded_at_once else None) for state in states]
 
 
 def find_stop(text: str, stops: list[str], start: int) -> int | None:
