@@ -515,7 +515,7 @@ def _read_prefix_state(q, num, den, P_KV, P_K, offs_v, v_ok, value_dim, PRECISIO
 
 # yaie: solution-only
 @triton.jit
-def _read_prefix_state_16bit(q, num, den, P_KV, P_K, offs_v, v_ok, value_dim, SYMMETRIC: tl.constexpr):
+def _read_prefix_state_16bit(q, num, den, P_KV, P_K, offs_v, v_ok, value_dim):
     """What :func:`_read_prefix_state` computes, from a copy of the state in the inputs' 16-bit dtype.
 
     All 256 order-2 features of the block at once: ``q2 [BLOCK_M, 256]`` (``q_a q_b / sqrt 2`` of the
@@ -525,47 +525,23 @@ def _read_prefix_state_16bit(q, num, den, P_KV, P_K, offs_v, v_ok, value_dim, SY
     already uses for its state (the route takes this for bfloat16, whose range is float32's). The
     normaliser stays float32: its order-2 part is ``q^T Z2 q / sqrt 2`` with ``Z2`` its ``[16, 16]``
     order-2 entries, a small exact product.
-
-    ``SYMMETRIC``: rows ``(a, b)`` and ``(b, a)`` of the state hold the same sums (``k_a k_b = k_b k_a``), so
-    the product needs only the blocks of 8 x 8 features ``(lo, lo)``, ``(lo, hi)`` (counted twice) and
-    ``(hi, hi)``: three ``[BLOCK_M, 64] x [64, BLOCK_V]`` products, 192 rows of the state read instead of 256.
     """
     inv_sqrt2 = 0.7071067811865476
     offs_f = tl.arange(0, 16)
+    offs_2 = tl.arange(0, 256)
     qf = q.to(tl.float32)
     q_scaled = qf * inv_sqrt2
+    q2 = tl.reshape(q_scaled[:, :, None] * qf[:, None, :], [q.shape[0], 256])           # a major, b minor
     p0 = tl.load(P_KV + offs_v, mask=v_ok, other=0.0)
     p1 = tl.load(P_KV + (1 + offs_f[:, None]) * value_dim + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+    p2 = tl.load(P_KV + (17 + offs_2[:, None]) * value_dim + offs_v[None, :], mask=v_ok[None, :], other=0.0)
     num += p0.to(tl.float32)[None, :]
     num = tl.dot(q, p1, num)
-    if SYMMETRIC:
-        # q's features 0..7 and 8..15: [BLOCK_M, 16] -> [BLOCK_M, 8, 2] -> two [BLOCK_M, 8].
-        q_lo, q_hi = tl.split(tl.permute(tl.reshape(qf, [q.shape[0], 2, 8]), [0, 2, 1]))
-        num = _order2_read(q_lo * inv_sqrt2, q_lo, 0, 0, num, P_KV, offs_v, v_ok, value_dim, q.dtype)
-        num = _order2_read(q_lo * (2 * inv_sqrt2), q_hi, 0, 8, num, P_KV, offs_v, v_ok, value_dim, q.dtype)
-        num = _order2_read(q_hi * inv_sqrt2, q_hi, 8, 8, num, P_KV, offs_v, v_ok, value_dim, q.dtype)
-    else:
-        offs_2 = tl.arange(0, 256)
-        q2 = tl.reshape(q_scaled[:, :, None] * qf[:, None, :], [q.shape[0], 256])       # a major, b minor
-        p2 = tl.load(P_KV + (17 + offs_2[:, None]) * value_dim + offs_v[None, :], mask=v_ok[None, :], other=0.0)
-        num = tl.dot(q2.to(q.dtype), p2, num)
+    num = tl.dot(q2.to(q.dtype), p2, num)
     z2 = tl.load(P_K + 17 + offs_f[:, None] * 16 + offs_f[None, :])                     # [16, 16] float32
     den += tl.load(P_K) + tl.sum(qf * tl.load(P_K + 1 + offs_f)[None, :], 1)
     den += tl.sum(tl.dot(q_scaled, z2, input_precision="ieee") * qf, 1)
     return num, den
-
-
-# yaie: solution-only
-@triton.jit
-def _order2_read(q_a, q_b, first_a, first_b, num, P_KV, offs_v, v_ok, value_dim, dtype: tl.constexpr):
-    """``num + (q_a x q_b) @ P_KV[rows]``: one block of order-2 features of a block of queries, ``q_a [BLOCK_M,
-    A]`` times ``q_b [BLOCK_M, B]`` as ``[BLOCK_M, A * B]`` (cast to ``dtype``), against the state rows
-    ``17 + 16 (first_a + x) + first_b + y`` of the features ``(x, y)``."""
-    cols = tl.arange(0, q_a.shape[1] * q_b.shape[1])
-    rows = 17 + 16 * (first_a + cols // q_b.shape[1]) + first_b + cols % q_b.shape[1]
-    q2 = tl.reshape(q_a[:, :, None] * q_b[:, None, :], [q_a.shape[0], q_a.shape[1] * q_b.shape[1]])
-    p2 = tl.load(P_KV + rows[:, None] * value_dim + offs_v[None, :], mask=v_ok[None, :], other=0.0)
-    return tl.dot(q2.to(dtype), p2, num)
 
 
 # yaie: solution-only
@@ -577,7 +553,7 @@ def _segment_program(
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     seq_len, value_dim, heads, segment_len,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
-    PREFIX_16BIT: tl.constexpr, READ_SYMMETRIC: tl.constexpr = False,
+    PREFIX_16BIT: tl.constexpr,
 ):
     """``BLOCK_M`` queries: the quadratic form over the keys of their own segment, the state before it.
 
@@ -617,7 +593,7 @@ def _segment_program(
         prefix = bh.to(tl.int64) * (tl.cdiv(seq_len, segment_len) - 1) + segment - 1
         if PREFIX_16BIT:
             num, den = _read_prefix_state_16bit(q, num, den, PREFIX_KV + prefix * (273 * value_dim),
-                                                PREFIX_K + prefix * 273, offs_v, v_ok, value_dim, READ_SYMMETRIC)
+                                                PREFIX_K + prefix * 273, offs_v, v_ok, value_dim)
         else:
             num, den = _read_prefix_state(q, num, den, PREFIX_KV + prefix * (273 * value_dim),
                                           PREFIX_K + prefix * 273, offs_v, v_ok, value_dim, PRECISION)
@@ -658,7 +634,7 @@ def _based_segment_kernel(
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     seq_len, value_dim, heads, segment_len, first_block,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
-    PREFIX_16BIT: tl.constexpr, READ_SYMMETRIC: tl.constexpr = False,
+    PREFIX_16BIT: tl.constexpr,
 ):
     """Query blocks ``first_block ..`` (:func:`_segment_program`). Grid: (query blocks, value blocks,
     batch * heads)."""
@@ -668,8 +644,7 @@ def _based_segment_kernel(
                      Q, K, V, O, PREFIX_KV, PREFIX_K,
                      stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                      stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-                     seq_len, value_dim, heads, segment_len, BLOCK_M, BLOCK_N, BLOCK_V, PRECISION, PREFIX_16BIT,
-                     READ_SYMMETRIC)
+                     seq_len, value_dim, heads, segment_len, BLOCK_M, BLOCK_N, BLOCK_V, PRECISION, PREFIX_16BIT)
 
 
 # yaie: solution-only
@@ -686,10 +661,10 @@ def _store_rows(KV, first_row, first_v, value_dim, values):
 
 # yaie: solution-only
 @triton.jit
-def _store_rows_at(KV, rows, first_v, value_dim, values_t):
-    """``KV[rows, first_v:] = values_t^T`` (cast to KV's dtype) for a transposed block ``values_t [BLOCK_V,
-    len(rows)]``; columns past ``value_dim`` are masked."""
+def _store_rows_t(KV, first_row, first_v, value_dim, values_t):
+    """:func:`_store_rows` of a transposed block ``values_t [BLOCK_V, rows]``."""
     cols = first_v + tl.arange(0, values_t.shape[0])
+    rows = first_row + tl.arange(0, values_t.shape[1])
     tl.store(KV + rows[None, :] * value_dim + cols[:, None], values_t.to(KV.dtype.element_ty),
              mask=(cols < value_dim)[:, None])
 
@@ -716,7 +691,7 @@ def _prefix_state_program(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     seq_len, value_dim, heads, segment_len,
     GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT_V: tl.constexpr, SYMMETRIC: tl.constexpr,
+    SPLIT_V: tl.constexpr,
 ):
     """The state at every segment boundary, ``phi(K)^T V`` and ``sum phi(K)`` over the tokens before it.
 
@@ -794,23 +769,18 @@ def _prefix_state_program(
                                 first_v, value_dim, pid_v == 0)
         _store_orders01(state_kv, state_k, 0, s0, s1, z0, z1, first_v, value_dim, pid_v == 0)
     else:
-        # Order 2: the rows 17 + 16 a + b of a block of features a times a block of features b, kept
-        # transposed ([BLOCK_V, rows]): the features of a tile then enter the product as its second
-        # operand, [BLOCK_T, A * B], whose reshape from [BLOCK_T, A, B] only merges the last two dims.
-        first_a, first_b, mirror = _order2_block(pid_r - 1, GROUPS, SYMMETRIC)
-        B: tl.constexpr = GROUPS if SYMMETRIC else 16
+        # Order 2: rows 17 + 16 a + b for the GROUPS features a of this block, b = 0..15, kept transposed
+        # ([BLOCK_V, rows]): the features of a tile then enter the product as its second operand,
+        # [BLOCK_T, GROUPS * 16], whose reshape from [BLOCK_T, GROUPS, 16] only merges the last two dims.
+        first_a = (pid_r - 1) * GROUPS
         offs_a = first_a + tl.arange(0, GROUPS)
-        offs_b = first_b + tl.arange(0, B)
-        cols = tl.arange(0, GROUPS * B)
-        feat_a = first_a + cols // B
-        feat_b = first_b + cols % B
-        rows = 17 + 16 * feat_a + feat_b                         # state rows of the product's columns
-        mirror_rows = 17 + 16 * feat_b + feat_a                  # the same sums: k_a k_b = k_b k_a
-        kv_t = tl.zeros([BLOCK_V, GROUPS * B], dtype=tl.float32)
-        ksum = tl.zeros([GROUPS * B], dtype=tl.float32)
+        first_row = 17 + first_a * 16
+        offs_r = tl.arange(0, GROUPS * 16)
+        kv_t = tl.zeros([BLOCK_V, GROUPS * 16], dtype=tl.float32)
+        ksum = tl.zeros([GROUPS * 16], dtype=tl.float32)
         offs_h = first_v + tl.arange(0, BLOCK_V // 2)
-        kv_lo = tl.zeros([BLOCK_V // 2, GROUPS * B], dtype=tl.float32)
-        kv_hi = tl.zeros([BLOCK_V // 2, GROUPS * B], dtype=tl.float32)
+        kv_lo = tl.zeros([BLOCK_V // 2, GROUPS * 16], dtype=tl.float32)
+        kv_hi = tl.zeros([BLOCK_V // 2, GROUPS * 16], dtype=tl.float32)
         for start in range(0, seq_len, BLOCK_T):
             tokens = start + offs_t
             t_ok = tokens < seq_len
@@ -818,11 +788,11 @@ def _prefix_state_program(
             if not SPLIT_V:
                 v_t = tl.load(v_base + tokens[None, :] * stride_vs + offs_v[:, None],
                               mask=t_ok[None, :] & v_ok[:, None], other=0.0)
+            k = tl.load(k_base + tokens[:, None] * stride_ks + offs_f[None, :], mask=t_ok[:, None], other=0.0)
             k_a = tl.load(k_base + tokens[:, None] * stride_ks + offs_a[None, :], mask=t_ok[:, None], other=0.0)
-            k_b = tl.load(k_base + tokens[:, None] * stride_ks + offs_b[None, :], mask=t_ok[:, None], other=0.0)
             # k_a k_b for every (a, b) of the block, in float32 (exact for 16-bit k); cast for the product.
-            feats = tl.reshape(k_a.to(tl.float32)[:, :, None] * k_b.to(tl.float32)[:, None, :],
-                               [BLOCK_T, GROUPS * B])
+            feats = tl.reshape(k_a.to(tl.float32)[:, :, None] * k.to(tl.float32)[:, None, :],
+                               [BLOCK_T, GROUPS * 16])
             if SPLIT_V:
                 v_lo = tl.load(v_base + tokens[None, :] * stride_vs + offs_h[:, None],
                                mask=t_ok[None, :] & (offs_h < value_dim)[:, None], other=0.0)
@@ -836,57 +806,21 @@ def _prefix_state_program(
             boundary = start + BLOCK_T                            # segment_len is a multiple of BLOCK_T
             if (boundary % segment_len == 0) & (boundary < seq_len):      # the state before the next segment
                 entry = boundary // segment_len - 1
-                _store_order2(prefix_kv + entry * (273 * value_dim), prefix_k + entry * 273, rows, mirror_rows,
-                              mirror, first_v, value_dim, kv_t, kv_lo, kv_hi, ksum * order2_scale, order2_scale,
-                              pid_v == 0, SPLIT_V)
-        _store_order2(state_kv, state_k, rows, mirror_rows, mirror, first_v, value_dim, kv_t, kv_lo, kv_hi,
-                      ksum * order2_scale, order2_scale, pid_v == 0, SPLIT_V)
-
-
-# yaie: solution-only
-@triton.jit
-def _order2_block(block, GROUPS: tl.constexpr, SYMMETRIC: tl.constexpr):
-    """``(first_a, first_b, mirror)``: the order-2 features ``k_a k_b`` that state program ``block`` owns.
-
-    Not ``SYMMETRIC``: features ``a`` in ``block * GROUPS .. + GROUPS - 1``, every ``b`` (``16 / GROUPS``
-    blocks). ``SYMMETRIC``: since ``k_a k_b = k_b k_a``, rows ``(a, b)`` and ``(b, a)`` of the state are
-    the same sums, so only the blocks ``(i, j)``, ``i <= j``, of ``GROUPS x GROUPS`` features are
-    computed, ``n (n + 1) / 2`` of them for ``n = 16 / GROUPS`` (3 of 64 rows each at 8 groups, against
-    2 of 128), and a block off the diagonal (``mirror``) is stored twice, at ``(a, b)`` and at
-    ``(b, a)``. Blocks are numbered row by row: ``(0, 0), (0, 1), .., (0, n - 1), (1, 1), ..``.
-    """
-    if SYMMETRIC:
-        n: tl.constexpr = 16 // GROUPS
-        i = block * 0
-        for row in tl.static_range(1, n):
-            i += (block >= row * n - row * (row - 1) // 2).to(i.dtype)       # blocks before row ``row``
-        j = i + block - (i * n - i * (i - 1) // 2)
-        return i * GROUPS, j * GROUPS, i != j
-    return block * GROUPS, block * 0, block < 0
-
-
-# yaie: solution-only
-@triton.jit
-def _store_order2(KV, KS, rows, mirror_rows, mirror, first_v, value_dim, kv_t, kv_lo, kv_hi, ksum, scale,
-                  WRITE_K, SPLIT_V: tl.constexpr):
-    """Store one state program's order-2 sums, scaled by ``scale``: ``kv_t [BLOCK_V, len(rows)]`` (or its
-    halves ``kv_lo``, ``kv_hi`` when ``SPLIT_V``) into ``KV [273, value_dim]`` at ``rows``, and ``ksum`` into
-    ``KS [273]`` (when ``WRITE_K``); also at ``mirror_rows`` when ``mirror``."""
-    if SPLIT_V:
-        half = kv_lo.shape[0]
-        _store_rows_at(KV, rows, first_v, value_dim, kv_lo * scale)
-        _store_rows_at(KV, rows, first_v + half, value_dim, kv_hi * scale)
-        if mirror:
-            _store_rows_at(KV, mirror_rows, first_v, value_dim, kv_lo * scale)
-            _store_rows_at(KV, mirror_rows, first_v + half, value_dim, kv_hi * scale)
-    else:
-        _store_rows_at(KV, rows, first_v, value_dim, kv_t * scale)
-        if mirror:
-            _store_rows_at(KV, mirror_rows, first_v, value_dim, kv_t * scale)
-    if WRITE_K:
-        tl.store(KS + rows, ksum)
-        if mirror:
-            tl.store(KS + mirror_rows, ksum)
+                if SPLIT_V:
+                    _store_rows_t(prefix_kv, entry * 273 + first_row, first_v, value_dim, kv_lo * order2_scale)
+                    _store_rows_t(prefix_kv, entry * 273 + first_row, first_v + BLOCK_V // 2, value_dim,
+                                  kv_hi * order2_scale)
+                else:
+                    _store_rows_t(prefix_kv, entry * 273 + first_row, first_v, value_dim, kv_t * order2_scale)
+                if pid_v == 0:
+                    tl.store(prefix_k + entry * 273 + first_row + offs_r, ksum * order2_scale)
+        if SPLIT_V:
+            _store_rows_t(state_kv, first_row, first_v, value_dim, kv_lo * order2_scale)
+            _store_rows_t(state_kv, first_row, first_v + BLOCK_V // 2, value_dim, kv_hi * order2_scale)
+        else:
+            _store_rows_t(state_kv, first_row, first_v, value_dim, kv_t * order2_scale)
+        if pid_v == 0:
+            tl.store(state_k + first_row + offs_r, ksum * order2_scale)
 
 
 # yaie: solution-only
@@ -896,15 +830,15 @@ def _based_prefix_state_kernel(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     seq_len, value_dim, heads, segment_len,
     GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT_V: tl.constexpr, SYMMETRIC: tl.constexpr,
+    SPLIT_V: tl.constexpr,
 ):
-    """The boundary states alone (:func:`_prefix_state_program`). Grid: (:func:`_state_row_blocks` row blocks,
-    value blocks, batch * heads)."""
+    """The boundary states alone (:func:`_prefix_state_program`). Grid: (1 + 16 / GROUPS row blocks, value
+    blocks, batch * heads)."""
     _prefix_state_program(tl.program_id(0), tl.program_id(1), tl.program_id(2),
                           K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
                           stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                           seq_len, value_dim, heads, segment_len, GROUPS, BLOCK_T, BLOCK_V, PRECISION,
-                          SPLIT_V, SYMMETRIC)
+                          SPLIT_V)
 
 
 # yaie: solution-only
@@ -917,7 +851,7 @@ def _based_first_launch_kernel(
     state_programs, state_v_blocks, first_blocks, v_blocks,
     GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, STATE_BLOCK_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
-    PREFIX_16BIT: tl.constexpr, SPLIT_V: tl.constexpr, SYMMETRIC: tl.constexpr,
+    PREFIX_16BIT: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
     """Two independent jobs in one launch: the boundary states, and the queries of the first segment.
 
@@ -929,15 +863,12 @@ def _based_first_launch_kernel(
     """
     pid = tl.program_id(0)
     if pid < state_programs:
-        if SYMMETRIC:
-            rows = 1 + (16 // GROUPS) * (16 // GROUPS + 1) // 2
-        else:
-            rows = 1 + 16 // GROUPS
+        rows = 1 + 16 // GROUPS
         _prefix_state_program(pid % rows, (pid // rows) % state_v_blocks, pid // (rows * state_v_blocks),
                               K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
                               stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                               seq_len, value_dim, heads, segment_len, GROUPS, BLOCK_T, STATE_BLOCK_V, PRECISION,
-                              SPLIT_V, SYMMETRIC)
+                              SPLIT_V)
     else:
         pid = pid - state_programs
         pid_m = first_blocks - 1 - pid % first_blocks            # the last query blocks first, as above
@@ -949,22 +880,12 @@ def _based_first_launch_kernel(
 
 
 # yaie: solution-only
-def _state_row_blocks(groups: int, symmetric: bool) -> int:
-    """State programs per (sequence, head, value block): the orders 0 and 1, and the order-2 blocks of
-    :func:`_order2_block`."""
-    blocks = FEATURE_DIM // groups
-    return 1 + (blocks * (blocks + 1) // 2 if symmetric else blocks)
-
-
-# yaie: solution-only
 def _state_settings(segment_len: int, groups: int, block_t: int, value_dim: int,
-                    block_v: int | None = None, symmetric: bool = False) -> tuple[int, int]:
-    """``(block_t, block_v)`` of the boundary-state programs, checked: ``groups`` divides 16 (and is at
-    least 4 when ``symmetric``: a block of ``groups x groups`` features is a product's side, 16 at least)
-    and ``segment_len`` is a multiple of the tile of tokens (boundaries fall on tile edges)."""
-    if groups not in ((4, 8, 16) if symmetric else (1, 2, 4, 8, 16)):
-        raise ValueError(f"groups must divide 16{' and be at least 4 (symmetric)' if symmetric else ''}, "
-                         f"got {groups}")
+                    block_v: int | None = None) -> tuple[int, int]:
+    """``(block_t, block_v)`` of the boundary-state programs, checked: ``groups`` divides 16 and
+    ``segment_len`` is a multiple of the tile of tokens (boundaries fall on tile edges)."""
+    if groups not in (1, 2, 4, 8, 16):
+        raise ValueError(f"groups must divide 16, got {groups}")
     block_t = min(block_t, segment_len)
     if segment_len % block_t:
         raise ValueError(f"segment_len must be a multiple of block_t, got {segment_len} and {block_t}")
@@ -974,22 +895,22 @@ def _state_settings(segment_len: int, groups: int, block_t: int, value_dim: int,
 # yaie: solution-only
 def _launch_prefix_state(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len: int, groups: int = 4,
                          block_t: int = 128, num_warps: int = 4, block_v: int | None = None,
-                         split: bool = False, symmetric: bool = False) -> None:
+                         split: bool = False) -> None:
     """Launch :func:`_based_prefix_state_kernel`: the state before every segment but the first into
     contiguous ``prefix_kv [b, h, segments - 1, 273, d_v]`` (float32, or the inputs' 16-bit dtype) and
     ``prefix_k [b, h, segments - 1, 273]`` (float32), the final state into ``state_kv [b, h, 273, d_v]``,
     ``state_k [b, h, 273]`` (float32; the tensors of a :class:`BasedState` will do)."""
     batch, heads, seq, _ = k.shape
     value_dim = v.shape[-1]
-    block_t, block_v = _state_settings(segment_len, groups, block_t, value_dim, block_v, symmetric)
+    block_t, block_v = _state_settings(segment_len, groups, block_t, value_dim, block_v)
     split = split and block_v >= 32
-    grid = (_state_row_blocks(groups, symmetric), triton.cdiv(value_dim, block_v), batch * heads)
+    grid = (1 + FEATURE_DIM // groups, triton.cdiv(value_dim, block_v), batch * heads)
     _based_prefix_state_kernel[grid](
         k, v, prefix_kv, prefix_k, state_kv, state_k,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         seq, value_dim, heads, segment_len,
         GROUPS=groups, BLOCK_T=block_t, BLOCK_V=block_v,
-        PRECISION="ieee" if k.dtype == torch.float32 else "tf32", SPLIT_V=split, SYMMETRIC=symmetric,
+        PRECISION="ieee" if k.dtype == torch.float32 else "tf32", SPLIT_V=split,
         num_warps=num_warps)
 
 
@@ -998,8 +919,7 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
                       state_groups: int = 8, state_block_t: int = 128, state_warps: int = 4,
                       prefix_16bit: bool | None = None, state_split: bool = True,
-                      state_block_v: int | None = None, fuse: bool | None = None,
-                      state_symmetric: bool = False, read_symmetric: bool = False) -> BasedState | None:
+                      state_block_v: int | None = None, fuse: bool | None = None) -> BasedState | None:
     """The default route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
 
     Two launches. 1. (:func:`_based_first_launch_kernel`) the state at every segment boundary and the
@@ -1021,7 +941,7 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
         raise ValueError(f"segment_len must be a multiple of block_m and block_m of block_n, got "
                          f"{segment_len}, {block_m}, {block_n}")
     state_block_t, state_block_v = _state_settings(segment_len, state_groups, state_block_t, value_dim,
-                                                   state_block_v, state_symmetric)
+                                                   state_block_v)
     segments = triton.cdiv(seq, segment_len)
     if prefix_16bit is None:
         prefix_16bit = q.dtype == torch.bfloat16
@@ -1044,7 +964,7 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
     state_split = state_split and state_block_v >= 32
     if with_states and not fused:
         _launch_prefix_state(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len, state_groups,
-                             state_block_t, state_warps, state_block_v, state_split, state_symmetric)
+                             state_block_t, state_warps, state_block_v, state_split)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_v = min(128, max(16, triton.next_power_of_2(value_dim)))
     v_blocks = triton.cdiv(value_dim, block_v)
@@ -1055,20 +975,19 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
     extra = {} if num_stages is None else {"num_stages": num_stages}
     if fused:
         state_v_blocks = triton.cdiv(value_dim, state_block_v)
-        state_programs = (_state_row_blocks(state_groups, state_symmetric) * state_v_blocks * batch * heads
-                          if with_states else 0)
+        state_programs = (1 + FEATURE_DIM // state_groups) * state_v_blocks * batch * heads if with_states else 0
         _based_first_launch_kernel[(state_programs + first_blocks * v_blocks * batch * heads,)](
             q, k, v, out, prefix_kv, prefix_k, state.kv, state.k, *strides,
             seq, value_dim, heads, segment_len, state_programs, state_v_blocks, first_blocks, v_blocks,
             GROUPS=state_groups, BLOCK_T=state_block_t, STATE_BLOCK_V=state_block_v,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_V=block_v, PRECISION=precision, PREFIX_16BIT=prefix_16bit,
-            SPLIT_V=state_split, SYMMETRIC=state_symmetric, num_warps=num_warps, **extra)
+            SPLIT_V=state_split, num_warps=num_warps, **extra)
     first = first_blocks if fused else 0
     if query_blocks > first:
         _based_segment_kernel[(query_blocks - first, v_blocks, batch * heads)](
             q, k, v, out, prefix_kv, prefix_k, *strides, seq, value_dim, heads, segment_len, first,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_V=block_v, PRECISION=precision, PREFIX_16BIT=prefix_16bit,
-            READ_SYMMETRIC=read_symmetric, num_warps=num_warps, **extra)
+            num_warps=num_warps, **extra)
     return state if return_state else None
 
 

@@ -59,18 +59,12 @@ SEGMENT_SWEEP = [  # (segment_len, block_m, block_n, num_warps, num_stages or No
     (128, 64, 64, 4, None), (512, 64, 64, 4, None), (1024, 64, 64, 4, None), (256, 64, 32, 4, None),
     (256, 128, 64, 8, None),
 ]
-STATE_SWEEP = [  # (groups, tokens per step, num_warps, order-2 product split, symmetric blocks)
-    (4, 128, 4, False, False), (4, 128, 4, True, False), (8, 128, 4, True, False),
-    (8, 128, 4, True, True), (8, 128, 4, False, True), (4, 128, 4, True, True), (8, 64, 4, True, True),
-    (8, 256, 8, True, True), (16, 128, 4, True, True),
+STATE_SWEEP = [  # (groups of 16 order-2 rows per program, tokens per step, num_warps, order-2 product split)
+    (4, 128, 4, False), (4, 256, 8, False), (4, 128, 8, False), (2, 128, 4, False), (8, 128, 8, False),
+    (4, 64, 4, False), (4, 128, 4, True), (8, 128, 4, True),
 ]
 ROUTE_VARIANTS = [  # (name, keyword arguments of _launch_segmented): timed in the rounds beside the route
     ("yaie route, boundary states unsplit, groups 4", {"state_split": False, "state_groups": 4}),
-    ("yaie route, symmetric states, groups 8", {"state_symmetric": True, "state_groups": 8}),
-    ("yaie route, symmetric states and reads, groups 8",
-     {"state_symmetric": True, "state_groups": 8, "read_symmetric": True}),
-    ("yaie route, symmetric states and reads, groups 4",
-     {"state_symmetric": True, "state_groups": 4, "read_symmetric": True}),
 ]
 STATE_SWEEP_SEGMENT = 256
 WARM_SECONDS = 5.0          # _settle before the first timing
@@ -144,13 +138,13 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
     segments = -(-seq // STATE_SWEEP_SEGMENT)
     prefix_kv = torch.empty(BATCH, HEADS, segments - 1, 273, VALUE_DIM, device=DEVICE, dtype=q.dtype)
     prefix_k = torch.empty(BATCH, HEADS, segments - 1, 273, device=DEVICE, dtype=torch.float32)
-    for groups, block_t, warps, split, symmetric in STATE_SWEEP:
+    for groups, block_t, warps, split in STATE_SWEEP:
         rows += _timed_setting(
             f"yaie boundary states (segment {STATE_SWEEP_SEGMENT}, groups {groups}, tokens {block_t}, {warps} warps"
-            + (", split" if split else "") + (", symmetric)" if symmetric else ")"),
+            + (", split)" if split else ")"),
             "based_state",
             lambda: based._launch_prefix_state(k, v, prefix_kv, prefix_k, kv, ks, STATE_SWEEP_SEGMENT, groups,
-                                               block_t, warps, None, split, symmetric),
+                                               block_t, warps, None, split),
             lambda: max(rel_err(kv, ref_state.kv), rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
     for chunk, block_v, warps in CHUNKED_SWEEP:
         rows += _timed_setting(
