@@ -919,7 +919,8 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
                       state_groups: int = 8, state_block_t: int = 128, state_warps: int = 4,
                       prefix_16bit: bool | None = None, state_split: bool = True,
-                      state_block_v: int | None = None, fuse: bool | None = None) -> BasedState | None:
+                      state_block_v: int | None = None, fuse: bool | None = None,
+                      hopper: bool | None = None) -> BasedState | None:
     """The default route of :func:`based_prefill`: writes ``out``, returns the final state (or None).
 
     Two launches. 1. (:func:`_based_first_launch_kernel`) the state at every segment boundary and the
@@ -931,7 +932,9 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
     block (``SPLIT_V`` of :func:`_prefix_state_program`); ``state_block_v``: value columns per state program.
     ``prefix_16bit``: keep the boundary states in the inputs' 16-bit dtype (read by one long tensor-core
     product); ``None``: for bfloat16 (float16's range, 65504, is too short for long sums; float32 inputs
-    keep float32 states).
+    keep float32 states). ``hopper``: the boundary states from ``based_hopper.launch_states`` (a Gluon kernel
+    for Hopper GPUs: the same states in about half the time) and then every query block in the second launch;
+    ``None``: wherever ``based_hopper.fast_path_reason`` accepts the inputs (bfloat16 states only).
     """
     batch, heads, seq, _ = q.shape
     value_dim = v.shape[-1]
@@ -960,9 +963,15 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
     if with_states:
         state = BasedState(torch.empty(batch, heads, EXPANDED_DIM, value_dim, **f32),
                            torch.empty(batch, heads, EXPANDED_DIM, **f32))
+    from solutions.kernels import based_hopper      # the Hopper state kernel (Gluon): this route's only user
+    if hopper is None:
+        hopper = prefix_16bit and based_hopper.fast_path_reason(k, v, segment_len) is None
     fused = state_warps == num_warps if fuse is None else fuse and state_warps == num_warps
+    fused = fused and not hopper
     state_split = state_split and state_block_v >= 32
-    if with_states and not fused:
+    if with_states and hopper:
+        based_hopper.launch_states(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len)
+    elif with_states and not fused:
         _launch_prefix_state(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len, state_groups,
                              state_block_t, state_warps, state_block_v, state_split)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"

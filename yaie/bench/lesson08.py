@@ -6,8 +6,8 @@ Rows (``based_prefill``):
 
 * ``yaie triton``: :func:`based_prefill` as the engine calls it (``chunk_size=None``, the final state
   returned): the reference's default route (segments of ``DEFAULT_SEGMENT`` tokens: the boundary states
-  beside the first segment's queries, then the quadratic form inside each other segment plus the state
-  before it);
+  (beside the first segment's queries, or on a Hopper GPU from the Hopper state kernel), then the quadratic
+  form inside each segment plus the state before it);
 * ``yaie triton (output only)``: the same without the state (what the fla kernels return);
 * ``yaie segmented (segment L, BM m, BN n, w warps[, s stages])``: the same route with other settings of
   its query programs (the final state returned); at 8 warps the boundary states (4 warps) take a launch of
@@ -18,15 +18,16 @@ Rows (``based_prefill``):
   (``fla-core``, a benchmark-only extra: ``pip install -e .[bench]``). Without fla these rows are
   skipped with a note. fla takes ``[batch, seq, heads, dim]``; it is given views of the same
   ``[batch, heads, seq, dim]`` tensors, so its own transposes find contiguous memory and copy nothing;
-* ``yaie route, boundary states unsplit, groups 4``: the route with its former state programs (4 groups,
-  the order-2 product in one piece on wgmma; the route now splits it: ``state_split``), timed in the rounds
-  beside it (the reference's private launcher; skipped for other implementations);
+* ``yaie route, Triton boundary states``: the route with the Triton state kernel (``hopper=False``) where
+  the reference takes its Hopper state kernel (``solutions/kernels/based_hopper.py``, on an H100 or H200),
+  timed in the rounds beside it (the reference's private launcher; skipped for other implementations);
 * ``torch SDPA causal (head_dim 64)``: softmax attention of the same batch with q, k, v of head dim 64
   (what a full-attention layer of the same width costs).
 
-Rows (``based_state``): the route's first kernel alone (the state at every boundary of segments of
+Rows (``based_state``): the route's Triton state kernel alone (the state at every boundary of segments of
 ``STATE_SWEEP_SEGMENT`` tokens, bfloat16, and the final state) with other settings (groups of 16
-order-2 feature rows per program, tokens per step, warps, the order-2 product in two halves: ``split``).
+order-2 feature rows per program, tokens per step, warps, the order-2 product in two halves: ``split``), and
+on a Hopper GPU the Hopper state kernel (Gluon) that the route takes there.
 
 FLOPs: all ``based_prefill`` rows count the same work, the linear form's ``4 * 273 * d_v`` per token and
 head (the state read ``phi(q) @ S`` and the state update ``phi(k)^T v``), whatever route they take;
@@ -64,7 +65,7 @@ STATE_SWEEP = [  # (groups of 16 order-2 rows per program, tokens per step, num_
     (4, 64, 4, False), (4, 128, 4, True), (8, 128, 4, True),
 ]
 ROUTE_VARIANTS = [  # (name, keyword arguments of _launch_segmented): timed in the rounds beside the route
-    ("yaie route, boundary states unsplit, groups 4", {"state_split": False, "state_groups": 4}),
+    ("yaie route, Triton boundary states", {"hopper": False}),
 ]
 STATE_SWEEP_SEGMENT = 256
 WARM_SECONDS = 5.0          # _settle before the first timing
@@ -145,6 +146,15 @@ def _sweep_rows(based, q, k, v, shape, warmup, rep, flops) -> list[Row]:
             "based_state",
             lambda: based._launch_prefix_state(k, v, prefix_kv, prefix_k, kv, ks, STATE_SWEEP_SEGMENT, groups,
                                                block_t, warps, None, split),
+            lambda: max(rel_err(kv, ref_state.kv), rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
+    try:
+        from solutions.kernels import based_hopper as fast
+    except ImportError:                     # a student copy: no reference, no Hopper kernel
+        fast = None
+    if fast is not None and fast.fast_path_reason(k, v, STATE_SWEEP_SEGMENT) is None:
+        rows += _timed_setting(
+            f"yaie boundary states (Hopper kernel, Gluon; segment {STATE_SWEEP_SEGMENT})", "based_state",
+            lambda: fast.launch_states(k, v, prefix_kv, prefix_k, kv, ks, STATE_SWEEP_SEGMENT),
             lambda: max(rel_err(kv, ref_state.kv), rel_err(ks, ref_state.k)), shape, warmup, rep, flops // 2)
     for chunk, block_v, warps in CHUNKED_SWEEP:
         rows += _timed_setting(
