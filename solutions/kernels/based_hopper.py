@@ -45,6 +45,7 @@ the Triton kernel: :func:`fast_path_reason` says why.
 from __future__ import annotations
 
 import torch
+import triton
 
 try:
     from triton.experimental import gluon
@@ -52,7 +53,6 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import constexpr_function
     GLUON = True
 except ImportError:          # an older Triton: the route keeps its Triton state kernel
@@ -77,21 +77,19 @@ def fast_path_reason(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> str 
         return f"value dim {v.shape[-1]} (takes {VALUE_DIMS})"
     if segment_len % BLOCK_T:
         return f"segments of {segment_len} tokens (takes multiples of {BLOCK_T})"
+    if not (_addressable(k) and _addressable(v)):
+        return "strides the copy engine cannot address"
     return None
 
 
-def _rows_view(t: torch.Tensor) -> torch.Tensor:
-    """``t [batch, heads, seq, d]`` as ``[batch * heads, seq, d]`` for a 3-D descriptor: a view when the strides
-    allow one that the copy engine can address (16-byte aligned), else a contiguous copy."""
-    batch, heads, seq, dim = t.shape
-    try:
-        view = t.view(batch * heads, seq, dim)
-    except RuntimeError:                 # (batch, heads) do not merge into one stride
-        return t.contiguous().view(batch * heads, seq, dim)
+def _addressable(t: torch.Tensor) -> bool:
+    """The copy engine needs a 16-byte aligned base and 16-byte multiples for every stride but the last (1)."""
     size = t.element_size()
-    if view.stride(-1) == 1 and view.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in view.stride()[:-1]):
-        return view
-    return t.contiguous().view(batch * heads, seq, dim)
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 if GLUON:
@@ -132,7 +130,8 @@ if GLUON:
                      mask=cg == 0)
 
     @gluon.jit
-    def _state_program(P: gl.constexpr, bh, k_desc, v_desc, p_desc, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
+    def _state_program(P: gl.constexpr, bh, K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
+                       stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, heads,
                        seq_len, segment_len, DV: gl.constexpr, BT: gl.constexpr):
         """Program ``P`` of sequence-head ``bh`` (module docstring); the buffers as ``launch_states`` takes them."""
         FIRST_A: gl.constexpr = 8 * P
@@ -148,22 +147,35 @@ if GLUON:
         # 8 bfloat16 of padding per row of 128 tokens: the 8 rows (b) a warp reads at once start 4 banks apart
         KT_SHARED: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BT, 8]], [16, BT], [1, 0])
         K01_SHARED: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BT], gl.bfloat16)
+        K_SHARED: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, 16], gl.bfloat16)
+        V_SHARED: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, DV], gl.bfloat16)
+        OUT_SHARED: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, DV], gl.bfloat16)
 
         segments = gl.cdiv(seq_len, segment_len)
         prefix_kv = PREFIX_KV + (bh.to(gl.int64) * (segments - 1)) * (273 * DV)
         prefix_k = PREFIX_K + bh.to(gl.int64) * (segments - 1) * 273
         state_kv = STATE_KV + bh.to(gl.int64) * (273 * DV)
         state_k = STATE_K + bh.to(gl.int64) * 273
-        prefix_row = bh * (segments - 1) * 273 + first_row      # of p_desc, the [rows, DV] view of PREFIX_KV
+        # Descriptors of this (sequence, head)'s k and v, [seq_len, d]: tiles past the end come as zeros.
+        # Made here, in the kernel (a few bytes of scratch each), so a call costs the host no more than a launch.
+        batch = (bh // heads).to(gl.int64)
+        head = (bh % heads).to(gl.int64)
+        k_desc = tma.make_tensor_descriptor(K + batch * stride_kb + head * stride_kh, shape=[seq_len, 16],
+                                            strides=[stride_ks, 1], block_shape=[BT, 16], layout=K_SHARED)
+        v_desc = tma.make_tensor_descriptor(V + batch * stride_vb + head * stride_vh, shape=[seq_len, DV],
+                                            strides=[stride_vs, 1], block_shape=[BT, DV], layout=V_SHARED)
+        # This head's boundary states, [(segments - 1) * 273, d] (one segment: never written)
+        p_desc = tma.make_tensor_descriptor(prefix_kv, shape=[gl.maximum((segments - 1) * 273, 128), DV],
+                                            strides=[DV, 1], block_shape=[128, DV], layout=OUT_SHARED)
 
-        k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, 1, BT, 16], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, 1, BT, DV], v_desc.layout)
+        k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BT, 16], K_SHARED)
+        v_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BT, DV], V_SHARED)
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(ready.index(0), count=1)
         mbarrier.init(ready.index(1), count=1)
         kt_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BT], KT_SHARED)    # k^T, for the features
         k01_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BT], K01_SHARED)  # [k^T; 1; 0], for S01 and G
-        out_smem = gl.allocate_shared_memory(gl.bfloat16, [128, DV], p_desc.layout)
+        out_smem = gl.allocate_shared_memory(gl.bfloat16, [128, DV], OUT_SHARED)
         r01 = gl.arange(0, 64, layout=gl.SliceLayout(1, ROWS01))
         k01_smem.store(gl.where(r01[:, None] == 16, 1.0, 0.0).to(gl.bfloat16)
                        + gl.zeros([64, BT], gl.bfloat16, layout=ROWS01))
@@ -173,20 +185,18 @@ if GLUON:
         gram = gl.zeros([64, 16], gl.float32, layout=MMAG)
         tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
         mbarrier.expect(ready.index(0), tile_bytes)
-        tma.async_copy_global_to_shared(k_desc, [bh, 0, 0], ready.index(0), k_bufs.index(0))
-        tma.async_copy_global_to_shared(v_desc, [bh, 0, 0], ready.index(0), v_bufs.index(0))
+        tma.async_copy_global_to_shared(k_desc, [0, 0], ready.index(0), k_bufs.index(0))
+        tma.async_copy_global_to_shared(v_desc, [0, 0], ready.index(0), v_bufs.index(0))
         steps = gl.cdiv(seq_len, BT)
         for i in range(steps):
             buf = i % 2
             gl.thread_barrier()            # every thread is done with the other buffer and with kt_smem
             if i + 1 < steps:              # the next tile, while this one is multiplied
                 mbarrier.expect(ready.index(1 - buf), tile_bytes)
-                tma.async_copy_global_to_shared(k_desc, [bh, (i + 1) * BT, 0], ready.index(1 - buf),
-                                                k_bufs.index(1 - buf))
-                tma.async_copy_global_to_shared(v_desc, [bh, (i + 1) * BT, 0], ready.index(1 - buf),
-                                                v_bufs.index(1 - buf))
+                tma.async_copy_global_to_shared(k_desc, [(i + 1) * BT, 0], ready.index(1 - buf), k_bufs.index(1 - buf))
+                tma.async_copy_global_to_shared(v_desc, [(i + 1) * BT, 0], ready.index(1 - buf), v_bufs.index(1 - buf))
             mbarrier.wait(ready.index(buf), (i // 2) & 1)
-            k_t = gl.permute(k_bufs.index(buf).reshape([BT, 16]).load(K_TILE), [1, 0])
+            k_t = gl.permute(k_bufs.index(buf).load(K_TILE), [1, 0])
             kt_smem.store(k_t)
             k01_smem.slice(0, 16, dim=0).store(k_t)
             fence_async_shared()           # the generic-proxy stores, before wgmma reads k01_smem
@@ -196,10 +206,10 @@ if GLUON:
             k_b = kt_smem.load(gl.SliceLayout(0, L3))                             # [16, BT]
             feats = gl.expand_dims(k_a, 1) * gl.expand_dims(k_b, 0)               # [8, 16, BT]
             a_op = gl.convert_layout(gl.reshape(feats, [128, BT]), A_OPERAND, assert_trivial=True)
-            v_tile = v_bufs.index(buf).reshape([BT, DV])
+            v_tile = v_bufs.index(buf)
             s2 = warpgroup_mma(a_op, v_tile, s2, is_async=True)
             s01 = warpgroup_mma(k01_smem, v_tile.slice(P * (DV // 2), DV // 2, dim=1), s01, is_async=True)
-            gram = warpgroup_mma(k01_smem, k_bufs.index(buf).reshape([BT, 16]), gram, is_async=True)
+            gram = warpgroup_mma(k01_smem, k_bufs.index(buf), gram, is_async=True)
             s2, s01, gram = warpgroup_mma_wait(num_outstanding=0, deps=(s2, s01, gram))
             boundary = (i + 1) * BT
             if (boundary % segment_len == 0) & (boundary < seq_len):      # the state before the next segment
@@ -207,7 +217,7 @@ if GLUON:
                 tma.store_wait(0)
                 out_smem.store((s2 * _ORDER2).to(gl.bfloat16))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(p_desc, [prefix_row + entry * 273, 0], out_smem)
+                tma.async_copy_shared_to_global(p_desc, [entry * 273 + first_row, 0], out_smem)
                 _store_small_rows(prefix_kv + entry * (273 * DV), prefix_k + entry * 273, s01, gram, boundary,
                                   P, MMA01, MMAG, DV)
         tma.store_wait(0)
@@ -218,17 +228,18 @@ if GLUON:
         gl.store(state_kv + (first_row + rows[:, None]) * DV + cols[None, :], s2 * _ORDER2)
         _store_small_rows(state_kv, state_k, s01, gram, seq_len, P, MMA01, MMAG, DV)
 
-    @gluon.jit(do_not_specialize=["seq_len", "segment_len"])      # one compile for every length
-    def _based_states_hopper_kernel(k_desc, v_desc, p_desc, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K, seq_len,
-                                    segment_len, DV: gl.constexpr, BT: gl.constexpr):
+    @gluon.jit(do_not_specialize=["seq_len", "segment_len", "heads"])     # one compile for every length
+    def _based_states_hopper_kernel(K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K,
+                                    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, heads,
+                                    seq_len, segment_len, DV: gl.constexpr, BT: gl.constexpr):
         """Grid ``(2, batch * heads)``: the two programs of each (sequence, head)."""
         bh = gl.program_id(1)
         if gl.program_id(0) == 0:
-            _state_program(0, bh, k_desc, v_desc, p_desc, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K, seq_len,
-                           segment_len, DV, BT)
+            _state_program(0, bh, K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K, stride_kb, stride_kh, stride_ks,
+                           stride_vb, stride_vh, stride_vs, heads, seq_len, segment_len, DV, BT)
         else:
-            _state_program(1, bh, k_desc, v_desc, p_desc, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K, seq_len,
-                           segment_len, DV, BT)
+            _state_program(1, bh, K, V, PREFIX_KV, PREFIX_K, STATE_KV, STATE_K, stride_kb, stride_kh, stride_ks,
+                           stride_vb, stride_vh, stride_vs, heads, seq_len, segment_len, DV, BT)
 
 
 def launch_states(k: torch.Tensor, v: torch.Tensor, prefix_kv: torch.Tensor, prefix_k: torch.Tensor,
@@ -244,15 +255,7 @@ def launch_states(k: torch.Tensor, v: torch.Tensor, prefix_kv: torch.Tensor, pre
     if reason is not None:
         raise ValueError(f"the Hopper state kernel does not take these inputs: {reason}")
     batch, heads, seq, _ = k.shape
-    value_dim = v.shape[-1]
-    k3, v3 = _rows_view(k), _rows_view(v)
-
-    def descriptor(t, block):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-    # One segment: no boundary state is stored, but the descriptor needs a tensor of at least one tile.
-    one_segment = seq <= segment_len
-    prefix_rows = v.new_empty(128, value_dim) if one_segment else prefix_kv.view(-1, value_dim)
+    triton.set_allocator(_scratch)      # the descriptors' scratch; per thread in Triton, so set at every call
     _based_states_hopper_kernel[(2, batch * heads)](
-        descriptor(k3, [1, BLOCK_T, 16]), descriptor(v3, [1, BLOCK_T, value_dim]),
-        descriptor(prefix_rows, [128, value_dim]), prefix_kv, prefix_k, state_kv, state_k, seq, segment_len,
-        DV=value_dim, BT=BLOCK_T, num_warps=4)
+        k, v, prefix_kv, prefix_k, state_kv, state_k, k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), heads, seq, segment_len, DV=v.shape[-1], BT=BLOCK_T, num_warps=4)
