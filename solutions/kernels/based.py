@@ -952,9 +952,9 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
         raise ValueError("prefix_16bit needs float16 or bfloat16 inputs")
     f32 = dict(dtype=torch.float32, device=v.device)
     # Not read (one segment has no state before it; no state wanted), but typed as the kernels expect.
-    prefix_kv = torch.zeros(1, dtype=q.dtype if prefix_16bit else torch.float32, device=v.device)
-    prefix_k = torch.zeros(1, **f32)
-    state = BasedState(torch.zeros(1, **f32), torch.zeros(1, **f32))
+    prefix_kv = torch.empty(1, dtype=q.dtype if prefix_16bit else torch.float32, device=v.device)
+    prefix_k = torch.empty(1, **f32)
+    state = BasedState(torch.empty(1, **f32), torch.empty(1, **f32))
     with_states = segments > 1 or return_state
     if segments > 1:
         prefix_kv = torch.empty(batch, heads, segments - 1, EXPANDED_DIM, value_dim, device=v.device,

@@ -44,6 +44,8 @@ the Triton kernel: :func:`fast_path_reason` says why.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -69,7 +71,7 @@ def fast_path_reason(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> str 
     """``None`` if :func:`launch_states` takes these inputs, else why not (the route then runs Triton's kernel)."""
     if not GLUON:
         return "this Triton has no Gluon"
-    if k.device.type != "cuda" or triton_interpreted() or torch.cuda.get_device_capability(k.device)[0] != 9:
+    if k.device.type != "cuda" or triton_interpreted() or not _is_hopper(k.device.index or 0):
         return "not a Hopper GPU"
     if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return "not bfloat16"
@@ -80,6 +82,11 @@ def fast_path_reason(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> str 
     if not (_addressable(k) and _addressable(v)):
         return "strides the copy engine cannot address"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def _addressable(t: torch.Tensor) -> bool:

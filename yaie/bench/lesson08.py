@@ -21,6 +21,9 @@ Rows (``based_prefill``):
 * ``yaie route, Triton boundary states``: the route with the Triton state kernel (``hopper=False``) where
   the reference takes its Hopper state kernel (``solutions/kernels/based_hopper.py``, on an H100 or H200),
   timed in the rounds beside it (the reference's private launcher; skipped for other implementations);
+* ``... (CUDA graph)``: ``yaie triton``, ``fla parallel_based`` and the Triton-state route recorded in a CUDA
+  graph and replayed (``harness.graphed``): GPU time alone, without the host's Python per call, which at 1k
+  tokens takes longer than the GPU work of an eager call of the route;
 * ``torch SDPA causal (head_dim 64)``: softmax attention of the same batch with q, k, v of head dim 64
   (what a full-attention layer of the same width costs).
 
@@ -49,7 +52,7 @@ import time
 
 import torch
 
-from yaie.bench.harness import Row, bench_ms, rel_err
+from yaie.bench.harness import Row, bench_ms, graphed, rel_err
 from yaie.switch import module
 
 LESSON = "lesson08"
@@ -67,6 +70,7 @@ STATE_SWEEP = [  # (groups of 16 order-2 rows per program, tokens per step, num_
 ROUTE_VARIANTS = [  # (name, keyword arguments of _launch_segmented): timed in the rounds beside the route
     ("yaie route, Triton boundary states", {"hopper": False}),
 ]
+GRAPHED = ("yaie triton", "fla parallel_based", "yaie route, Triton boundary states")   # also timed in CUDA graphs
 STATE_SWEEP_SEGMENT = 256
 WARM_SECONDS = 5.0          # _settle before the first timing
 ROUNDS = 3                 # interleaved rounds of the headline rows (yaie, fla), median of the rounds
@@ -250,6 +254,19 @@ def run(args) -> list[Row]:
             print(f"  {name}: rounds " + ", ".join(f"{t:.4f}" for t in rounds[name]) + " ms", flush=True)
             label = name if status == "ok" or not name.startswith("yaie") else name + " (MISMATCH)"
             rows.append(Row(LESSON, "based_prefill", label, shape, "bf16", ms, flops=flops))
+        # The same calls recorded in CUDA graphs: GPU time alone. At 1k tokens an eager call of the route
+        # costs the host more than the GPU takes, and the rows above time that too.
+        for name, fn in impls:
+            if name not in GRAPHED:
+                continue
+            try:
+                ms = bench_ms(graphed(fn), warmup, rep)
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot be captured is reported, not fatal
+                print(f"  {name} (CUDA graph): failed ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
+                continue
+            timed[name + " (CUDA graph)"] = ms
+            print(f"  {name} (CUDA graph): {ms:.4f} ms", flush=True)
+            rows.append(Row(LESSON, "based_prefill", name + " (CUDA graph)", shape, "bf16", ms, flops=flops))
         rows.extend(_sweep_rows(based, q, k, v, shape, warmup // 2, rep // 2, flops))
 
         qs, ks, vs = (torch.randn(BATCH, HEADS, seq, 64, device=DEVICE, dtype=dtype, generator=gen) for _ in range(3))
@@ -259,11 +276,17 @@ def run(args) -> list[Row]:
                         flops=sdpa_flops(BATCH, HEADS, seq, 64)))
         del qs, ks, vs
         line = ", ".join(f"{n} {ms:.3f} ms" for n, ms in timed.items()) + f", SDPA {sdpa_ms:.3f} ms"
-        fla_best = min((ms for n, ms in timed.items() if n.startswith("fla")), default=None)
+        fla_best = min((ms for n, ms in timed.items() if n.startswith("fla") and not n.endswith("(CUDA graph)")),
+                       default=None)
         if fla_best is not None:
             line += (f"; yaie vs faster fla: {fla_best / timed['yaie triton']:.2f}x with the state, "
                      f"{fla_best / timed['yaie triton (output only)']:.2f}x output only")
             line += "".join(f", {n}: {fla_best / timed[n]:.2f}x" for n, _ in ROUTE_VARIANTS if n in timed)
+        fla_graph = timed.get("fla parallel_based (CUDA graph)")
+        if fla_graph is not None:
+            line += "; in CUDA graphs, against fla parallel_based: " + ", ".join(
+                f"{n[:-len(' (CUDA graph)')]} {fla_graph / ms:.2f}x" for n, ms in timed.items()
+                if n.endswith("(CUDA graph)") and not n.startswith("fla"))
         print("  " + line, flush=True)
         del q, k, v
         if DEVICE == "cuda":
