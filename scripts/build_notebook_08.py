@@ -311,10 +311,14 @@ md(r"""
    but with no running maximum (why is none needed?), plus `phi(q) @ S` with `S` the state before the
    segment, from a first kernel that walks the sequence and stores the state at every segment boundary.
    Why can the first segment's queries run in the same launch as that kernel, and what does it gain?
-   Compare the state kernel's time with the whole route's in the benchmark (the `based_state` rows): at 1k
-   tokens it is more than half. Splitting its walk into parts of the sequence did not make it faster; the
+   Compare the Triton state kernel's time with the whole route's in the benchmark (the `based_state` rows):
+   at 1k tokens it is about half. Splitting its walk into parts of the sequence did not make it faster; the
    profile in `bench/results/lesson08_ncu_h100.txt` shows 206 registers per thread and a busy shared-memory
-   pipe. Which of its tiles need those registers, and what would you change first?
+   pipe. Which of its tiles need those registers, and what would you change first? On a Hopper GPU the
+   reference takes the states from a Gluon kernel instead (`solutions/kernels/based_hopper.py`, in the
+   instructors' copy; the `based_state` row "Hopper kernel"): it builds `k_a k_b` directly in the register
+   layout in which the tensor cores read their first operand, so no factor moves through shared memory.
+   Which thread needs which `k_a` and `k_b` for that layout, and why can a Triton kernel not ask for it?
 7. A Based layer pairs linear attention with exact attention over a short sliding window (64 tokens, say).
    What does a decode step of such a layer keep per sequence? Compare with lesson 04's windowed decode.
 

@@ -34,8 +34,8 @@ state rows ``17 + 128 P ..``, and value columns ``32 P ..`` of the order-0/1 row
 * at a segment's end the program's 128 order-2 rows go out by TMA (bfloat16, as the route reads them), the
   small rows by plain stores; the final state in float32.
 
-Measured on an H200 at 1k tokens (``bench/results/lesson08_h200.md``): this kernel takes about half the Triton
-state kernel's time, and the route with it is 1.4x faster (``bench/README.md``, "Lesson 08").
+Measured on an H200 (``bench/results/lesson08_h200.md``; ``docs/based_prefill.md``): this kernel takes 1.8x (1k
+tokens) to 2.4x (16k) less time than the Triton state kernel, and the route with it 1.3-1.4x less.
 
 Inputs it does not take (not a Hopper GPU, not bfloat16, value dims other than 32 and 64, segments that are not
 a multiple of 128 tokens, strides the copy engine cannot address, Gluon missing from the installed Triton) go to

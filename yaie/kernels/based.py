@@ -54,7 +54,10 @@ H100). The route cuts the sequence into segments of ``DEFAULT_SEGMENT`` tokens i
 
 The queries of the first segment read no state, so they run in step 1's launch, beside the state
 programs (``_based_first_launch_kernel`` in the reference solution, solutions/kernels/based.py); the other
-segments' queries are a second launch.
+segments' queries are a second launch. On a Hopper GPU (H100, H200) the reference takes step 1 from a Gluon
+kernel instead (solutions/kernels/based_hopper.py, lesson 08's "going further"): the same states, its features
+built straight in the layout the tensor cores read, in about half the time; every query block then runs in
+step 2.
 
 Inside a segment the quadratic form tiles like flash attention but without the running maximum (the
 weights are never below 1/2: nothing can overflow the sums); its work per token grows with the segment,
