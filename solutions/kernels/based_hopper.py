@@ -22,11 +22,12 @@ memory (padded so that the 8 rows a warp reads at once fall in different banks),
 the products to wgmma: 32 shared-memory loads per thread and step of 128 tokens.
 
 **The rest of a program** (two per (sequence, head): program ``P`` owns features ``a = 8P .. 8P + 7``, i.e.
-state rows ``17 + 128 P ..``, and value columns ``32 P ..`` of the order-0/1 rows, so both do the same work):
+state rows ``17 + 128 P ..``, and half the value columns of the order-0/1 rows, so both do the same work):
 
 * k and v tiles arrive by TMA (the copy engine) into two alternating buffers: the next tile is in flight while
-  this one is multiplied. The descriptors are 3-D, ``[sequences * heads, tokens, d]``, so rows past a sequence's
-  end come as zeros and add nothing;
+  this one is multiplied. Each program makes its descriptors in the kernel, over its own (sequence, head)'s
+  ``[tokens, d]`` rows with their strides: strided inputs need no copy, a call costs the host no more than a
+  launch, and rows past the sequence's end come as zeros and add nothing;
 * three products per step, all wgmma: ``S2 += F^T V`` (the 128 order-2 rows), ``S01 += [k; 1; 0] V`` (the
   order-1 rows and ``sum v`` from a 64-row operand in shared memory whose row 16 is ones), and the normaliser
   ``G += [k; 1; 0] k`` (its order-2 rows are the Gram matrix ``k^T k``, its order-1 row ``sum k``; exact products
@@ -71,7 +72,7 @@ def fast_path_reason(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> str 
     """``None`` if :func:`launch_states` takes these inputs, else why not (the route then runs Triton's kernel)."""
     if not GLUON:
         return "this Triton has no Gluon"
-    if k.device.type != "cuda" or triton_interpreted() or not _is_hopper(k.device.index or 0):
+    if k.device.type != "cuda" or triton_interpreted() or not _is_hopper(torch.cuda._get_device_index(k.device)):
         return "not a Hopper GPU"
     if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return "not bfloat16"
@@ -100,7 +101,7 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 
 if GLUON:
-    _ORDER2: gl.constexpr = gl.constexpr(ORDER2_SCALE)
+    _ORDER2 = gl.constexpr(ORDER2_SCALE)
 
     @constexpr_function
     def feature_layout(BT):
