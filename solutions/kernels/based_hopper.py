@@ -19,7 +19,8 @@ layout of ``[8, 16, tokens]`` (:func:`feature_layout`, its bases written out) wh
 Sliced along ``b`` it says which ``k_a`` a thread needs (2 features, its tokens), along ``a`` which ``k_b`` (2
 features, its tokens). So each thread loads just those values from a transposed copy of the k tile in shared
 memory (padded so that the 8 rows a warp reads at once fall in different banks), multiplies them, and hands
-the products to wgmma: 32 shared-memory loads per thread and step of 128 tokens.
+the products to wgmma: 64 four-byte shared-memory loads per thread and step of 128 tokens (two features of each
+kind, two tokens a load), where the Triton kernel's warps issue about 300 loads each.
 
 **The rest of a program** (two per (sequence, head): program ``P`` owns features ``a = 8P .. 8P + 7``, i.e.
 state rows ``17 + 128 P ..``, and half the value columns of the order-0/1 rows, so both do the same work):
