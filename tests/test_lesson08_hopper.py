@@ -93,3 +93,26 @@ def test_hopper_states_read_nothing_of_the_next_sequence():
     assert torch.isfinite(state.kv[0]).all() and torch.isfinite(state.k[0]).all()
     clean = ref._launch_segmented(q[:1], k[:1], v[:1], torch.empty_like(v[:1]), 256, True, hopper=True)
     torch.testing.assert_close(state.kv[0], clean.kv[0], atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not hopper.GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("value_dim", [32, 64])
+def test_hopper_kernel_compiles_for_sm90_without_a_gpu(value_dim):
+    """Compile the Gluon kernel for an H100/H200 on any machine with the installed Triton: catches a renamed or
+    removed Gluon API (Triton 3.6 on the lent GPUs, 3.9 with the README's torch) before a Hopper user meets it.
+    The compiler also checks that the features' layout is wgmma's operand layout (``assert_trivial``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = hopper._based_states_hopper_kernel
+    names = kernel.arg_names
+    pointers = {"K": "*bf16", "V": "*bf16", "PREFIX_KV": "*bf16", "PREFIX_K": "*fp32", "STATE_KV": "*fp32",
+                "STATE_K": "*fp32"}
+    signature = {n: pointers.get(n, "constexpr" if n in ("DV", "BT") else "i32") for n in names}
+    constexprs = {(names.index("DV"),): value_dim, (names.index("BT"),): hopper.BLOCK_T}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n.startswith("stride")}
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx

@@ -39,6 +39,10 @@ state rows ``17 + 128 P ..``, and half the value columns of the order-0/1 rows, 
 Measured on an H200 (``bench/results/lesson08_h200.md``; ``docs/based_prefill.md``): this kernel takes 1.8x (1k
 tokens) to 2.4x (16k) less time than the Triton state kernel, and the route with it 1.3-1.4x less.
 
+Gluon is experimental and renames things between Triton versions: the kernel was measured with Triton 3.6 (the
+lent GPUs) and ``tests/test_lesson08_hopper.py`` compiles it for sm_90 with whatever Triton is installed (3.9 with
+the README's torch), through the aliases ``_tma_load``, ``_tma_store`` and ``_sync_threads``.
+
 Inputs it does not take (not a Hopper GPU, not bfloat16, value dims other than 32 and 64, segments that are not
 a multiple of 128 tokens, strides the copy engine cannot address, Gluon missing from the installed Triton) go to
 the Triton kernel: :func:`fast_path_reason` says why.
@@ -103,6 +107,10 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 if GLUON:
     _ORDER2 = gl.constexpr(ORDER2_SCALE)
+    # The TMA copies' names: async_load / async_store from Triton 3.7 on, async_copy_* before (3.6 here).
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _sync_threads = getattr(gl, "thread_barrier", None) or gl.barrier     # renamed barrier after Triton 3.6
 
     @constexpr_function
     def feature_layout(BT):
@@ -194,22 +202,22 @@ if GLUON:
         gram = gl.zeros([64, 16], gl.float32, layout=MMAG)
         tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
         mbarrier.expect(ready.index(0), tile_bytes)
-        tma.async_copy_global_to_shared(k_desc, [0, 0], ready.index(0), k_bufs.index(0))
-        tma.async_copy_global_to_shared(v_desc, [0, 0], ready.index(0), v_bufs.index(0))
+        _tma_load(k_desc, [0, 0], ready.index(0), k_bufs.index(0))
+        _tma_load(v_desc, [0, 0], ready.index(0), v_bufs.index(0))
         steps = gl.cdiv(seq_len, BT)
         for i in range(steps):
             buf = i % 2
-            gl.thread_barrier()            # every thread is done with the other buffer and with kt_smem
+            _sync_threads()            # every thread is done with the other buffer and with kt_smem
             if i + 1 < steps:              # the next tile, while this one is multiplied
                 mbarrier.expect(ready.index(1 - buf), tile_bytes)
-                tma.async_copy_global_to_shared(k_desc, [(i + 1) * BT, 0], ready.index(1 - buf), k_bufs.index(1 - buf))
-                tma.async_copy_global_to_shared(v_desc, [(i + 1) * BT, 0], ready.index(1 - buf), v_bufs.index(1 - buf))
+                _tma_load(k_desc, [(i + 1) * BT, 0], ready.index(1 - buf), k_bufs.index(1 - buf))
+                _tma_load(v_desc, [(i + 1) * BT, 0], ready.index(1 - buf), v_bufs.index(1 - buf))
             mbarrier.wait(ready.index(buf), (i // 2) & 1)
             k_t = gl.permute(k_bufs.index(buf).load(K_TILE), [1, 0])
             kt_smem.store(k_t)
             k01_smem.slice(0, 16, dim=0).store(k_t)
             fence_async_shared()           # the generic-proxy stores, before wgmma reads k01_smem
-            gl.thread_barrier()
+            _sync_threads()
             # The features, built where wgmma wants them: k_a k_b rounded once to bfloat16.
             k_a = kt_smem.slice(FIRST_A, 8, dim=0).load(gl.SliceLayout(1, L3))     # [8, BT]
             k_b = kt_smem.load(gl.SliceLayout(0, L3))                             # [16, BT]
@@ -226,7 +234,7 @@ if GLUON:
                 tma.store_wait(0)
                 out_smem.store((s2 * _ORDER2).to(gl.bfloat16))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(p_desc, [entry * 273 + first_row, 0], out_smem)
+                _tma_store(p_desc, [entry * 273 + first_row, 0], out_smem)
                 _store_small_rows(prefix_kv + entry * (273 * DV), prefix_k + entry * 273, s01, gram, boundary,
                                   P, MMA01, MMAG, DV)
         tma.store_wait(0)
