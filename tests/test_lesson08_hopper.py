@@ -3,8 +3,8 @@
 On a Hopper GPU (``gpu`` marker) the kernel's states and the route's outputs are checked against the Triton state
 kernel (``hopper=False``: equal up to float32 summation order) and against float64 (PyTorch's feature map and
 quadratic form), on lengths off the 128-token tile, one and several segments, value dims 32 and 64, several
-sequences and heads, and strided inputs. Without one, only the dispatch is checked: the inputs go to the Triton
-kernel, and asking for the Hopper kernel raises a clear error.
+sequences and heads, and strided inputs. Without one, the dispatch is checked (the inputs go to the Triton kernel,
+asking for the Hopper kernel raises a clear error) and the kernel is compiled for sm_90 with the installed Triton.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def test_cpu_inputs_go_to_the_triton_kernel_with_a_reason():
     (torch.float16, 64, 256, "bfloat16"), (torch.bfloat16, 48, 256, "value dim"),
     (torch.bfloat16, 64, 192, "segments")])
 def test_inputs_the_kernel_does_not_take_are_named(dtype, value_dim, segment, why):
-    k = torch.zeros(1, 1, 8, 16, dtype=dtype)
-    v = torch.zeros(1, 1, 8, value_dim, dtype=dtype)
+    device = "cuda" if ON_HOPPER else "cpu"
+    k = torch.zeros(1, 1, 8, 16, dtype=dtype, device=device)
+    v = torch.zeros(1, 1, 8, value_dim, dtype=dtype, device=device)
     reason = hopper.fast_path_reason(k, v, segment)
     assert reason is not None
     if ON_HOPPER:
