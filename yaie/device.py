@@ -7,6 +7,7 @@ Triton reads ``TRITON_INTERPRET`` once, when ``triton`` is first imported, so
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -105,3 +106,29 @@ def _pdl_supported(index: int) -> bool:
             triton_can = False
         _PDL_SUPPORT[index] = triton_can and torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_SUPPORT[index]
+
+
+def is_hopper(device: torch.device) -> bool:
+    """True for a CUDA device of compute capability 9.x (H100, H200), whose kernels may use wgmma and TMA."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def triton_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's allocator for a launch's global scratch (:func:`use_triton_scratch`): a torch buffer."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def use_triton_scratch() -> None:
+    """Let kernels that make tensor descriptors in the kernel (a few bytes of global scratch each) get their
+    scratch from torch. Call it before every such launch, not once: Triton keeps the allocator per thread (a
+    context variable), and autograd runs backward passes in a thread of its own, where a once-set allocator is
+    missing."""
+    import triton
+    triton.set_allocator(triton_scratch)

@@ -968,18 +968,20 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
                            torch.empty(batch, heads, EXPANDED_DIM, **f32))
     try:
         from solutions.kernels import based_hopper  # the Hopper state kernel (Gluon): this route's only user
+        hopper_reason = based_hopper.fast_path_reason(k, v, segment_len)
     except ImportError:                             # a student's copy of the course has no reference solutions
-        based_hopper = None
+        hopper_reason = "the reference's Hopper state kernel (solutions/kernels/based_hopper.py) is missing"
+    if not prefix_16bit:
+        hopper_reason = hopper_reason or "boundary states in float32 (prefix_16bit=False)"
     if hopper is None:
-        hopper = (based_hopper is not None and prefix_16bit
-                  and based_hopper.fast_path_reason(k, v, segment_len) is None)
-    if hopper and based_hopper is None:
-        raise ValueError("hopper=True needs the reference's Hopper state kernel (solutions/kernels/based_hopper.py)")
+        hopper = hopper_reason is None
+    elif hopper and hopper_reason is not None:
+        raise ValueError(f"the Hopper state kernel does not take these inputs: {hopper_reason}")
     fused = state_warps == num_warps if fuse is None else fuse and state_warps == num_warps
     fused = fused and not hopper
     state_split = state_split and state_block_v >= 32
     if with_states and hopper:
-        based_hopper.launch_states(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len)
+        based_hopper.launch_checked(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len)
     elif with_states and not fused:
         _launch_prefix_state(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len, state_groups,
                              state_block_t, state_warps, state_block_v, state_split)

@@ -50,10 +50,7 @@ the Triton kernel: :func:`fast_path_reason` says why.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import triton
 
 try:
     from triton.experimental import gluon
@@ -66,7 +63,7 @@ try:
 except ImportError:          # an older Triton: the route keeps its Triton state kernel
     GLUON = False
 
-from yaie.device import triton_interpreted
+from yaie.device import is_hopper, triton_interpreted, use_triton_scratch
 
 BLOCK_T = 128                # tokens a step
 VALUE_DIMS = (32, 64)        # the order-2 accumulator is [128, d_v] float32 in registers: 64 at most
@@ -77,7 +74,7 @@ def fast_path_reason(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> str 
     """``None`` if :func:`launch_states` takes these inputs, else why not (the route then runs Triton's kernel)."""
     if not GLUON:
         return "this Triton has no Gluon"
-    if k.device.type != "cuda" or triton_interpreted() or not _is_hopper(torch.cuda._get_device_index(k.device)):
+    if triton_interpreted() or not is_hopper(k.device):
         return "not a Hopper GPU"
     if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return "not bfloat16"
@@ -90,19 +87,10 @@ def fast_path_reason(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> str 
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
 def _addressable(t: torch.Tensor) -> bool:
     """The copy engine needs a 16-byte aligned base and 16-byte multiples for every stride but the last (1)."""
     size = t.element_size()
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 if GLUON:
@@ -266,13 +254,18 @@ def launch_states(k: torch.Tensor, v: torch.Tensor, prefix_kv: torch.Tensor, pre
     ``k [b, h, seq, 16]``, ``v [b, h, seq, d_v]`` bfloat16 on a Hopper GPU; ``prefix_kv [b, h, segments - 1, 273,
     d_v]`` (bfloat16, contiguous) and ``prefix_k [b, h, segments - 1, 273]``, ``state_kv [b, h, 273, d_v]``,
     ``state_k [b, h, 273]`` (float32, contiguous) are written (with one segment the prefix tensors are not
-    touched and may be placeholders). Raises ``ValueError`` when
-    :func:`fast_path_reason` does not return ``None``."""
+    touched and may be placeholders). Raises ``ValueError`` when :func:`fast_path_reason` does not return
+    ``None``."""
     reason = fast_path_reason(k, v, segment_len)
     if reason is not None:
         raise ValueError(f"the Hopper state kernel does not take these inputs: {reason}")
+    launch_checked(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len)
+
+
+def launch_checked(k, v, prefix_kv, prefix_k, state_kv, state_k, segment_len: int) -> None:
+    """:func:`launch_states` for a caller that has had ``None`` from :func:`fast_path_reason` for these inputs."""
     batch, heads, seq, _ = k.shape
-    triton.set_allocator(_scratch)      # the descriptors' scratch; per thread in Triton, so set at every call
+    use_triton_scratch()                # the descriptors' scratch (set at every call: see the function)
     _based_states_hopper_kernel[(2, batch * heads)](
         k, v, prefix_kv, prefix_k, state_kv, state_k, k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), heads, seq, segment_len, DV=v.shape[-1], BT=BLOCK_T, num_warps=4)

@@ -52,17 +52,14 @@ import triton
 import triton.language as tl
 
 from solutions.kernels import flash_attention as reference
-from yaie.device import triton_interpreted
+from yaie.device import is_hopper, triton_interpreted
+# Descriptors made inside the kernels live in a small global scratch buffer that torch allocates.
+from yaie.device import triton_scratch as _scratch, use_triton_scratch as _set_allocator  # noqa: F401
 
 LOG2E = reference.LOG2E
 FAST_DTYPES = (torch.float16, torch.bfloat16)
 FAST_HEAD_DIMS = (16, 32, 64, 128)
 DQ_MODES = ("kernel", "atomic")
-
-
-def is_hopper(device: torch.device) -> bool:
-    """True for a CUDA device of compute capability 9.x (H100, H200)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _aligned(t: torch.Tensor, row_dims: int) -> bool:
@@ -87,20 +84,6 @@ def fast_path_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if not all(_aligned(t, rank) for t in (q, k, v, *more)):
         return "strides or base addresses not 16-byte aligned"
     return None
-
-
-# yaie: solution-only
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-# yaie: solution-only
-def _set_allocator() -> None:
-    """Descriptors made inside a kernel live in a small global scratch buffer that torch allocates.
-
-    Set before every launch, not once: Triton keeps the allocator per thread (a context variable), and
-    autograd runs backward passes in a thread of its own, where a once-set allocator is missing."""
-    triton.set_allocator(_scratch)
 
 
 # yaie: solution-only
