@@ -114,6 +114,7 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(value_dim):
     constexprs = {(names.index("DV"),): value_dim, (names.index("BT"),): hopper.BLOCK_T}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n.startswith("stride")}
     compiled = triton.compile(GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "enable_fp_fusion": True})   # as launches default to
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
