@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts import bench_decode_chain as bdc  # noqa: E402
 from scripts import decode_layer_gluon, decode_layer_prototype  # noqa: E402
+from solutions.kernels import gpu_elementwise as l02  # noqa: E402
 from solutions.kernels import paged_attention as l04  # noqa: E402
 
 # %clock64 counts SM cycles: the H200's and H100's boost clock, 1.98 GHz (the run's log prints nvidia-smi's reading).
@@ -61,8 +62,8 @@ def check_gluon(model):
     """The Gluon layer's q/k/v product against the engine's, and its attention against lesson 04's kernel."""
     q_size, kv_size, heads, kv_heads, hd = model.sizes
     b = model.buf
-    model.run("engine", layers=1)
-    qkv_engine = b["qkv"].clone()
+    layer = model.layers[0]
+    qkv_engine, _ = l02.add_rms_norm_matvec(model.x0, model.res0, layer["n1"], bdc.EPS, layer["qkv"])
     decode_layer_gluon.decode_layer(model.x0, model.res0, model.layers[0], model.k_cache[0], model.v_cache[0],
                                     model.table[0], model.lens, model.positions, model.slots, model.cos, model.sin, b,
                                     model.counters, bdc.EPS, model.sizes)
