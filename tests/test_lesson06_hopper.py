@@ -187,17 +187,19 @@ def test_the_scratch_allocator_is_set_in_the_launching_thread():
 
     from triton.runtime import _allocation
 
+    from yaie.device import triton_scratch, use_triton_scratch
+
     seen = []
 
     def launch_side():
-        fast._set_allocator()
+        use_triton_scratch()
         seen.append(_allocation._allocator.get())
 
-    fast._set_allocator()            # a launch in this thread first, as the forward pass does
+    use_triton_scratch()             # a launch in this thread first, as the forward pass does
     worker = threading.Thread(target=launch_side)
     worker.start()
     worker.join()
-    assert seen == [fast._scratch]
+    assert seen == [triton_scratch]
 
 
 def test_configurations_parse():

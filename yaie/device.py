@@ -104,7 +104,7 @@ def _pdl_supported(index: int) -> bool:
             triton_can = "launch_pdl" in CUDAOptions.__dataclass_fields__
         except ImportError:
             triton_can = False
-        _PDL_SUPPORT[index] = triton_can and torch.cuda.get_device_capability(index)[0] >= 9
+        _PDL_SUPPORT[index] = triton_can and _capability(index)[0] >= 9
     return _PDL_SUPPORT[index]
 
 

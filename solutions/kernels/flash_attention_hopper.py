@@ -52,9 +52,7 @@ import triton
 import triton.language as tl
 
 from solutions.kernels import flash_attention as reference
-from yaie.device import is_hopper, triton_interpreted
-# Descriptors made inside the kernels live in a small global scratch buffer that torch allocates.
-from yaie.device import triton_scratch as _scratch, use_triton_scratch as _set_allocator  # noqa: F401
+from yaie.device import is_hopper, triton_interpreted, use_triton_scratch
 
 LOG2E = reference.LOG2E
 FAST_DTYPES = (torch.float16, torch.bfloat16)
@@ -589,7 +587,7 @@ def _launch_forward(args: tuple, grid_rows: int, heads: int, batch: int, config:
         _hopper_fwd_kernel[grid](*args, BLOCK_M=32, BLOCK_N=32, WARP_SPECIALIZE=False, PREFETCH_S=prefetch,
                                  PERSISTENT=persistent, **constexprs)
         return
-    _set_allocator()
+    use_triton_scratch()        # the in-kernel descriptors' scratch, set at every launch (see the function)
     if _use_fixed_blocks(grid_rows, config):
         block_m, block_n, warps, stages, ws, prefetch, persistent = _padded(config or _configs()[0])
         grid = ((grid_rows + block_m - 1) // block_m, heads, batch)
@@ -671,7 +669,7 @@ def _launch_backward(kind: str, args: tuple, grid_rows: int, heads: int, batch: 
         grid = ((grid_rows + 31) // 32, heads, batch)
         kernel[grid](*args, BLOCK_M=32, BLOCK_N=32, **constexprs)
         return
-    _set_allocator()
+    use_triton_scratch()        # the in-kernel descriptors' scratch, set at every launch (see the function)
     if _use_fixed_blocks(grid_rows, config):
         _, block_m, block_n, warps, stages = config or _backward_configs()[0]
         if kind == "dq":
