@@ -104,6 +104,13 @@ VARIANTS = {
         dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, SPACE=32, BARRIER=2)),
     "all layers, split attention, flag barrier, 11 stages":
         dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, SPACE=32, BARRIER=2, S=11)),
+    # The down product split by its input rows: each program multiplies its own SiLU-and-mul outputs by those rows of
+    # the transposed weight and adds the partial sums into an fp32 vector with atomics, so the barrier before the
+    # down product goes.
+    "all layers, split attention, down product by input rows":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True)),
+    "all layers, split attention, down product by input rows, 11 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=11)),
 }
 
 
@@ -216,6 +223,7 @@ class Model:
                     self.stacked = {name: torch.cat([lay[name] for lay in self.layers])
                                     for name in ("qkv", "o", "gate_up", "down")}
                     self.stacked.update({name: torch.stack([lay[name] for lay in self.layers]) for name in ("n1", "n2")})
+                    self.stacked["down_t"] = torch.cat([lay["down"].t().contiguous() for lay in self.layers])
                 x, residual = decode_layers(x, residual, self.stacked, self.k_cache, self.v_cache,
                                             len(self.layers[:layers]), self.table[0], self.lens, self.positions,
                                             self.slots, self.cos, self.sin, b, self.counters, EPS, self.sizes,
