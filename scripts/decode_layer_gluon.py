@@ -594,7 +594,7 @@ def _decode_layer_kernel(
 
     KV_SHARED: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     PART_ROWS: gl.constexpr = HIDDEN // 256 if FUSE else 1
-    part = gl.allocate_shared_memory(gl.float32, [PART_ROWS, 256], KV_SHARED)      # FUSE: the partial down sums
+    part = gl.allocate_shared_memory(gl.float32, [PART_ROWS, 256], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # FUSE: partial down sums
     KV_ROWS: gl.constexpr = 64 if SPLIT else KV_BOUND         # a split's tokens, or the whole bound
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [KV_ROWS, HEAD_DIM], KV_SHARED)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [KV_ROWS, HEAD_DIM], KV_SHARED)
