@@ -111,6 +111,21 @@ VARIANTS = {
         dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True)),
     "all layers, split attention, down product by input rows, 11 stages":
         dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=11)),
+    # Fewer bytes in flight (shorter queues for the dependent loads and atomics), or smaller tiles.
+    "all layers, split attention, 4 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=4)),
+    "all layers, split attention, down product by input rows, 4 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=4)),
+    "all layers, split attention, 5 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=5)),
+    "all layers, split attention, down product by input rows, 5 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=5)),
+    "all layers, split attention, 6 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=6)),
+    "all layers, split attention, down product by input rows, 6 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=6)),
+    "all layers, split attention, down product by input rows, tiles of 8 KB, 12 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=12, NB=2)),
 }
 
 
