@@ -126,6 +126,18 @@ VARIANTS = {
         dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=6)),
     "all layers, split attention, down product by input rows, tiles of 8 KB, 12 stages":
         dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=12, NB=2)),
+    "all layers, split attention, tiles of 32 KB, 3 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=3, NB=8)),
+    "all layers, split attention, down product by input rows, tiles of 32 KB, 3 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=3, NB=8)),
+    "all layers, split attention, tiles of 32 KB, 4 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=4, NB=8)),
+    "all layers, split attention, down product by input rows, tiles of 32 KB, 4 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=4, NB=8)),
+    "all layers, split attention, tiles of 32 KB, 5 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=5, NB=8)),
+    "all layers, split attention, down product by input rows, tiles of 32 KB, 5 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=5, NB=8)),
 }
 
 
