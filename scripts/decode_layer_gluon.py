@@ -33,6 +33,7 @@ _sync_threads = getattr(gl, "thread_barrier", None) or gl.barrier
 ROWS, BOX = 8, 256          # a TMA box: 8 rows x 256 columns (4 KB)
 FLAG_AT = gl.constexpr(4096)  # the flags of BARRIER 2, after the counters (a counters tensor of 8192 int32)
 COUNTERS = 8192
+EPOCH_AT = gl.constexpr(8000)  # the launch count, for the flags of LL words
 
 
 @gluon.jit
@@ -223,6 +224,39 @@ def _norm_to_smem(x_ptr, res_ptr, res_out_ptr, n_ptr, vec, eps, HIDDEN: gl.const
 
 
 @gluon.jit
+def _store_ll(ptr, values, flag):
+    # LL words (as NCCL's LL protocol): each value as fp32 bits in the low half of a 64-bit word and the flag in the
+    # high half, stored at once. A reader that sees the flag sees the value: no fence, no barrier.
+    bits = values.to(gl.float32).to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF
+    gl.store(ptr, bits | (flag.to(gl.int64) << 32))
+
+
+@gluon.jit
+def _load_ll(ptr, flag):
+    # Poll LL words until every flag is this one (re-reading only the words not yet there); the fp32 values.
+    w = gl.load(ptr, volatile=True)
+    missing = gl.sum(gl.sum(((w >> 32).to(gl.int32) != flag).to(gl.int32), axis=1), axis=0)
+    while missing > 0:
+        w = gl.load(ptr, mask=(w >> 32).to(gl.int32) != flag, other=w, volatile=True)
+        missing = gl.sum(gl.sum(((w >> 32).to(gl.int32) != flag).to(gl.int32), axis=1), axis=0)
+    return (w & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _norm_ll_to_smem(x_ll, res_ptr, res_out_ptr, n_ptr, vec, eps, flag, HIDDEN: gl.constexpr, L: gl.constexpr):
+    # _norm_to_smem with x read from LL words (polled until this flag).
+    offs = _vector_offsets(HIDDEN, L)
+    x = _load_ll(x_ll + offs, flag).to(gl.bfloat16).to(gl.float32)
+    h = (x + gl.load(res_ptr + offs).to(gl.float32)).to(gl.bfloat16)
+    if gl.program_id(0) == 0:
+        gl.store(res_out_ptr + offs, h)
+    hf = h.to(gl.float32)
+    inv_rms = 1.0 / gl.sqrt(gl.sum(gl.sum(hf * hf, axis=1), axis=0) / HIDDEN + eps)
+    normed = (hf * inv_rms * gl.load(n_ptr + offs).to(gl.float32)).to(gl.bfloat16)
+    vec.slice(0, HIDDEN // 256, dim=0).store(normed)
+
+
+@gluon.jit
 def _copy_to_smem(src_ptr, vec, N: gl.constexpr, L: gl.constexpr):
     vec.slice(0, N // 256, dim=0).store(gl.load(src_ptr + _vector_offsets(N, L)))
 
@@ -401,7 +435,7 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
                 KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, KV_BOUND: gl.constexpr,
                 S: gl.constexpr, NB: gl.constexpr, SA: gl.constexpr, SC: gl.constexpr, SD: gl.constexpr,
                 SE: gl.constexpr, L: gl.constexpr, P3: gl.constexpr, KL2: gl.constexpr, TIMING: gl.constexpr, WS: gl.constexpr,
-                SPLIT: gl.constexpr, BARRIER: gl.constexpr, SPACE: gl.constexpr, FUSE: gl.constexpr, acc_ptr, part):
+                SPLIT: gl.constexpr, BARRIER: gl.constexpr, SPACE: gl.constexpr, FUSE: gl.constexpr, acc_ptr, part, LL: gl.constexpr, o_ll, epoch):
     # The layer's phases (the module docstring), in the kernel's warps (the default partition with WS).
     pid = gl.program_id(0)
     G = gl.num_programs(0)
@@ -478,12 +512,20 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
             acc = _take_tile(base + nA + i, total, acc, bars, empty, ring, vec_chunks, stage, dq, do, dgu, dd, a0, c0, d0, e0, nA, nC, nD,
                              S, NB, SA, SC, SD, SE, INTER, L, WS)
             if stage == SC - 1:
-                gl.store(o_buf + (c0 + i // SC) * 8 + rows8, gl.sum(acc, axis=1).to(gl.bfloat16))
+                if LL:    # the output product's rows as LL words: the norm below polls them, no barrier
+                    _store_ll(o_ll + (c0 + i // SC) * 8 + rows8, gl.sum(acc, axis=1).to(gl.bfloat16),
+                              epoch * 64 + layer * 4 + 1)
+                else:
+                    gl.store(o_buf + (c0 + i // SC) * 8 + rows8, gl.sum(acc, axis=1).to(gl.bfloat16))
         _stamp(times_ptr, 7, TIMING)
         # D: rms_norm(o + r1) -> gate/up rows, SiLU-and-mul.
-        _grid_sync(counters, layer * 5 + 2, G, BARRIER, SPACE)
-        _stamp(times_ptr, 8, TIMING)
-        _norm_to_smem(o_buf, res_a, res_b, n2, vec, eps, HIDDEN, L)
+        if LL:
+            _stamp(times_ptr, 8, TIMING)
+            _norm_ll_to_smem(o_ll, res_a, res_b, n2, vec, eps, epoch * 64 + layer * 4 + 1, HIDDEN, L)
+        else:
+            _grid_sync(counters, layer * 5 + 2, G, BARRIER, SPACE)
+            _stamp(times_ptr, 8, TIMING)
+            _norm_to_smem(o_buf, res_a, res_b, n2, vec, eps, HIDDEN, L)
         _sync_threads()
         _stamp(times_ptr, 9, TIMING)
         gate = gl.zeros([8], gl.float32, layout=OUT_ROWS)
@@ -547,7 +589,7 @@ def _decode_layer_kernel(
     KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     S: gl.constexpr, NB: gl.constexpr, KV_BOUND: gl.constexpr, times_ptr=None, TIMING: gl.constexpr = False,
     WS: gl.constexpr = False, SPLIT: gl.constexpr = False, BARRIER: gl.constexpr = 0, SPACE: gl.constexpr = 1,
-    FUSE: gl.constexpr = False, acc_ptr=None,
+    FUSE: gl.constexpr = False, acc_ptr=None, LL: gl.constexpr = False, o_ll=None,
 ):
     pid = gl.program_id(0)
     G = gl.num_programs(0)
@@ -607,13 +649,14 @@ def _decode_layer_kernel(
     slot = gl.load(slot_ptr).to(gl.int64)
     old = gl.load(lens_ptr) - 1
     HEADS: gl.constexpr = Q_SIZE // HEAD_DIM
+    epoch = gl.load(counters + EPOCH_AT)       # this launch's number: LL flags differ from every earlier launch's
     if WS:
         gl.warp_specialize([(_layer_body, (part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_buf, attn_buf, o_buf, act_buf, res_a, res_b,
                  out_ptr, counters, stride_kb, stride_kt, stride_kh, scale_log2, eps, bars, empty, ring, vec, vec_chunks,
                  k_smem, v_smem, cos, sin, slot, old, table_ptr, lens_ptr, stride_kl, n_layers, dq, do, dgu, dd, a0, c0, d0, e0, nA, nC,
                  nD, nE, total, times_ptr,
                  HIDDEN, INTER, Q_SIZE, KV_SIZE, KV_HEADS, HEAD_DIM, BLOCK_SIZE, KV_BOUND, S, NB, SA, SC, SD, SE, L, P3, KL2,
-                 TIMING, WS, SPLIT, BARRIER, SPACE, FUSE, acc_ptr, part)),
+                 TIMING, WS, SPLIT, BARRIER, SPACE, FUSE, acc_ptr, part, LL, o_ll, epoch)),
                             (_producer, (bars, empty, ring, dq, do, dgu, dd, a0, c0, d0, e0, nA, nC, nD, total,
                                          n_layers, S, NB, SA, SC, SD, SE, INTER, QKV, HIDDEN, FUSE))], [1], [48])
     else:
@@ -622,7 +665,7 @@ def _decode_layer_kernel(
                  k_smem, v_smem, cos, sin, slot, old, table_ptr, lens_ptr, stride_kl, n_layers, dq, do, dgu, dd, a0, c0, d0, e0, nA, nC,
                  nD, nE, total, times_ptr,
                  HIDDEN, INTER, Q_SIZE, KV_SIZE, KV_HEADS, HEAD_DIM, BLOCK_SIZE, KV_BOUND, S, NB, SA, SC, SD, SE, L, P3, KL2,
-                 TIMING, WS, SPLIT, BARRIER, SPACE, FUSE, acc_ptr, part)
+                 TIMING, WS, SPLIT, BARRIER, SPACE, FUSE, acc_ptr, part, LL, o_ll, epoch)
     for s in gl.static_range(S):
         mbarrier.invalidate(bars.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -631,9 +674,10 @@ def _decode_layer_kernel(
         idx = gl.arange(0, 256, layout=gl.BlockedLayout([1], [32], [8], [0]))
         gl.store(counters + idx * SPACE, gl.zeros_like(idx), mask=idx <= n_layers * 5)
         gl.store(counters + FLAG_AT + idx * SPACE, gl.zeros_like(idx), mask=idx <= n_layers * 5)
+        gl.store(counters + EPOCH_AT, epoch + 1)
 
 
-DEFAULTS = dict(S=8, NB=4, KV_BOUND=256, WS=False, SPLIT=False, BARRIER=0, SPACE=1, FUSE=False, num_warps=8, programs=None, times=None)
+DEFAULTS = dict(S=8, NB=4, KV_BOUND=256, WS=False, SPLIT=False, BARRIER=0, SPACE=1, FUSE=False, LL=False, num_warps=8, programs=None, times=None)
 
 
 def descriptors(layer):
@@ -655,6 +699,8 @@ def _launch(x, residual, descs, n1, n2, k_cache, v_cache, stride_kl, n_layers, t
             bufs["acc"] = torch.empty(n_layers + 1, x.shape[-1], device=x.device, dtype=torch.float32)
         bufs["acc"][0].copy_(x.view(-1))
     descs = descs[:3] + [descs[4]] if s["FUSE"] else descs[:4]
+    if "o_ll" not in bufs:       # LL words start at flag 0, which no launch writes
+        bufs["o_ll"] = torch.zeros(x.shape[-1], device=x.device, dtype=torch.int64)
     if n_layers > 1 and not s["WS"]:
         raise ValueError("several layers in one launch need the producer warp (WS=True)")
     programs = s["programs"] or torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -672,7 +718,7 @@ def _launch(x, residual, descs, n1, n2, k_cache, v_cache, stride_kl, n_layers, t
         HIDDEN=x.shape[-1], INTER=inter, Q_SIZE=q_size, KV_SIZE=kv_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[-3], S=s["S"], NB=s["NB"], KV_BOUND=s["KV_BOUND"], times_ptr=s["times"],
         TIMING=s["times"] is not None, WS=s["WS"], SPLIT=s["SPLIT"], BARRIER=s["BARRIER"], SPACE=s["SPACE"],
-        FUSE=s["FUSE"], acc_ptr=bufs.get("acc"), num_warps=s["num_warps"])
+        FUSE=s["FUSE"], acc_ptr=bufs.get("acc"), LL=s["LL"], o_ll=bufs["o_ll"], num_warps=s["num_warps"])
     if s["FUSE"]:
         return bufs["acc"][n_layers].to(x.dtype).view(1, -1), bufs["res_b"]
     return bufs["out"], bufs["res_b"]
