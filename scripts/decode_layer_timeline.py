@@ -76,15 +76,16 @@ def check_gluon(model):
     print(f"attention against lesson 04's kernel, worst head's relative error: {err.max().item():.2e}")
 
 
-def check_fused(model):
-    """All 16 layers in one launch with the down product by input rows (FUSE) against the same kernel without it,
-    twice in a row (the fp32 sums are zeroed inside the kernel): the relative error of the last layer's output."""
-    model.step("one Gluon kernel for all layers, producer warp, split attention")
-    expected = model.step("one Gluon kernel for all layers, producer warp, split attention")[0].float()
+def check_all_layers(model, variant):
+    """All 16 layers in one launch under ``variant`` (a name of the chain's VARIANTS) against the same kernel with
+    grid barriers only, twice in a row (sums zeroed and flags renewed inside the kernel): the last layer's output's
+    relative error."""
+    base = "one Gluon kernel for all layers, producer warp, split attention"
+    model.step(base)
+    expected = model.step(base)[0].float()
     for rep in range(2):
-        got = model.step("all layers, split attention, down product by input rows")[0].float()
-        print(f"down product by input rows, all layers, run {rep}: relative error "
-              f"{((got - expected).norm() / expected.norm()).item():.2e}")
+        got = model.step(variant)[0].float()
+        print(f"{variant}, run {rep}: relative error {((got - expected).norm() / expected.norm()).item():.2e}")
 
 
 if __name__ == "__main__":
@@ -92,6 +93,9 @@ if __name__ == "__main__":
     m = bdc.Model("cuda", torch.bfloat16, *bdc.SIZES["1b"])
     print(f"{torch.cuda.get_device_name()}, clock {CLOCK_GHZ:.2f} GHz")
     check_gluon(m)
-    check_fused(m)
+    check_all_layers(m, "all layers, split attention, down product by input rows")
+    check_all_layers(m, "all layers, split attention, down product by input rows, tiles of 32 KB, 3 stages, LL output")
+    check_all_layers(m, "all layers, split attention, tiles of 32 KB, 3 stages, LL output")
     timeline(m, decode_layer_gluon, dict(WS=True, SPLIT=True))
-    timeline(m, decode_layer_gluon, dict(WS=True, SPLIT=True, FUSE=True))
+    timeline(m, decode_layer_gluon, dict(WS=True, SPLIT=True, FUSE=True, S=3, NB=8))
+    timeline(m, decode_layer_gluon, dict(WS=True, SPLIT=True, FUSE=True, S=3, NB=8, LL=True))
