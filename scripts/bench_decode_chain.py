@@ -138,6 +138,10 @@ VARIANTS = {
         dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=5, NB=8)),
     "all layers, split attention, down product by input rows, tiles of 32 KB, 5 stages":
         dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=5, NB=8)),
+    "all layers, split attention, tiles of 32 KB, 2 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=2, NB=8)),
+    "all layers, split attention, down product by input rows, tiles of 32 KB, 2 stages":
+        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=2, NB=8)),
     # The output product's rows as LL words (value and flag in one 64-bit store): the norm after it polls them
     # instead of waiting at a grid barrier.
     "all layers, split attention, down product by input rows, tiles of 32 KB, 3 stages, LL output":
