@@ -90,14 +90,13 @@ def check_all_layers(model, variant):
 
 def timeline_all(model, settings):
     """The 16 layers in one launch: each layer's phases and the barrier between layers, mean over programs and
-    layers (the layer barrier over the first 15), and the time from the kernel's layers' start to layer 0's first
-    phase."""
+    layers (the layer barrier over the first 15)."""
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     names = PHASES[decode_layer_gluon] + ["layer barrier"]
     n = len(model.layers)
     if not hasattr(model, "stacked"):
         model.step("one Gluon kernel for all layers, producer warp, split attention")
-    spans, starts = [], []
+    spans = []
     for rep in range(5):
         times = torch.zeros(n, programs, 16, dtype=torch.int64, device="cuda")
         decode_layer_gluon.decode_layers(model.x0, model.res0, model.stacked, model.k_cache, model.v_cache, n,
@@ -109,14 +108,12 @@ def timeline_all(model, settings):
             continue
         t = times.double() / (CLOCK_GHZ * 1e3)
         spans.append(t[:, :, :15].diff(dim=2))              # [layers, programs, 14]
-        starts.append(t[0, :, 0] - t[0, :, 15])
     d = torch.stack(spans)                                  # [reps, layers, programs, 14]
     print(f"all layers in one launch {settings} (us; mean over programs and layers)")
     for i, name in enumerate(names):
         x = d[:, :-1, :, i] if name == "layer barrier" else d[:, :, :, i]
         print(f"  {name:14s} {x.mean():6.2f}")
-    print(f"  a layer, with the layer barrier: {d[:, :-1].sum(3).mean():.2f}; start to layer 0: "
-          f"{torch.stack(starts).mean():.2f}")
+    print(f"  a layer, with the layer barrier: {d[:, :-1].sum(3).mean():.2f}")
 
 
 if __name__ == "__main__":
@@ -125,7 +122,6 @@ if __name__ == "__main__":
     print(f"{torch.cuda.get_device_name()}, clock {CLOCK_GHZ:.2f} GHz")
     check_gluon(m)
     check_all_layers(m, "all layers, split attention, down product by input rows")
-    timeline(m, decode_layer_gluon, dict(WS=True, SPLIT=True))
     timeline(m, decode_layer_gluon, dict(WS=True, SPLIT=True, FUSE=True, S=3, NB=8))
     timeline_all(m, {})
     timeline_all(m, dict(FUSE=True, S=3, NB=8))
