@@ -450,7 +450,6 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
         _sync_threads()
     for layer in range(n_layers):
         base = layer * total
-        lt = layer * G * 16                  # TIMING: a row of stamps per layer and program
         x_src = x_ptr
         if FUSE:   # layer l reads the sum in acc[l] and adds its down product into acc[l + 1], zeroed here first
             x_src = acc_ptr + layer * HIDDEN
@@ -470,12 +469,12 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
             if pid < HEADS:
                 _prefetch_context(kc, vc, table_ptr, lens_ptr, k_smem, v_smem, stride_kb, stride_kt, stride_kh,
                                   pid // (HEADS // KV_HEADS), HEAD_DIM, BLOCK_SIZE, KV_BOUND, KL2)
-        _stamp(times_ptr, lt + 0, TIMING)
+        _stamp(times_ptr, 0, TIMING)
         acc = gl.zeros([8, 256], gl.float32, layout=L)
         # A: rms_norm(x + residual) -> q/k/v rows.
         _norm_to_smem(x_src, res_ptr, res_a, n1, vec, eps, HIDDEN, L)
         _sync_threads()
-        _stamp(times_ptr, lt + 1, TIMING)
+        _stamp(times_ptr, 1, TIMING)
         for i in range(nA):
             stage = i % SA
             acc = acc * (stage != 0).to(gl.float32)
@@ -483,10 +482,10 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
                              S, NB, SA, SC, SD, SE, INTER, L, WS)
             if stage == SA - 1:
                 gl.store(qkv_buf + (a0 + i // SA) * 8 + rows8, gl.sum(acc, axis=1).to(gl.bfloat16))
-        _stamp(times_ptr, lt + 2, TIMING)
+        _stamp(times_ptr, 2, TIMING)
         # B: attention (one program per query head) while the output product's first tiles stream in.
         _grid_sync(counters, layer * 5 + 0, G, BARRIER, SPACE)
-        _stamp(times_ptr, lt + 3, TIMING)
+        _stamp(times_ptr, 3, TIMING)
         if SPLIT:
             if pid < HEADS * NSPLIT:
                 _attend_split(qkv_buf, part_ptr, kc, vc, k_smem, v_smem, cos, sin, slot, old,
@@ -496,9 +495,9 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
             _attend(qkv_buf, attn_buf, kc, vc, k_smem, v_smem, cos, sin, slot, old,
                     stride_kb, stride_kt, stride_kh, scale_log2, pid,
                     Q_SIZE, KV_SIZE, Q_SIZE // HEAD_DIM // KV_HEADS, HEAD_DIM, BLOCK_SIZE, KV_BOUND, P3, times_ptr, TIMING)
-        _stamp(times_ptr, lt + 4, TIMING)
+        _stamp(times_ptr, 4, TIMING)
         _grid_sync(counters, layer * 5 + 1, G, BARRIER, SPACE)
-        _stamp(times_ptr, lt + 5, TIMING)
+        _stamp(times_ptr, 5, TIMING)
 
         # C: output product.
         if SPLIT:
@@ -506,7 +505,7 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
         else:
             _copy_to_smem(attn_buf, vec, Q_SIZE, L)
         _sync_threads()
-        _stamp(times_ptr, lt + 6, TIMING)
+        _stamp(times_ptr, 6, TIMING)
         for i in range(nC):
             stage = i % SC
             acc = acc * (stage != 0).to(gl.float32)
@@ -518,17 +517,17 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
                               epoch * 64 + layer * 4 + 1)
                 else:
                     gl.store(o_buf + (c0 + i // SC) * 8 + rows8, gl.sum(acc, axis=1).to(gl.bfloat16))
-        _stamp(times_ptr, lt + 7, TIMING)
+        _stamp(times_ptr, 7, TIMING)
         # D: rms_norm(o + r1) -> gate/up rows, SiLU-and-mul.
         if LL:
-            _stamp(times_ptr, lt + 8, TIMING)
+            _stamp(times_ptr, 8, TIMING)
             _norm_ll_to_smem(o_ll, res_a, res_b, n2, vec, eps, epoch * 64 + layer * 4 + 1, HIDDEN, L)
         else:
             _grid_sync(counters, layer * 5 + 2, G, BARRIER, SPACE)
-            _stamp(times_ptr, lt + 8, TIMING)
+            _stamp(times_ptr, 8, TIMING)
             _norm_to_smem(o_buf, res_a, res_b, n2, vec, eps, HIDDEN, L)
         _sync_threads()
-        _stamp(times_ptr, lt + 9, TIMING)
+        _stamp(times_ptr, 9, TIMING)
         gate = gl.zeros([8], gl.float32, layout=OUT_ROWS)
         for i in range(nD):
             within = i % (2 * SD)
@@ -541,13 +540,13 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
             if within == 2 * SD - 1:
                 up = gl.sum(acc, axis=1).to(gl.bfloat16).to(gl.float32)
                 gl.store(act_buf + (d0 + i // (2 * SD)) * 8 + rows8, (gate / (1.0 + gl.exp(-gate)) * up).to(gl.bfloat16))
-        _stamp(times_ptr, lt + 10, TIMING)
+        _stamp(times_ptr, 10, TIMING)
         if FUSE:
             # E: this program's activations times its rows of the transposed down weight: a partial sum over every
             # output, added into acc[layer + 1] with atomics. No barrier: the rows are the program's own.
             _sync_threads()                       # the act rows this program stored are visible to all its warps
-            _stamp(times_ptr, lt + 11, TIMING)
-            _stamp(times_ptr, lt + 12, TIMING)
+            _stamp(times_ptr, 11, TIMING)
+            _stamp(times_ptr, 12, TIMING)
             SH: gl.constexpr = HIDDEN // (NB * 256)
             for i in range(nE):
                 act8 = gl.load(act_buf + (d0 + i // SH) * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, LD)))
@@ -562,10 +561,10 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
         else:
             # E: down product.
             _grid_sync(counters, layer * 5 + 3, G, BARRIER, SPACE)
-            _stamp(times_ptr, lt + 11, TIMING)
+            _stamp(times_ptr, 11, TIMING)
             _copy_to_smem(act_buf, vec, INTER, L)
             _sync_threads()
-            _stamp(times_ptr, lt + 12, TIMING)
+            _stamp(times_ptr, 12, TIMING)
             for i in range(nE):
                 stage = i % SE
                 acc = acc * (stage != 0).to(gl.float32)
@@ -575,10 +574,9 @@ def _layer_body(part_ptr, x_ptr, res_ptr, n1_ptr, n2_ptr, k_cache, v_cache, qkv_
                     gl.store(out_ptr + (e0 + i // SE) * 8 + rows8, gl.sum(acc, axis=1).to(gl.bfloat16))
 
 
-        _stamp(times_ptr, lt + 13, TIMING)
+        _stamp(times_ptr, 13, TIMING)
         if layer + 1 < n_layers:          # the next layer's norm reads every program's rows of this one
             _grid_sync(counters, layer * 5 + 4, G, BARRIER, SPACE)
-            _stamp(times_ptr, lt + 14, TIMING)
 
 
 @gluon.jit
