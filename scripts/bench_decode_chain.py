@@ -80,74 +80,6 @@ VARIANTS = {
     "attention, tiles of 32": dict(engine=True, attention=dict(splits=1, TILE_N=32)),
     "attention in 4 splits, tiles of 32": dict(engine=True, attention=dict(splits=4, TILE_N=32)),
     "one product": dict(engine=True, one_product=True),
-    # Prototypes (GPU only): the whole layer as one kernel with grid-wide barriers, in Triton
-    # (scripts/decode_layer_prototype.py) and in Gluon (scripts/decode_layer_gluon.py): without and with a
-    # producer warp, and every layer of the step in one launch.
-    "one kernel a layer": dict(megakernel={}),
-    "one kernel a layer, 8 warps": dict(megakernel=dict(num_warps=8)),
-    "one kernel a layer, smaller tiles": dict(megakernel=dict(BK_QKV=256, BK_O=512, BK_DOWN=512, BK_GU=128)),
-    "one Gluon kernel a layer": dict(megakernel=dict(gluon=True)),
-    "one Gluon kernel a layer, producer warp": dict(megakernel=dict(gluon=True, WS=True)),
-    "one Gluon kernel for all layers, producer warp": dict(megakernel=dict(gluon=True, WS=True, all_layers=True)),
-    "one Gluon kernel a layer, producer warp, split attention": dict(megakernel=dict(gluon=True, WS=True, SPLIT=True)),
-    "one Gluon kernel for all layers, producer warp, split attention":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True)),
-    "one Gluon kernel for all layers, producer warp, split attention, 11 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, S=11, all_layers=True)),
-    # The grid barriers of the all-layers kernel (decode_layer_gluon._grid_sync): counters 128 bytes apart, polled
-    # with loads instead of atomics, or a flag set by the last program to arrive.
-    "all layers, split attention, counters apart":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, SPACE=32)),
-    "all layers, split attention, polled by loads":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, SPACE=32, BARRIER=1)),
-    "all layers, split attention, flag barrier":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, SPACE=32, BARRIER=2)),
-    "all layers, split attention, flag barrier, 11 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, SPACE=32, BARRIER=2, S=11)),
-    # The down product split by its input rows: each program multiplies its own SiLU-and-mul outputs by those rows of
-    # the transposed weight and adds the partial sums into an fp32 vector with atomics, so the barrier before the
-    # down product goes.
-    "all layers, split attention, down product by input rows":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True)),
-    "all layers, split attention, down product by input rows, 11 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=11)),
-    # Fewer bytes in flight (shorter queues for the dependent loads and atomics), or smaller tiles.
-    "all layers, split attention, 4 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=4)),
-    "all layers, split attention, down product by input rows, 4 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=4)),
-    "all layers, split attention, 5 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=5)),
-    "all layers, split attention, down product by input rows, 5 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=5)),
-    "all layers, split attention, 6 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=6)),
-    "all layers, split attention, down product by input rows, 6 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=6)),
-    "all layers, split attention, down product by input rows, tiles of 8 KB, 12 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=12, NB=2)),
-    "all layers, split attention, tiles of 32 KB, 3 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=3, NB=8)),
-    "all layers, split attention, down product by input rows, tiles of 32 KB, 3 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=3, NB=8)),
-    "all layers, split attention, tiles of 32 KB, 4 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=4, NB=8)),
-    "all layers, split attention, down product by input rows, tiles of 32 KB, 4 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=4, NB=8)),
-    "all layers, split attention, tiles of 32 KB, 5 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=5, NB=8)),
-    "all layers, split attention, down product by input rows, tiles of 32 KB, 5 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=5, NB=8)),
-    "all layers, split attention, tiles of 32 KB, 2 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=2, NB=8)),
-    "all layers, split attention, down product by input rows, tiles of 32 KB, 2 stages":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=2, NB=8)),
-    # The output product's rows as LL words (value and flag in one 64-bit store): the norm after it polls them
-    # instead of waiting at a grid barrier.
-    "all layers, split attention, down product by input rows, tiles of 32 KB, 3 stages, LL output":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, FUSE=True, S=3, NB=8, LL=True)),
-    "all layers, split attention, tiles of 32 KB, 3 stages, LL output":
-        dict(megakernel=dict(gluon=True, WS=True, SPLIT=True, all_layers=True, S=3, NB=8, LL=True)),
 }
 
 
@@ -234,12 +166,7 @@ class Model:
                         res_a=torch.empty(1, hidden, device=device, dtype=dtype),
                         res_b=torch.empty(1, hidden, device=device, dtype=dtype),
                         gate_up=torch.empty(1, 2 * inter, device=device, dtype=dtype),
-                        out=torch.empty(1, hidden, device=device, dtype=dtype),
-                        attn=torch.empty(1, q_size, device=device, dtype=dtype),
-                        o=torch.empty(1, hidden, device=device, dtype=dtype),
-                        act=torch.empty(1, inter, device=device, dtype=dtype),
-                        part=torch.empty(heads * 4 * (head_dim + 2), device=device, dtype=torch.float32))
-        self.counters = torch.zeros(8192, device=device, dtype=torch.int32)
+                        out=torch.empty(1, hidden, device=device, dtype=dtype))
 
     def step(self, variant, layers=None):
         """The first ``layers`` layers (all by default) under ``variant``; returns the last one's output and
@@ -252,29 +179,6 @@ class Model:
         for n, layer in enumerate(self.layers[:layers]):
             if v.get("one_product"):
                 x = l02.matvec(x, layer["all"])[:, :x.shape[1]]
-                continue
-            if "megakernel" in v and v["megakernel"].get("all_layers"):
-                from scripts.decode_layer_gluon import decode_layers
-                settings = {k: val for k, val in v["megakernel"].items() if k not in ("gluon", "all_layers")}
-                if not hasattr(self, "stacked"):
-                    self.stacked = {name: torch.cat([lay[name] for lay in self.layers])
-                                    for name in ("qkv", "o", "gate_up", "down")}
-                    self.stacked.update({name: torch.stack([lay[name] for lay in self.layers]) for name in ("n1", "n2")})
-                    self.stacked["down_t"] = torch.cat([lay["down"].t().contiguous() for lay in self.layers])
-                x, residual = decode_layers(x, residual, self.stacked, self.k_cache, self.v_cache,
-                                            len(self.layers[:layers]), self.table[0], self.lens, self.positions,
-                                            self.slots, self.cos, self.sin, b, self.counters, EPS, self.sizes,
-                                            **settings)
-                break
-            if "megakernel" in v:
-                settings = dict(v["megakernel"])
-                if settings.pop("gluon", False):
-                    from scripts.decode_layer_gluon import decode_layer
-                else:
-                    from scripts.decode_layer_prototype import decode_layer
-                x, residual = decode_layer(x, residual, layer, self.k_cache[n], self.v_cache[n], self.table[0],
-                                           self.lens, self.positions, self.slots, self.cos, self.sin, b,
-                                           self.counters, EPS, self.sizes, **settings)
                 continue
             qkv, residual = product(2, x, layer["qkv"], b["qkv"], v["qkv"], residual, layer["n1"], b["res_a"])
             q, k, val = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -387,8 +291,6 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {list(known)}")
     cuda = torch.cuda.is_available() and not args.check
-    if not cuda:   # the one-kernel layers spin on grid-wide barriers: the interpreter runs one program at a time
-        names = [n for n in names if "megakernel" not in (known[n] or {})]
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
     shape = SIZES[args.size] if cuda else (64, 96, 2, 4, 2, 16)
