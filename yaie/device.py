@@ -81,7 +81,7 @@ def programmatic_launch(device: torch.device) -> bool:
         raise ValueError(f"{PDL_ENV_VAR} must be 0 (off) or 1 (on where the GPU supports it), got {setting!r}")
     if setting == "0" or device.type != "cuda" or triton_interpreted():
         return False
-    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+    return _pdl_supported(_index(device))
 
 
 def programmatic_launch_options(device: torch.device) -> dict:
@@ -94,25 +94,26 @@ def programmatic_launch_options(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {"PDL": False}
 
 
-_PDL_SUPPORT: dict[int, bool] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _pdl_supported(index: int) -> bool:
-    if index not in _PDL_SUPPORT:
-        try:
-            from triton.backends.nvidia.compiler import CUDAOptions
-            triton_can = "launch_pdl" in CUDAOptions.__dataclass_fields__
-        except ImportError:
-            triton_can = False
-        _PDL_SUPPORT[index] = triton_can and _capability(index)[0] >= 9
-    return _PDL_SUPPORT[index]
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        triton_can = "launch_pdl" in CUDAOptions.__dataclass_fields__
+    except ImportError:
+        triton_can = False
+    return triton_can and _capability(index)[0] >= 9
 
 
 def is_hopper(device: torch.device) -> bool:
     """True for a CUDA device of compute capability 9.x (H100, H200), whose kernels may use wgmma and TMA."""
     if device.type != "cuda":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+    return _capability(_index(device))[0] == 9
+
+
+def _index(device: torch.device) -> int:
+    """A CUDA device's index ("cuda" alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)

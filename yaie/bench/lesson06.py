@@ -28,6 +28,7 @@ import os
 import torch
 
 from yaie.bench.harness import Row, bench_ms, rel_err
+from yaie.device import is_hopper
 from yaie.switch import module
 
 LESSON = "lesson06"
@@ -126,7 +127,7 @@ def _best_configs(fa) -> str:
 
 def _hopper_module(fa):
     """The Hopper variant of the reference, when the reference runs and the GPU is a Hopper; else None."""
-    if not fa.__name__.startswith("solutions.") or torch.cuda.get_device_capability()[0] != 9:
+    if not fa.__name__.startswith("solutions.") or not is_hopper(torch.device("cuda")):
         return None
     from solutions.kernels import flash_attention_hopper
 
