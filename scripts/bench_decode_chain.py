@@ -79,6 +79,10 @@ VARIANTS = {
     "attention in 8 splits, 2 warps": dict(engine=True, attention=dict(splits=8, num_warps=2)),
     "attention, tiles of 32": dict(engine=True, attention=dict(splits=1, TILE_N=32)),
     "attention in 4 splits, tiles of 32": dict(engine=True, attention=dict(splits=4, TILE_N=32)),
+    "attention, tiles of 128": dict(engine=True, attention=dict(splits=1, TILE_N=128, num_stages=2)),
+    "attention, tiles of 256": dict(engine=True, attention=dict(splits=1, TILE_N=256, num_stages=1)),
+    "attention, tiles of 256, 8 warps": dict(engine=True, attention=dict(splits=1, TILE_N=256, num_stages=1,
+                                                                            num_warps=8)),
     "one product": dict(engine=True, one_product=True),
 }
 
@@ -96,6 +100,9 @@ BATCH_VARIANTS = {
     "attention, 8 warps": dict(attention=dict(splits=1, num_warps=8)),
     "attention, 2 stages": dict(attention=dict(splits=1, num_stages=2)),
     "attention in 2 splits": dict(attention=dict(splits=2)),
+    "attention, tiles of 128": dict(attention=dict(splits=1, TILE_N=128, num_stages=2)),
+    "attention, tiles of 256": dict(attention=dict(splits=1, TILE_N=256, num_stages=1)),
+    "attention, tiles of 256, 8 warps": dict(attention=dict(splits=1, TILE_N=256, num_stages=1, num_warps=8)),
 }
 
 
