@@ -202,6 +202,23 @@ def test_the_scratch_allocator_is_set_in_the_launching_thread():
     assert seen == [triton_scratch]
 
 
+def test_the_copy_engine_check_names_what_it_cannot_address():
+    """yaie.device.tma_addressable, which lessons 06 and 08's Hopper kernels ask before they take their fast path."""
+    from yaie.device import tma_addressable
+
+    t = torch.randn(2, 3, 8, 64).to(torch.bfloat16)
+    assert tma_addressable(t) and tma_addressable(t, 2)
+    assert not tma_addressable(t.transpose(-1, -2))              # the last dim not contiguous
+    assert not tma_addressable(t[..., 1:])                       # the base 2 bytes past an aligned one
+    odd = torch.randn(2, 3, 8, 68).to(torch.bfloat16)[..., :62]  # rows 136 bytes apart: not a multiple of 16
+    assert not tma_addressable(odd) and not tma_addressable(odd, 1)
+    rows_ok = torch.randn(3, 8, 64).to(torch.bfloat16)[1:]       # 2 x 8 x 64 at an aligned offset
+    assert tma_addressable(rows_ok, 1)
+    # Only the named strides count: a batch stride that breaks the rule is ignored with row_dims=1.
+    padded = torch.randn(2 * 8 * 64 + 1, dtype=torch.bfloat16).as_strided((2, 8, 64), (8 * 64 + 1, 64, 1))
+    assert tma_addressable(padded, 1) and not tma_addressable(padded)
+
+
 def test_configurations_parse():
     assert fast.parse_config("128,64,8,3") == (128, 64, 8, 3, False, False, False)
     assert fast.parse_config("128,128,8,3,1") == (128, 128, 8, 3, True, False, False)

@@ -121,6 +121,14 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def tma_addressable(t: torch.Tensor, row_dims: int | None = None) -> bool:
+    """Whether Hopper's copy engine (TMA) can address ``t``: a 16-byte aligned base, a contiguous last dim, and
+    16-byte multiples for the ``row_dims`` strides before it (``None``: every stride but the last)."""
+    size = t.element_size()
+    strides = t.stride()[:-1] if row_dims is None else t.stride()[-1 - row_dims:-1]
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
+
+
 def triton_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Triton's allocator for a launch's global scratch (:func:`use_triton_scratch`): a torch buffer."""
     return torch.empty(size, device="cuda", dtype=torch.int8)

@@ -977,8 +977,9 @@ def _launch_segmented(q, k, v, out, segment_len: int = DEFAULT_SEGMENT, return_s
         hopper = hopper_reason is None
     elif hopper and hopper_reason is not None:
         raise ValueError(f"the Hopper state kernel does not take these inputs: {hopper_reason}")
-    fused = state_warps == num_warps if fuse is None else fuse and state_warps == num_warps
-    fused = fused and not hopper
+    # The Triton state programs share the first segment's launch when they take its warps (and fuse allows);
+    # with the Hopper state kernel every query block waits for the second launch.
+    fused = (fuse is None or fuse) and state_warps == num_warps and not hopper
     state_split = state_split and state_block_v >= 32
     if with_states and hopper:
         based_hopper.launch_checked(k, v, prefix_kv, prefix_k, state.kv, state.k, segment_len)

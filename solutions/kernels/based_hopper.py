@@ -63,7 +63,7 @@ try:
 except ImportError:          # an older Triton: the route keeps its Triton state kernel
     GLUON = False
 
-from yaie.device import is_hopper, triton_interpreted, use_triton_scratch
+from yaie.device import is_hopper, tma_addressable, triton_interpreted, use_triton_scratch
 
 BLOCK_T = 128                # tokens a step
 VALUE_DIMS = (32, 64)        # the order-2 accumulator is [128, d_v] float32 in registers: 64 at most
@@ -82,15 +82,9 @@ def fast_path_reason(k: torch.Tensor, v: torch.Tensor, segment_len: int) -> str 
         return f"value dim {v.shape[-1]} (takes {VALUE_DIMS})"
     if segment_len % BLOCK_T:
         return f"segments of {segment_len} tokens (takes multiples of {BLOCK_T})"
-    if not (_addressable(k) and _addressable(v)):
+    if not (tma_addressable(k) and tma_addressable(v)):
         return "strides the copy engine cannot address"
     return None
-
-
-def _addressable(t: torch.Tensor) -> bool:
-    """The copy engine needs a 16-byte aligned base and 16-byte multiples for every stride but the last (1)."""
-    size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
 
 
 if GLUON:

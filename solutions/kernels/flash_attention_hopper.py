@@ -52,19 +52,12 @@ import triton
 import triton.language as tl
 
 from solutions.kernels import flash_attention as reference
-from yaie.device import is_hopper, triton_interpreted, use_triton_scratch
+from yaie.device import is_hopper, tma_addressable, triton_interpreted, use_triton_scratch
 
 LOG2E = reference.LOG2E
 FAST_DTYPES = (torch.float16, torch.bfloat16)
 FAST_HEAD_DIMS = (16, 32, 64, 128)
 DQ_MODES = ("kernel", "atomic")
-
-
-def _aligned(t: torch.Tensor, row_dims: int) -> bool:
-    """The copy engine needs a 16-byte aligned base and 16-byte multiples for every stride but the last."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all((s * size) % 16 == 0 for s in t.stride()[-1 - row_dims:-1]))
 
 
 def fast_path_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "dense",
@@ -79,7 +72,7 @@ def fast_path_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if not triton_interpreted() and not is_hopper(q.device):
         return "not a Hopper GPU (compute capability 9)"
     rank = 3 if layout == "dense" else 2
-    if not all(_aligned(t, rank) for t in (q, k, v, *more)):
+    if not all(tma_addressable(t, rank) for t in (q, k, v, *more)):
         return "strides or base addresses not 16-byte aligned"
     return None
 
