@@ -15,6 +15,12 @@ import torch
 
 from solutions.kernels import based as ref
 from tests.helpers import ROOT
+from yaie.device import triton_interpreted
+
+# Tests that launch the kernels on CPU tensors, in Triton's interpreter. On a GPU machine the interpreter is off
+# for the whole process (yaie.device.prepare_triton): there the gpu-marked tests check the same kernels on CUDA.
+INTERPRETED = pytest.mark.skipif(not triton_interpreted(),
+                                 reason="launches the kernels on CPU tensors, in the Triton interpreter")
 
 
 def _qkv(seq: int, value_dim: int = 32, heads: int = 2, dtype=torch.float32, seed: int = 0):
@@ -37,6 +43,7 @@ def test_chunked_pytorch_algorithm_equals_the_quadratic_form(chunk):
     torch.testing.assert_close(state.kv.double(), phi_k.transpose(-1, -2) @ v.double(), atol=1e-4, rtol=1e-6)
 
 
+@INTERPRETED
 @pytest.mark.parametrize("chunk", [16, 32, 64, 128, None])
 def test_every_chunk_size_gives_the_same_answer(chunk):
     q, k, v = _qkv(150, seed=chunk or 0)
@@ -45,6 +52,7 @@ def test_every_chunk_size_gives_the_same_answer(chunk):
     torch.testing.assert_close(state.k.double(), ref.taylor_feature_map(k.double()).sum(-2), atol=1e-3, rtol=1e-5)
 
 
+@INTERPRETED
 def test_second_kernel_design_order2_state_in_memory():
     """The "rows" kernel (order-2 state kept in the output state, 16 rows at a time) gives the same answer."""
     q, k, v = _qkv(40, value_dim=64)
@@ -57,6 +65,7 @@ def test_second_kernel_design_order2_state_in_memory():
     torch.testing.assert_close(kv.double(), phi_k.transpose(-1, -2) @ v.double(), atol=1e-3, rtol=1e-4)
 
 
+@INTERPRETED
 @pytest.mark.parametrize("seq,value_dim,segment,block_m,dtype,groups,p16,state_warps", [
     (1, 64, 128, 64, torch.float32, 8, None, 4), (129, 64, 128, 64, torch.float32, 4, None, 2),
     (300, 32, 64, 64, torch.float32, 16, None, 4), (300, 128, 128, 64, torch.float16, 8, None, 4),
@@ -85,6 +94,7 @@ def test_segmented_route_equals_the_quadratic_form(seq, value_dim, segment, bloc
     torch.testing.assert_close(again, out, atol=0, rtol=0)
 
 
+@INTERPRETED
 @pytest.mark.parametrize("value_dim,groups,fuse,state_block_v", [(64, 8, True, None), (40, 4, False, None),
                                                                 (96, 8, True, 64), (16, 4, True, None)])
 def test_split_state_products_give_the_same_route(value_dim, groups, fuse, state_block_v):
@@ -101,6 +111,7 @@ def test_split_state_products_give_the_same_route(value_dim, groups, fuse, state
     torch.testing.assert_close(state.k.double(), phi_k.sum(-2), atol=1e-4, rtol=1e-6)
 
 
+@INTERPRETED
 @pytest.mark.parametrize("groups,block_t", [(8, 32), (4, 64), (16, 16), (1, 32)])
 def test_boundary_state_kernel_writes_every_prefix(groups, block_t):
     """Step 1 of the default route: the state after each segment but the last (phi(K)^T V and sum phi(K)
@@ -123,6 +134,7 @@ def test_boundary_state_kernel_writes_every_prefix(groups, block_t):
         ref._launch_prefix_state(k, v, prefix_kv, prefix_k, final.kv, final.k, 96, 4, 64)
 
 
+@INTERPRETED
 def test_default_route_is_the_segmented_one(monkeypatch):
     """chunk_size=None: the segmented route at DEFAULT_SEGMENT; the same answers as the chunked kernel."""
     q, k, v = _qkv(140, value_dim=32, seed=3)
@@ -158,6 +170,7 @@ def test_segmented_route_bfloat16_gpu(seq, segment, value_dim, groups):
                                atol=1e-2 * seq ** 0.5, rtol=2e-2)
 
 
+@INTERPRETED
 def test_prefill_reads_nothing_past_the_sequence():
     """Inputs that are the first rows of longer NaN-padded buffers: a read past the end would show as NaN."""
     q, k, v = _qkv(21, value_dim=48)
@@ -188,6 +201,7 @@ def _decode_case(heads: int, value_dim: int, dtype, steps: int, seed: int, prefi
     return q, k, v, state
 
 
+@INTERPRETED
 @pytest.mark.parametrize("heads,value_dim,dtype", [(2, 16, torch.float32), (4, 64, torch.float16),
                                                    (3, 100, torch.float32), (2, 64, torch.bfloat16)])
 def test_fused_decode_equals_the_float64_reference(heads, value_dim, dtype):
@@ -207,6 +221,7 @@ def test_fused_decode_equals_the_float64_reference(heads, value_dim, dtype):
     assert (state.kv.data_ptr(), state.k.data_ptr()) == pointers
 
 
+@INTERPRETED
 def test_fused_decode_reads_views_as_the_engine_passes_them():
     """q, k, v split from one projection row per sequence (strided views) and a state that is the leading
     rows of a larger one: the kernel equals the PyTorch step, and the rows past the batch stay untouched."""
@@ -226,6 +241,7 @@ def test_fused_decode_reads_views_as_the_engine_passes_them():
     assert torch.equal(rows.kv[2], naive.kv[2]) and torch.equal(rows.k[2], naive.k[2])
 
 
+@INTERPRETED
 def test_decode_step_runs_the_kernel_and_bad_input_leaves_the_state_untouched(monkeypatch):
     """based_decode_step on the kernel's route (CUDA's, here in the interpreter): one launch for a good step;
     a bad call raises ValueError before anything is written."""
